@@ -1,0 +1,206 @@
+"""`LMCacheEngine`: store, retrieve, look up and prefetch KV by token prefix.
+
+Store: tokens -> chunk keys -> skip chunks already cached -> a buffer per new chunk from the CPU
+arena (evicting if needed; if nothing can be freed, store fewer chunks) -> the connector copies
+the engine's KV in -> the storage manager keeps it (hot tier now, lower tiers asynchronously).
+Retrieve: tokens -> keys -> for each chunk in order, the first tier that has it (promoting to
+hot); the first miss ends the prefix -> the connector copies KV into the engine -> a CPU bool mask
+of the tokens retrieved.
+
+`error_handling`: with True, an unexpected error inside store/retrieve is logged and counted and
+the call returns as a miss (retrieve returns what was loaded before the error); with False it
+propagates. Bad input (mask shape, search_range names) always raises ValueError.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.gpu_connector import GPUConnectorInterface
+from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MixedMemoryAllocator
+from lmcache.observability import EngineStats
+from lmcache.storage_backend.storage_manager import StorageManager
+from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
+from lmcache.utils import CacheEngineKey
+
+logger = logging.getLogger(__name__)
+
+LOCAL_TIERS = ("Hot", "LocalDiskBackend")
+
+
+class LMCacheEngine:
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata,
+        memory_allocator: MemoryAllocatorInterface,
+        token_database: TokenDatabase,
+        gpu_connector: GPUConnectorInterface,
+    ) -> None:
+        if metadata.kv_shape[2] != config.chunk_size:
+            raise ValueError(f"metadata.kv_shape chunk size {metadata.kv_shape[2]} differs from "
+                             f"config.chunk_size={config.chunk_size}")
+        if config.enable_p2p:
+            raise ValueError("enable_p2p=True: peer-to-peer KV sharing is not available in this "
+                             "version of lmcache; set enable_p2p=False")
+        self.config = config
+        self.metadata = metadata
+        self.memory_allocator = memory_allocator
+        self.token_database = token_database
+        self.gpu_connector = gpu_connector
+        self.storage_manager = StorageManager(config, metadata, memory_allocator)
+        self.stats = EngineStats()
+        self._closed = False
+        self._full_warned = False
+
+    # ---- store ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def store(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
+              extra_key: str | None = None, **kwargs: Any) -> None:
+        """Store the KV of `tokens` (where `mask` is True) that is not cached yet. `kwargs` go to
+        the connector (e.g. ``kvcaches``, ``slot_mapping``). Raises ValueError for a bad mask."""
+        chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
+        self.stats.add("store_requests")
+        try:
+            self._store_chunks(chunks, kwargs)
+        except Exception:
+            if not self.config.error_handling:
+                raise
+            self.stats.add("errors")
+            logger.exception("store failed; the KV of this request is not cached")
+
+    def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> None:
+        sm = self.storage_manager
+        dtype = self.metadata.kv_dtype
+        for start, end, key in chunks:
+            if sm.contains(key, LOCAL_TIERS):
+                self.stats.add("store_skipped_tokens", end - start)
+                continue
+            obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
+            if obj is None:
+                self.stats.add("store_dropped_tokens", chunks[-1][1] - start)
+                if not self._full_warned:
+                    self._full_warned = True
+                    logger.warning("CPU cache arena is full of KV in use; storing fewer chunks")
+                return
+            try:
+                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
+                sm.put(key, obj)
+            finally:
+                obj.ref_count_down()
+            self.stats.add("stored_tokens", end - start)
+
+    # ---- retrieve -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def retrieve(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
+                 extra_key: str | None = None, **kwargs: Any) -> torch.Tensor:
+        """Load the longest cached prefix of `tokens` (from the first True of `mask`) into the
+        engine; return a CPU bool mask of the tokens retrieved."""
+        chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
+        ret_mask = torch.zeros(tokens.shape[0], dtype=torch.bool)
+        self.stats.add("retrieve_requests")
+        self.stats.add("retrieve_requested_tokens", sum(e - s for s, e, _ in chunks))
+        try:
+            for start, end, key in chunks:
+                obj = self.storage_manager.get(key)
+                if obj is None:
+                    break
+                try:
+                    self.gpu_connector.to_gpu(obj, start, end, **kwargs)
+                finally:
+                    obj.ref_count_down()
+                ret_mask[start:end] = True
+                self.stats.add("retrieve_hit_tokens", end - start)
+        except Exception:
+            if not self.config.error_handling:
+                raise
+            self.stats.add("errors")
+            logger.exception("retrieve failed; the rest of the prefix will be recomputed")
+        return ret_mask
+
+    # ---- lookup / prefetch ----------------------------------------------------------------------
+
+    def lookup(self, tokens: torch.Tensor, search_range: list[str] | None = None, *,
+               extra_key: str | None = None) -> int:
+        """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
+        (a subset of "Hot", "LocalDiskBackend", "RemoteBackend"; None = all)."""
+        StorageManager.check_search_range(search_range)
+        hit = 0
+        for _, end, key in self.token_database.process_tokens(tokens, extra_key=extra_key):
+            if not self.storage_manager.contains(key, search_range):
+                break
+            hit = end
+        self.stats.add("lookup_requests")
+        self.stats.add("lookup_hit_tokens", hit)
+        return hit
+
+    def prefetch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
+                 extra_key: str | None = None) -> None:
+        """Start loading the cached prefix of `tokens` from lower tiers into the hot tier."""
+        for _, _, key in self.token_database.process_tokens(tokens, mask, extra_key=extra_key):
+            if not self.storage_manager.prefetch(key):
+                break
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.storage_manager.close()
+            self.memory_allocator.close()
+
+
+class LMCacheEngineBuilder:
+    """Process-wide registry of named engines."""
+
+    _lock = threading.Lock()
+    _instances: dict[str, LMCacheEngine] = {}
+    _specs: dict[str, tuple[LMCacheEngineConfig, LMCacheEngineMetadata]] = {}
+
+    @classmethod
+    def get_or_create(cls, instance_id: str, config: LMCacheEngineConfig,
+                      metadata: LMCacheEngineMetadata,
+                      gpu_connector: GPUConnectorInterface) -> LMCacheEngine:
+        """The engine named `instance_id`, built on first use. Raises ValueError if it exists
+        with a different config or metadata."""
+        with cls._lock:
+            if instance_id in cls._instances:
+                if cls._specs[instance_id] != (config, metadata):
+                    raise ValueError(f"LMCache engine {instance_id!r} already exists with a "
+                                     "different configuration")
+                return cls._instances[instance_id]
+            engine = LMCacheEngine(config, metadata, _make_allocator(config),
+                                   ChunkedTokenDatabase(config, metadata), gpu_connector)
+            cls._instances[instance_id] = engine
+            cls._specs[instance_id] = (config, metadata)
+            return engine
+
+    @classmethod
+    def get(cls, instance_id: str) -> LMCacheEngine | None:
+        return cls._instances.get(instance_id)
+
+    @classmethod
+    def destroy(cls, instance_id: str) -> None:
+        with cls._lock:
+            engine = cls._instances.pop(instance_id, None)
+            cls._specs.pop(instance_id, None)
+        if engine is not None:
+            engine.close()
+
+    @classmethod
+    def instance_ids(cls) -> Iterable[str]:
+        return list(cls._instances)
+
+
+def _make_allocator(config: LMCacheEngineConfig) -> MemoryAllocatorInterface:
+    size = config.max_local_cpu_bytes
+    if size <= 0:
+        raise ValueError(f"max_local_cpu_size={config.max_local_cpu_size} GB: the CPU arena stages "
+                         "every chunk (also without the hot tier) and must be > 0")
+    return MixedMemoryAllocator(size)

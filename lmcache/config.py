@@ -1,0 +1,316 @@
+"""Engine configuration and metadata.
+
+`LMCacheEngineConfig` holds seed 000's fields (plus a few documented extras) and validates itself.
+Sources, lowest to highest precedence: defaults < YAML file named by ``LMCACHE_CONFIG_FILE`` <
+``LMCACHE_<FIELD>`` environment variables < explicit overrides (e.g. vLLM's
+``kv_connector_extra_config``); `LMCacheEngineConfig.load` applies them in that order.
+Sizes in GB mean 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import yaml
+
+logger = logging.getLogger(__name__)
+
+GB = 1 << 30
+REMOTE_SCHEMES = ("lm", "redis", "rediss", "valkey", "valkeys", "redis-sentinel", "redis-cluster")
+SERDES = ("naive", "torch", "safe", "fast", "cachegen")
+CACHE_POLICIES = ("LRU", "LFU", "FIFO")
+ENV_PREFIX = "LMCACHE_"
+# LMCACHE_* variables that are not config fields but are read elsewhere; never warned about.
+KNOWN_NON_FIELD_ENV = frozenset(
+    {"LMCACHE_CONFIG_FILE", "LMCACHE_LOG_LEVEL", "LMCACHE_AUTH_TOKEN", "LMCACHE_MODEL_DIR",
+     "LMCACHE_NATIVE", "LMCACHE_NATIVE_CACHE_DIR", "LMCACHE_USE_EXPERIMENTAL"}
+)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass
+class LMCacheEngineConfig:
+    """Seed 000's config. Extras beyond the seed: `cache_policy` (hot-tier eviction order),
+    `blend_check_layers` (CacheBlend's token-selection layers), `blend_special_str` (the text
+    separating blended segments) and `remote_timeout` (seconds per remote operation)."""
+
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    remote_url: str | None = None
+    remote_serde: str | None = "naive"
+    save_decode_cache: bool = False
+    enable_blending: bool = False
+    blend_recompute_ratio: float = 0.15
+    blend_min_tokens: int = 256
+    enable_p2p: bool = False
+    lookup_url: str | None = None
+    distributed_url: str | None = None
+    error_handling: bool = False
+    cache_policy: str = "LRU"
+    blend_check_layers: list[int] = field(default_factory=lambda: [1])
+    blend_special_str: str = " # # "
+    remote_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
+        if isinstance(self.local_disk, str) and self.local_disk.startswith("file://"):
+            self.local_disk = self.local_disk[len("file://") :]
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.chunk_size > 0, "chunk_size", self.chunk_size, "must be > 0")
+        for name in ("max_local_cpu_size", "max_local_disk_size"):
+            _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        _check(self.local_disk != "", "local_disk", self.local_disk, "must be a path or None")
+        if self.remote_url is not None:
+            scheme = self.remote_url.split("://", 1)[0] if "://" in self.remote_url else ""
+            _check(scheme in REMOTE_SCHEMES, "remote_url", self.remote_url,
+                   f"scheme must be one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
+        _check(self.remote_serde is None or self.remote_serde in SERDES, "remote_serde",
+               self.remote_serde, f"must be one of {SERDES}")
+        _check(0.0 <= self.blend_recompute_ratio <= 1.0, "blend_recompute_ratio",
+               self.blend_recompute_ratio, "must be in [0, 1]")
+        _check(self.blend_min_tokens >= 0, "blend_min_tokens", self.blend_min_tokens, "must be >= 0")
+        _check(len(self.blend_check_layers) > 0 and min(self.blend_check_layers) >= 0,
+               "blend_check_layers", self.blend_check_layers, "must be non-empty layer ids >= 0")
+        _check(self.cache_policy in CACHE_POLICIES, "cache_policy", self.cache_policy,
+               f"must be one of {CACHE_POLICIES}")
+        _check(self.remote_timeout > 0, "remote_timeout", self.remote_timeout, "must be > 0")
+        for name in ("lookup_url", "distributed_url"):
+            url = getattr(self, name)
+            if url is not None:
+                host, _, port = url.rpartition(":")
+                _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, name, url,
+                       "must be 'host:port'")
+        if self.enable_p2p:
+            _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
+                   True, "needs lookup_url and distributed_url")
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GB)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * GB)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @staticmethod
+    def from_defaults(**kwargs: Any) -> LMCacheEngineConfig:
+        unknown = set(kwargs) - set(_field_types())
+        if unknown:
+            raise ValueError(f"unknown config field(s): {sorted(unknown)}")
+        return LMCacheEngineConfig(**kwargs)
+
+    @staticmethod
+    def from_env() -> LMCacheEngineConfig:
+        """Defaults overwritten by ``LMCACHE_<FIELD>`` variables (typed parsing)."""
+        return LMCacheEngineConfig.from_defaults(**_env_values())
+
+    @staticmethod
+    def from_file(file_path: str) -> LMCacheEngineConfig:
+        return LMCacheEngineConfig.from_defaults(**_file_values(file_path))
+
+    @staticmethod
+    def from_legacy(
+        chunk_size: int = 256,
+        backend: str = "cpu",
+        remote_url: str | None = None,
+        remote_serde: str = "naive",
+        save_decode_cache: bool = False,
+        enable_blending: bool = False,
+        blend_recompute_ratio: float = 0.15,
+        blend_min_tokens: int = 256,
+        max_local_disk_size: float = 0.0,
+        enable_p2p: bool = False,
+        lookup_url: str | None = None,
+        distributed_url: str | None = None,
+        error_handling: bool = False,
+        local_device: str | None = None,
+        max_local_cache_size: float | None = None,
+    ) -> LMCacheEngineConfig:
+        """Seed 002's names. `backend` (or `local_device`): "cpu"/"cuda" -> hot tier,
+        "file://PATH" (or a bare path for `local_device`) -> disk tier, a remote URL -> remote
+        tier. `max_local_cache_size` (GB) sizes the tier that `local_device` names."""
+        kw: dict[str, Any] = {}
+        device = local_device if local_device is not None else backend
+        if device in ("cpu", "cuda"):
+            kw["local_cpu"] = True
+            if max_local_cache_size is not None:
+                kw["max_local_cpu_size"] = max_local_cache_size
+        elif "://" in device and not device.startswith("file://"):
+            kw["remote_url"] = device
+        else:
+            kw["local_disk"] = device
+            kw["max_local_disk_size"] = (
+                max_local_cache_size if max_local_cache_size is not None else max_local_disk_size
+            )
+        if remote_url is not None:
+            kw.setdefault("remote_url", remote_url)
+        kw.setdefault("max_local_disk_size", max_local_disk_size)
+        return LMCacheEngineConfig.from_defaults(
+            chunk_size=chunk_size, remote_serde=remote_serde, save_decode_cache=save_decode_cache,
+            enable_blending=enable_blending, blend_recompute_ratio=blend_recompute_ratio,
+            blend_min_tokens=blend_min_tokens, enable_p2p=enable_p2p, lookup_url=lookup_url,
+            distributed_url=distributed_url, error_handling=error_handling, **kw,
+        )
+
+    @staticmethod
+    def load(overrides: Mapping[str, Any] | None = None) -> LMCacheEngineConfig:
+        """Defaults < ``LMCACHE_CONFIG_FILE`` < ``LMCACHE_*`` env < `overrides`."""
+        values: dict[str, Any] = {}
+        path = os.environ.get("LMCACHE_CONFIG_FILE")
+        if path:
+            values.update(_file_values(path))
+        values.update(_env_values())
+        values.update(overrides or {})
+        return LMCacheEngineConfig.from_defaults(**values)
+
+
+@dataclass
+class LMCacheEngineMetadata:
+    """What identifies whose KV this is. `kv_shape` = (num_layers, 2, chunk_size, num_kv_heads,
+    head_size) of a full chunk. `fmt` names the serving engine ("vllm", "huggingface"); the memory
+    layout the connector stores is `layout` ("kv_blob" is the canonical one every engine shares).
+    `model_fingerprint` distinguishes checkpoints that share a name (e.g. a hash of the weights)."""
+
+    model_name: str
+    world_size: int
+    worker_id: int
+    fmt: str
+    kv_dtype: torch.dtype
+    kv_shape: tuple[int, int, int, int, int]
+    layout: str = "kv_blob"
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        self.kv_shape = tuple(int(x) for x in self.kv_shape)  # type: ignore[assignment]
+        _check(len(self.kv_shape) == 5 and self.kv_shape[1] == 2 and min(self.kv_shape) > 0,
+               "kv_shape", self.kv_shape, "must be (num_layers, 2, chunk_size, num_kv_heads, head_size)")
+        _check(0 <= self.worker_id < self.world_size, "worker_id", self.worker_id,
+               f"must be in [0, world_size={self.world_size})")
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_shape[0]
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.kv_shape[3] * self.kv_shape[4]
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _check(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid config value {name}={value!r}: {why}")
+
+
+_TYPES: dict[str, Any] = {}
+
+
+def _field_types() -> dict[str, Any]:
+    if not _TYPES:
+        hints = typing.get_type_hints(LMCacheEngineConfig)
+        _TYPES.update({f.name: hints[f.name] for f in dataclasses.fields(LMCacheEngineConfig)})
+    return _TYPES
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Convert `value` (possibly a string from env/YAML) to the field type, or raise ValueError."""
+    args = typing.get_args(typ)
+    optional = isinstance(typ, types.UnionType) and type(None) in args
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typing.get_origin(typ) is list:
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"invalid config value {name}={value!r}: expected a list")
+        (elem,) = typing.get_args(typ)
+        return [_coerce(name, v, elem) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"invalid config value {name}={value!r}: expected a bool")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"invalid config value {name}={value!r}: expected an int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"invalid config value {name}={value!r}: expected an int")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"invalid config value {name}={value!r}: expected a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"invalid config value {name}={value!r}: expected a string")
+    raise TypeError(f"unsupported config field type {typ!r} for {name}")
+
+
+def _env_values() -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    fields = _field_types()
+    for var, raw in os.environ.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name in fields:
+            values[name] = raw
+        elif var not in KNOWN_NON_FIELD_ENV:
+            logger.warning("ignoring unknown environment variable %s (no config field %r)", var, name)
+    return values
+
+
+def _file_values(file_path: str) -> dict[str, Any]:
+    try:
+        with open(file_path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read LMCache config file {file_path!r}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"LMCache config file {file_path!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"LMCache config file {file_path!r} must hold a mapping, got {type(data).__name__}")
+    unknown = set(data) - set(_field_types())
+    if unknown:
+        raise ValueError(f"LMCache config file {file_path!r} has unknown field(s): {sorted(unknown)}")
+    return dict(data)

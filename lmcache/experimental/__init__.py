@@ -1,0 +1,1 @@
+"""The seed documents' module paths (`lmcache.experimental.*`), aliases of the real modules."""

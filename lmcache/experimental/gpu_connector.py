@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.gpu_connector`."""
+
+from lmcache.gpu_connector import *  # noqa: F403

@@ -1,0 +1,250 @@
+"""GPU connectors: copy KV between a serving engine's cache and `KV_BLOB` memory objects.
+
+A `KV_BLOB` object holds ``[2, num_layers, num_tokens, hidden_dim]`` (K then V, token-major).
+`from_gpu(obj, start, end, **kw)` fills the object with tokens ``[start, end)`` of the engine's
+cache; `to_gpu` writes them back. "GPU" is the seed's name: every connector is device-agnostic and
+works on CPU tensors too.
+
+- `VLLMNestedTupleGPUConnector`: ``kvcaches`` = per-layer ``(K, V)``, each ``[num_tokens, ...]``
+  (token dimension 0, e.g. ``[num_tokens, hidden]`` or ``[num_tokens, num_heads, head_size]``).
+- `VLLMPagedMemGPUConnector`: ``kvcaches`` = per-layer ``(K, V)``, each ``[num_blocks,
+  block_size, num_heads, head_size]``; ``slot_mapping`` = slot of every token of the whole
+  sequence (slot = block_id * block_size + offset).
+- `VLLMPagedMemGPUConnectorV2`: the same, and also vLLM v1's per-layer ``[2, num_blocks,
+  block_size, num_heads, head_size]`` tensors; the slot mapping may start with -1 for a prefix the
+  engine already has, and ``[start, end)`` must not overlap that prefix.
+
+On CPU the paged copies go through a native kernel that moves each run of consecutive slots with
+one memcpy (`lmcache.native`); elsewhere, or without a compiler, through torch indexing ops.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmcache import native
+from lmcache.memory_management import MemoryFormat, MemoryObj
+
+_GATHER, _SCATTER = 0, 1
+
+
+class GPUConnectorInterface(abc.ABC):
+    @abc.abstractmethod
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy tokens [start, end) of the engine's KV cache into `memory_obj`."""
+
+    @abc.abstractmethod
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Copy `memory_obj` into tokens [start, end) of the engine's KV cache."""
+
+    @abc.abstractmethod
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        """Shape of the memory object holding `num_tokens` tokens."""
+
+
+class _KVBlobConnector(GPUConnectorInterface):
+    def __init__(self, hidden_dim_size: int, num_layers: int) -> None:
+        if hidden_dim_size <= 0 or num_layers <= 0:
+            raise ValueError(f"hidden_dim_size={hidden_dim_size} and num_layers={num_layers} must be > 0")
+        self.hidden_dim_size = hidden_dim_size
+        self.num_layers = num_layers
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
+
+    def _blob(self, memory_obj: MemoryObj, start: int, end: int, *, set_fmt: bool) -> torch.Tensor:
+        """The object's tensor, checked to be a [2, L, end - start, hidden] KV blob."""
+        tensor = memory_obj.tensor
+        assert tensor is not None, "memory object has no tensor"
+        if set_fmt and memory_obj.get_memory_format() == MemoryFormat.UNDEFINED:
+            memory_obj.metadata.fmt = MemoryFormat.KV_BLOB
+        if memory_obj.get_memory_format() != MemoryFormat.KV_BLOB:
+            raise ValueError(f"memory object format is {memory_obj.get_memory_format()}, expected KV_BLOB")
+        if not 0 <= start < end:
+            raise ValueError(f"invalid token range [{start}, {end})")
+        if tuple(tensor.shape) != tuple(self.get_shape(end - start)):
+            raise ValueError(f"memory object shape {tuple(tensor.shape)} does not hold tokens "
+                             f"[{start}, {end}); expected {tuple(self.get_shape(end - start))}")
+        return tensor
+
+
+def _kvcaches(kwargs: dict[str, Any]) -> Any:
+    if "kvcaches" not in kwargs:
+        raise ValueError("'kvcaches' should be provided in kwargs")
+    return kwargs["kvcaches"]
+
+
+def _slot_mapping(kwargs: dict[str, Any]) -> torch.Tensor:
+    if "slot_mapping" not in kwargs:
+        raise ValueError("'slot_mapping' should be provided in kwargs")
+    return kwargs["slot_mapping"]
+
+
+class VLLMNestedTupleGPUConnector(_KVBlobConnector):
+    """Per-layer ``(K, V)`` tensors with the token dimension first, covering the whole sequence."""
+
+    def _layers(self, kvcaches: Sequence[Sequence[torch.Tensor]], start: int, end: int,
+                dtype: torch.dtype) -> list[torch.Tensor]:
+        if len(kvcaches) != self.num_layers:
+            raise ValueError(f"kvcaches has {len(kvcaches)} layers, expected {self.num_layers}")
+        views = []
+        for i in (0, 1):
+            for layer in kvcaches:
+                t = layer[i]
+                if t.shape[0] < end or t[0].numel() != self.hidden_dim_size:
+                    raise ValueError(f"KV tensor of shape {tuple(t.shape)} cannot provide tokens "
+                                     f"[{start}, {end}) with hidden size {self.hidden_dim_size}")
+                if t.dtype != dtype:
+                    raise ValueError(f"KV dtype {t.dtype} does not match memory object dtype {dtype}")
+                views.append(t[start:end].reshape(end - start, self.hidden_dim_size))
+        return views
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        blob = self._blob(memory_obj, start, end, set_fmt=True)
+        srcs = self._layers(_kvcaches(kwargs), start, end, blob.dtype)
+        torch._foreach_copy_(list(blob.flatten(0, 1).unbind(0)), srcs)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        blob = self._blob(memory_obj, start, end, set_fmt=False)
+        dsts = self._layers(_kvcaches(kwargs), start, end, blob.dtype)
+        torch._foreach_copy_(dsts, list(blob.flatten(0, 1).unbind(0)))
+
+
+class _PagedSources:
+    """The 2 * num_layers paged tensors (all K, then all V), each viewable as [num_slots, hidden]."""
+
+    def __init__(self, tensors: list[torch.Tensor], hidden: int) -> None:
+        self.tensors = tensors
+        first = tensors[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.num_slots = first.numel() // hidden
+        for t in tensors:
+            if t.numel() != self.num_slots * hidden or t.dtype != self.dtype or t.device != self.device:
+                raise ValueError("paged KV tensors must all have the same size, dtype and device, "
+                                 f"got {tuple(t.shape)} {t.dtype} {t.device}")
+        self.flat = [t.view(self.num_slots, hidden) if t.is_contiguous() else None for t in tensors]
+        self.native_ok = self.device.type == "cpu" and all(f is not None for f in self.flat)
+        self.ptrs = (torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+                     if self.native_ok else None)
+
+
+class VLLMPagedMemGPUConnector(_KVBlobConnector):
+    """Paged per-layer ``(K, V)`` tuples of ``[num_blocks, block_size, num_heads, head_size]``."""
+
+    def __init__(self, hidden_dim_size: int, num_layers: int, *, use_native: bool = True) -> None:
+        super().__init__(hidden_dim_size, num_layers)
+        self._native = native.load() if use_native else None
+        self._sources_cache: tuple[tuple[int, ...], _PagedSources] | None = None
+
+    def _split(self, kvcaches: Any) -> list[torch.Tensor]:
+        """All K tensors then all V tensors."""
+        if len(kvcaches) != self.num_layers:
+            raise ValueError(f"kvcaches has {len(kvcaches)} layers, expected {self.num_layers}")
+        if not all(isinstance(layer, (tuple, list)) and len(layer) == 2 for layer in kvcaches):
+            raise ValueError("kvcaches must be a sequence of per-layer (K, V) tuples")
+        return [layer[0] for layer in kvcaches] + [layer[1] for layer in kvcaches]
+
+    def _sources(self, kvcaches: Any) -> _PagedSources:
+        ident = (id(kvcaches), len(kvcaches), _first_ptr(kvcaches[0]), _first_ptr(kvcaches[-1]))
+        cached = self._sources_cache
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        sources = _PagedSources(self._split(kvcaches), self.hidden_dim_size)
+        self._sources_cache = (ident, sources)
+        return sources
+
+    def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
+        slot_mapping = _slot_mapping(kwargs)
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < end:
+            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} does not cover "
+                             f"tokens [{start}, {end})")
+        return slot_mapping[start:end]
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self._copy(memory_obj, start, end, kwargs, _GATHER)
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self._copy(memory_obj, start, end, kwargs, _SCATTER)
+
+    def _copy(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any],
+              direction: int) -> None:
+        blob = self._blob(memory_obj, start, end, set_fmt=direction == _GATHER)
+        src = self._sources(_kvcaches(kwargs))
+        slots = self._slots(kwargs, start, end)
+        if src.dtype != blob.dtype:
+            raise ValueError(f"KV dtype {src.dtype} does not match memory object dtype {blob.dtype}")
+        if self._native is not None and src.native_ok and blob.device.type == "cpu" and blob.is_contiguous():
+            self._copy_native(src, slots, blob, direction)
+        else:
+            self._copy_torch(src, slots, blob, direction)
+
+    def _copy_native(self, src: _PagedSources, slots: torch.Tensor, blob: torch.Tensor,
+                     direction: int) -> None:
+        assert self._native is not None and src.ptrs is not None
+        slots = slots.to("cpu", torch.int64).contiguous()
+        n = slots.shape[0]
+        row_bytes = self.hidden_dim_size * blob.element_size()
+        rc = self._native.lmc_paged_copy(
+            ctypes.c_void_p(src.ptrs.data_ptr()), len(src.tensors), src.num_slots,
+            ctypes.c_void_p(slots.data_ptr()), n, row_bytes, ctypes.c_void_p(blob.data_ptr()),
+            n * row_bytes, direction, torch.get_num_threads(),
+        )
+        if rc != 0:
+            self._raise_bad_slots(slots, src.num_slots)
+
+    def _copy_torch(self, src: _PagedSources, slots: torch.Tensor, blob: torch.Tensor,
+                    direction: int) -> None:
+        slots = slots.to(src.device, torch.int64)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= src.num_slots):
+            self._raise_bad_slots(slots, src.num_slots)
+        flat = [f if f is not None else t.reshape(src.num_slots, self.hidden_dim_size)
+                for f, t in zip(src.flat, src.tensors, strict=True)]
+        rows = blob.flatten(0, 1)  # [2L, n, hidden]
+        if direction == _GATHER:
+            staging = rows if rows.device == src.device else torch.empty(
+                rows.shape, dtype=rows.dtype, device=src.device)
+            for i, f in enumerate(flat):
+                torch.index_select(f, 0, slots, out=staging[i])
+            if staging is not rows:
+                rows.copy_(staging)
+        else:
+            data = rows.to(src.device, non_blocking=True)
+            for i, f in enumerate(flat):
+                f.index_copy_(0, slots, data[i])
+                if src.flat[i] is None:  # a non-contiguous cache got a reshaped copy: write back
+                    src.tensors[i].copy_(f.view_as(src.tensors[i]))
+
+    @staticmethod
+    def _raise_bad_slots(slots: torch.Tensor, num_slots: int) -> None:
+        bad = slots[(slots < 0) | (slots >= num_slots)]
+        raise ValueError(f"slot_mapping holds {bad.numel()} slot(s) outside [0, {num_slots}) in the "
+                         f"requested range (e.g. {int(bad[0])}); a -1 marks a prefix the engine "
+                         "already has and must not be inside [start, end)")
+
+
+class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
+    """`VLLMPagedMemGPUConnector` that also takes vLLM v1's per-layer ``[2, num_blocks,
+    block_size, num_heads, head_size]`` tensors. `use_gpu` is accepted for the seed's signature;
+    staging happens on the cache's device whenever the cache is not on the CPU."""
+
+    def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(hidden_dim_size, num_layers, use_native=kwargs.pop("use_native", True))
+        self.use_gpu = use_gpu
+
+    def _split(self, kvcaches: Any) -> list[torch.Tensor]:
+        if len(kvcaches) == self.num_layers and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 2 for t in kvcaches
+        ):
+            return [t[0] for t in kvcaches] + [t[1] for t in kvcaches]
+        return super()._split(kvcaches)
+
+
+def _first_ptr(layer: Any) -> int:
+    t = layer if isinstance(layer, torch.Tensor) else layer[0]
+    return int(t.data_ptr())

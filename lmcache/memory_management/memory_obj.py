@@ -1,0 +1,154 @@
+"""Memory objects: a buffer slice (or bytes) plus what it holds, with reference counting.
+
+Ref-count contract: an allocator hands out an object with ref count 1, owned by the caller. Every
+holder that keeps it (a cache tier, an in-flight write) calls `ref_count_up`; every holder that is
+done calls `ref_count_down`; at zero the memory returns to its allocator and the object is invalid.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lmcache.memory_management.tensor_allocator import MemoryAllocatorInterface
+
+
+class MemoryFormat(enum.Enum):
+    UNDEFINED = 0
+    KV_BLOB = 1
+    """[2, num_layers, num_tokens, hidden_dim]: K and V of every layer, token-major."""
+    BINARY = 2
+    """A compressed / serialized byte array held in a tensor buffer."""
+    BINARY_BUFFER = 3
+    """A serialized byte array held in a Python bytes-like buffer."""
+
+
+@dataclass
+class MemoryObjMetadata:
+    shape: torch.Size
+    dtype: torch.dtype | None
+    address: int
+    phy_size: int
+    ref_count: int
+    fmt: MemoryFormat = MemoryFormat.UNDEFINED
+
+
+_ORPHAN_LOCK = threading.Lock()
+
+
+class MemoryObj(abc.ABC):
+    """Interface of everything a cache tier holds."""
+
+    def __init__(self, metadata: MemoryObjMetadata, allocator: MemoryAllocatorInterface | None) -> None:
+        self._metadata = metadata
+        self._allocator = allocator
+        self._lock = allocator.lock if allocator is not None else _ORPHAN_LOCK
+        self.valid = True
+
+    @property
+    def metadata(self) -> MemoryObjMetadata:
+        return self._metadata
+
+    def get_memory_format(self) -> MemoryFormat:
+        return self._metadata.fmt
+
+    def get_shape(self) -> torch.Size:
+        return self._metadata.shape
+
+    def get_dtype(self) -> torch.dtype | None:
+        return self._metadata.dtype
+
+    @abc.abstractmethod
+    def get_size(self) -> int:
+        """Bytes of the logical content (not the aligned physical size)."""
+
+    @property
+    @abc.abstractmethod
+    def tensor(self) -> torch.Tensor | None:
+        """The content as a tensor of `shape`/`dtype` (a view, no copy), or None."""
+
+    @property
+    @abc.abstractmethod
+    def byte_array(self) -> memoryview:
+        """The content as bytes (a view, no copy)."""
+
+    def ref_count_up(self) -> None:
+        with self._lock:
+            if not self.valid:
+                raise RuntimeError("ref_count_up on a freed MemoryObj")
+            self._metadata.ref_count += 1
+
+    def ref_count_down(self) -> None:
+        with self._lock:
+            if self._metadata.ref_count <= 0:
+                raise RuntimeError("ref_count_down below zero")
+            self._metadata.ref_count -= 1
+            release = self._metadata.ref_count == 0
+            if release:
+                self.valid = False
+        if release and self._allocator is not None:
+            self._allocator.free(self)
+
+    def get_ref_count(self) -> int:
+        return self._metadata.ref_count
+
+
+class TensorMemoryObj(MemoryObj):
+    """A slice of an allocator's flat uint8 buffer; `raw_data` is that slice (phy_size bytes)."""
+
+    def __init__(
+        self,
+        raw_data: torch.Tensor,
+        metadata: MemoryObjMetadata,
+        allocator: MemoryAllocatorInterface | None = None,
+    ) -> None:
+        super().__init__(metadata, allocator)
+        self.raw_data = raw_data
+
+    def get_size(self) -> int:
+        md = self._metadata
+        assert md.dtype is not None
+        return md.shape.numel() * md.dtype.itemsize
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        md = self._metadata
+        assert md.dtype is not None
+        return self.raw_data[: self.get_size()].view(md.dtype).view(md.shape)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return self.raw_data[: self.get_size()].cpu().numpy().data
+
+
+class BytesBufferMemoryObj(MemoryObj):
+    """Serialized bytes (format BINARY_BUFFER by default)."""
+
+    def __init__(
+        self,
+        raw_bytes: bytes | bytearray | memoryview,
+        metadata: MemoryObjMetadata | None = None,
+        allocator: MemoryAllocatorInterface | None = None,
+    ) -> None:
+        if metadata is None:
+            metadata = MemoryObjMetadata(torch.Size([len(raw_bytes)]), None, 0, len(raw_bytes), 1,
+                                         MemoryFormat.BINARY_BUFFER)
+        super().__init__(metadata, allocator)
+        self.raw_bytes = raw_bytes
+
+    def get_size(self) -> int:
+        return len(self.raw_bytes)
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return None
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.raw_bytes)

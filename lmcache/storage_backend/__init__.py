@@ -1,0 +1,34 @@
+"""Storage tiers behind one interface (`abstract_backend`), combined by `storage_manager`.
+
+`create_storage_backends` builds the configured tiers in lookup order: "Hot" (`LocalCPUBackend`),
+"LocalDiskBackend", "RemoteBackend".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryAllocatorInterface
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+
+
+def create_storage_backends(
+    config: LMCacheEngineConfig,
+    metadata: LMCacheEngineMetadata,
+    allocator: MemoryAllocatorInterface,
+    allocate: Callable[..., Any],
+) -> dict[str, StorageBackendInterface]:
+    """`allocate(shape, dtype, fmt)` gives lower tiers buffers (evicting from the hot tier)."""
+    backends: dict[str, StorageBackendInterface] = {}
+    if config.local_cpu:
+        backends["Hot"] = LocalCPUBackend(allocator, config.cache_policy)
+    if config.local_disk is not None:
+        raise ValueError(f"local_disk={config.local_disk!r}: the local disk tier is not available "
+                         "in this version of lmcache")
+    if config.remote_url is not None:
+        raise ValueError(f"remote_url={config.remote_url!r}: the remote tier is not available in "
+                         "this version of lmcache")
+    return backends
