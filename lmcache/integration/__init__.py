@@ -1,0 +1,1 @@
+"""Serving-engine integrations (vLLM, HF transformers) and the local demo model."""

@@ -1,0 +1,92 @@
+"""The header every serialized blob carries, so that a truncated or foreign blob is detected.
+
+Layout (little-endian), followed by `payload_len` payload bytes:
+
+    offset size field
+    0      4    magic b"LMCB"
+    4      1    header version (1)
+    5      1    serde id (which serializer wrote the payload, see SERDE_IDS)
+    6      1    dtype code (see DTYPE_CODES)
+    7      1    ndim (<= 8)
+    8      8*8  shape, 8 unsigned 64-bit dims (unused ones 0)
+    72     8    payload length
+    80     8    xxh3-64 of bytes [0, 80) followed by the payload
+    88          payload
+
+`pack_header` writes the 88 bytes for a payload; `unpack` validates a whole blob and returns a
+zero-copy view of its payload.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+MAGIC = b"LMCB"
+VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sBBBB8QQ")
+HEADER_SIZE = _FIXED.size + 8
+
+SERDE_IDS = {"naive": 1, "torch": 2, "safe": 3, "fast": 4, "cachegen": 5}
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.uint8: 5,
+    torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
+    torch.float8_e4m3fn: 11, torch.float8_e5m2: 12,
+}
+_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class Blob:
+    serde_id: int
+    dtype: torch.dtype
+    shape: torch.Size
+    payload: memoryview
+
+
+def _checksum(head: bytes, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(head)
+    h.update(payload)
+    return h.intdigest()
+
+
+def pack_header(serde: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                payload: bytes | memoryview) -> bytes:
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"cannot serialize a {len(shape)}-D tensor (at most {MAX_NDIM} dims)")
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"cannot serialize dtype {dtype}")
+    dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+    head = _FIXED.pack(MAGIC, VERSION, SERDE_IDS[serde], DTYPE_CODES[dtype], len(shape), *dims,
+                       len(payload))
+    return head + struct.pack("<Q", _checksum(head, payload))
+
+
+def unpack(blob: bytes | bytearray | memoryview, serde: str | None = None) -> Blob:
+    """Validate `blob` and return its fields; raises CorruptBlobError for anything invalid."""
+    view = memoryview(blob).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise CorruptBlobError(f"blob of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, serde_id, dtype_code, ndim, *rest = _FIXED.unpack_from(view)
+    dims, payload_len = rest[:MAX_NDIM], rest[MAX_NDIM]
+    if magic != MAGIC:
+        raise CorruptBlobError("not an LMCache blob (bad magic)")
+    if version != VERSION:
+        raise CorruptBlobError(f"unsupported blob version {version}")
+    if serde is not None and serde_id != SERDE_IDS[serde]:
+        raise CorruptBlobError(f"blob was written by serde id {serde_id}, expected {serde!r}")
+    if dtype_code not in _DTYPES or ndim > MAX_NDIM:
+        raise CorruptBlobError(f"bad dtype code {dtype_code} or ndim {ndim}")
+    if len(view) != HEADER_SIZE + payload_len:
+        raise CorruptBlobError(f"blob has {len(view) - HEADER_SIZE} payload bytes, header says {payload_len}")
+    payload = view[HEADER_SIZE:]
+    (stored,) = struct.unpack_from("<Q", view, _FIXED.size)
+    if stored != _checksum(bytes(view[: _FIXED.size]), payload):
+        raise CorruptBlobError("blob checksum mismatch (corrupted)")
+    return Blob(serde_id, _DTYPES[dtype_code], torch.Size(dims[:ndim]), payload)
