@@ -1,0 +1,127 @@
+import logging
+
+import pytest
+
+from lmcache.config import GB, LMCacheEngineConfig, LMCacheEngineMetadata
+
+
+def test_defaults_are_the_seeds_except_remote_url():
+    c = LMCacheEngineConfig.from_defaults()
+    assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size, c.local_disk) == (256, True, 5.0, None)
+    assert (c.max_local_disk_size, c.remote_serde, c.save_decode_cache) == (0.0, "naive", False)
+    assert (c.enable_blending, c.blend_recompute_ratio, c.blend_min_tokens) == (False, 0.15, 256)
+    assert (c.enable_p2p, c.lookup_url, c.distributed_url, c.error_handling) == (False, None, None, False)
+    assert c.remote_url is None
+    assert c.max_local_cpu_bytes == 5 * GB
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("chunk_size", 0), ("chunk_size", -256), ("max_local_cpu_size", -1.0),
+        ("max_local_disk_size", -0.5), ("remote_url", "http://host:1"), ("remote_url", "nohost"),
+        ("remote_serde", "pickle"), ("blend_recompute_ratio", 1.5), ("chunk_size", "12a"),
+        ("local_cpu", "maybe"), ("chunk_size", True), ("cache_policy", "MRU"),
+        ("lookup_url", "localhost"), ("blend_check_layers", []),
+    ],
+)
+def test_invalid_values_raise_value_error_naming_field_and_value(field, value):
+    with pytest.raises(ValueError) as e:
+        LMCacheEngineConfig.from_defaults(**{field: value})
+    assert field in str(e.value) and repr(value) in str(e.value)
+
+
+def test_unknown_field_is_rejected():
+    with pytest.raises(ValueError, match="chunksize"):
+        LMCacheEngineConfig.from_defaults(chunksize=128)
+
+
+def test_known_remote_schemes_are_accepted():
+    for url in ("lm://h:1", "redis://h:1", "rediss://h:1", "valkey://h:1",
+                "redis-sentinel://a:1,b:2/svc", "redis-cluster://a:1,b:2"):
+        assert LMCacheEngineConfig.from_defaults(remote_url=url).remote_url == url
+
+
+def test_file_prefix_is_stripped_from_local_disk():
+    assert LMCacheEngineConfig.from_defaults(local_disk="file:///tmp/x").local_disk == "/tmp/x"
+
+
+def test_p2p_needs_both_urls():
+    with pytest.raises(ValueError, match="enable_p2p"):
+        LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="h:1")
+    c = LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="h:1", distributed_url="h:2")
+    assert c.enable_p2p
+
+
+def test_from_env_parses_types(monkeypatch):
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "128")
+    monkeypatch.setenv("LMCACHE_LOCAL_CPU", "false")
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
+    monkeypatch.setenv("LMCACHE_REMOTE_URL", "redis://127.0.0.1:6379")
+    monkeypatch.setenv("LMCACHE_LOOKUP_URL", "none")
+    monkeypatch.setenv("LMCACHE_BLEND_CHECK_LAYERS", "1, 3")
+    c = LMCacheEngineConfig.from_env()
+    assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size) == (128, False, 0.5)
+    assert c.remote_url == "redis://127.0.0.1:6379" and c.lookup_url is None
+    assert c.blend_check_layers == [1, 3]
+
+
+def test_from_env_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "big")
+    with pytest.raises(ValueError, match="chunk_size"):
+        LMCacheEngineConfig.from_env()
+
+
+def test_unknown_lmcache_env_warns_but_known_non_fields_do_not(monkeypatch, caplog):
+    monkeypatch.setenv("LMCACHE_CHUNKSIZE", "1")
+    monkeypatch.setenv("LMCACHE_LOG_LEVEL", "INFO")
+    with caplog.at_level(logging.WARNING, logger="lmcache.config"):
+        LMCacheEngineConfig.from_env()
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "LMCACHE_CHUNKSIZE" in warned and "LMCACHE_LOG_LEVEL" not in warned
+
+
+def test_from_file_reads_yaml_and_rejects_unknown_keys(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("chunk_size: 512\nlocal_disk: file:///data/kv\nmax_local_disk_size: 2.5\n")
+    c = LMCacheEngineConfig.from_file(str(p))
+    assert (c.chunk_size, c.local_disk, c.max_local_disk_size) == (512, "/data/kv", 2.5)
+    p.write_text("chunk_sise: 512\n")
+    with pytest.raises(ValueError, match="chunk_sise"):
+        LMCacheEngineConfig.from_file(str(p))
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        LMCacheEngineConfig.from_file(str(p))
+    with pytest.raises(ValueError, match="cannot read"):
+        LMCacheEngineConfig.from_file(str(tmp_path / "missing.yaml"))
+
+
+def test_load_precedence_overrides_env_file_defaults(monkeypatch, tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("chunk_size: 512\nmax_local_cpu_size: 1.0\nsave_decode_cache: true\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(p))
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "2.0")
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "128")
+    c = LMCacheEngineConfig.load({"chunk_size": 64})
+    assert (c.chunk_size, c.max_local_cpu_size, c.save_decode_cache) == (64, 2.0, True)
+
+
+def test_from_legacy_maps_backends():
+    assert LMCacheEngineConfig.from_legacy(backend="cpu").local_cpu
+    disk = LMCacheEngineConfig.from_legacy(backend="file:///tmp/kv", max_local_disk_size=3)
+    assert disk.local_disk == "/tmp/kv" and disk.max_local_disk_size == 3.0
+    remote = LMCacheEngineConfig.from_legacy(backend="redis://h:1")
+    assert remote.remote_url == "redis://h:1"
+    legacy = LMCacheEngineConfig.from_legacy(local_device="cuda", max_local_cache_size=1.5)
+    assert legacy.local_cpu and legacy.max_local_cpu_size == 1.5
+    legacy_disk = LMCacheEngineConfig.from_legacy(local_device="/tmp/kv2", max_local_cache_size=4)
+    assert legacy_disk.local_disk == "/tmp/kv2" and legacy_disk.max_local_disk_size == 4.0
+
+
+def test_metadata_validates_shape_and_worker():
+    import torch
+
+    with pytest.raises(ValueError, match="kv_shape"):
+        LMCacheEngineMetadata("m", 1, 0, "vllm", torch.bfloat16, (30, 3, 256, 3, 64))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="worker_id"):
+        LMCacheEngineMetadata("m", 2, 2, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))

@@ -1,0 +1,245 @@
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.cache_engine import LMCacheEngineBuilder
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+from tests.helpers.paged_kv import PagedKV, build_engine
+
+
+def store_retrieve(engine, kv, tokens, slots, mask=None):
+    engine.store(tokens, mask, kvcaches=kv.layers, slot_mapping=slots)
+    out = kv.empty_like()
+    ret = engine.retrieve(tokens, mask, kvcaches=out.layers, slot_mapping=slots)
+    return out, ret
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_tokens=st.integers(1, 60),
+    chunk_size=st.sampled_from([4, 8, 16]),
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    data=st.data(),
+)
+def test_store_then_retrieve_returns_bit_identical_kv(n_tokens, chunk_size, layers, heads, dtype, data):
+    engine = build_engine(chunk_size, layers, heads, 4, dtype)
+    kv = PagedKV(layers, heads, 4, 4, 64, dtype)
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, 30000), min_size=n_tokens, max_size=n_tokens)))
+    slots = kv.slots_for(n_tokens)
+    n_false = data.draw(st.integers(0, (n_tokens - 1) // chunk_size)) * chunk_size
+    mask = torch.arange(n_tokens) >= n_false if n_false else None
+    out, ret = store_retrieve(engine, kv, tokens, slots, mask)
+    expected = torch.arange(n_tokens) >= n_false
+    assert torch.equal(ret, expected) and ret.device.type == "cpu"
+    assert torch.equal(out.tokens_kv(slots[n_false:]), kv.tokens_kv(slots[n_false:]))
+    assert torch.equal(out.tokens_kv(slots[:n_false]), torch.zeros_like(kv.tokens_kv(slots[:n_false])))
+    engine.close()
+
+
+@settings(max_examples=20, deadline=None)
+@given(stored=st.integers(1, 40), extra=st.integers(1, 40), diverge=st.booleans())
+def test_partial_prefix_hit_returns_exactly_the_cached_prefix(stored, extra, diverge):
+    chunk = 8
+    engine = build_engine(chunk)
+    kv = PagedKV()
+    tokens = torch.randint(0, 30000, (stored + extra,))
+    slots = kv.slots_for(stored + extra)
+    engine.store(tokens[:stored], kvcaches=kv.layers, slot_mapping=slots[:stored])
+    query = tokens.clone()
+    if diverge:
+        query[stored // 2] += 1  # change one token inside the stored part
+    hit_expected = (stored // chunk) * chunk  # full chunks only: the partial chunk differs
+    if diverge:
+        hit_expected = min(hit_expected, (stored // 2 // chunk) * chunk)
+    out = kv.empty_like()
+    assert engine.lookup(query) == hit_expected
+    ret = engine.retrieve(query, kvcaches=out.layers, slot_mapping=slots)
+    assert int(ret.sum()) == hit_expected and bool(ret[:hit_expected].all())
+    assert torch.equal(out.tokens_kv(slots[:hit_expected]), kv.tokens_kv(slots[:hit_expected]))
+    engine.close()
+
+
+def test_exact_repeat_hits_the_trailing_partial_chunk(engine):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (21,))
+    slots = kv.slots_for(21)
+    out, ret = store_retrieve(engine, kv, tokens, slots)
+    assert bool(ret.all()) and engine.lookup(tokens) == 21
+    assert torch.equal(out.tokens_kv(slots), kv.tokens_kv(slots))
+
+
+def test_store_skips_chunks_already_cached(engine):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (32,))
+    slots = kv.slots_for(32)
+    engine.store(tokens[:16], kvcaches=kv.layers, slot_mapping=slots)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    assert engine.stats.get("store_skipped_tokens") == 16 and engine.stats.get("stored_tokens") == 32
+
+
+def test_lookup_search_range(engine):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (16,))
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    assert engine.lookup(tokens, ["Hot"]) == 16
+    assert engine.lookup(tokens, ["LocalDiskBackend"]) == 0
+    assert engine.lookup(tokens, []) == 0
+    with pytest.raises(ValueError, match="Hott"):
+        engine.lookup(tokens, ["Hott"])
+
+
+def test_retrieve_with_bad_mask_raises(engine):
+    kv = PagedKV()
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        engine.retrieve(torch.arange(16), torch.arange(16) >= 3, kvcaches=kv.layers,
+                        slot_mapping=kv.slots_for(16))
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        engine.store(torch.arange(16), torch.arange(16) >= 3, kvcaches=kv.layers,
+                     slot_mapping=kv.slots_for(16))
+
+
+def test_full_arena_stores_fewer_chunks_and_never_crashes():
+    chunk_bytes = 2 * 2 * 8 * 8 * 2  # [2, L=2, 8 tokens, hidden 8] bf16 = 512 bytes
+    engine = build_engine(8, cpu_bytes=3 * chunk_bytes)
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (40,))
+    slots = kv.slots_for(40)
+    held = []
+    engine.store(tokens[:24], kvcaches=kv.layers, slot_mapping=slots)  # fills the arena
+    for _, _, key in engine.token_database.process_tokens(tokens[:24]):
+        held.append(engine.storage_manager.get(key))  # readers hold every chunk
+    other = torch.randint(0, 1000, (16,))
+    engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    assert engine.lookup(other) == 0 and engine.stats.get("store_dropped_tokens") == 16
+    for obj in held:
+        obj.ref_count_down()
+    engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))  # now evicts LRU
+    assert engine.lookup(other) == 16
+    engine.memory_allocator.check_integrity()
+    engine.close()
+
+
+def test_concurrent_store_and_retrieve_from_four_threads():
+    engine = build_engine(8, cpu_bytes=64 * 1024)  # small: forces eviction under contention
+    kv = PagedKV(num_blocks=256)
+    prompts = [(torch.randint(0, 30000, (40,)), kv.slots_for(40)) for _ in range(8)]
+    errors: list[BaseException] = []
+
+    def worker(tid):
+        try:
+            for it in range(30):
+                tokens, slots = prompts[(tid + it) % len(prompts)]
+                engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+                out = kv.empty_like()
+                ret = engine.retrieve(tokens, kvcaches=out.layers, slot_mapping=slots)
+                n = int(ret.sum())
+                assert bool(ret[:n].all())
+                assert torch.equal(out.tokens_kv(slots[:n]), kv.tokens_kv(slots[:n]))
+        except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    engine.memory_allocator.check_integrity()
+    engine.close()
+    assert engine.memory_allocator.used_bytes == 0
+
+
+class ExplodingConnector(VLLMPagedMemGPUConnectorV2):
+    def to_gpu(self, memory_obj, start, end, **kwargs):
+        if start >= 8:
+            raise RuntimeError("injected copy failure")
+        super().to_gpu(memory_obj, start, end, **kwargs)
+
+
+def test_error_handling_turns_unexpected_errors_into_misses():
+    for on in (True, False):
+        engine = build_engine(8, error_handling=on)
+        engine.gpu_connector = ExplodingConnector(8, 2)
+        kv = PagedKV()
+        tokens = torch.randint(0, 1000, (24,))
+        slots = kv.slots_for(24)
+        engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+        if on:
+            ret = engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)
+            assert int(ret.sum()) == 8 and engine.stats.get("errors") == 1
+        else:
+            with pytest.raises(RuntimeError, match="injected"):
+                engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)
+        engine.memory_allocator.check_integrity()
+        engine.close()
+
+
+def test_prefetch_of_hot_chunks_is_harmless(engine):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (16,))
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    engine.prefetch(tokens)
+    engine.prefetch(torch.randint(0, 1000, (16,)))
+    assert engine.lookup(tokens) == 16
+
+
+def test_close_releases_all_memory(engine):
+    kv = PagedKV()
+    engine.store(torch.randint(0, 1000, (30,)), kvcaches=kv.layers, slot_mapping=kv.slots_for(30))
+    assert engine.memory_allocator.used_bytes > 0
+    engine.close()
+    assert engine.memory_allocator.used_bytes == 0
+
+
+def metadata(chunk=256):
+    return LMCacheEngineMetadata(model_name="m", world_size=1, worker_id=0, fmt="vllm",
+                                 kv_dtype=torch.bfloat16, kv_shape=(2, 2, chunk, 2, 4))
+
+
+def test_builder_get_or_create_get_destroy():
+    cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.001)
+    conn = VLLMPagedMemGPUConnectorV2(8, 2)
+    e1 = LMCacheEngineBuilder.get_or_create("a", cfg, metadata(), conn)
+    assert LMCacheEngineBuilder.get_or_create("a", cfg, metadata(), conn) is e1
+    assert LMCacheEngineBuilder.get("a") is e1 and LMCacheEngineBuilder.get("b") is None
+    other = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.002)
+    with pytest.raises(ValueError, match="different configuration"):
+        LMCacheEngineBuilder.get_or_create("a", other, metadata(), conn)
+    LMCacheEngineBuilder.destroy("a")
+    assert LMCacheEngineBuilder.get("a") is None
+    LMCacheEngineBuilder.destroy("a")  # idempotent
+
+
+def test_engine_start_up_errors_are_clear():
+    conn = VLLMPagedMemGPUConnectorV2(8, 2)
+    with pytest.raises(ValueError, match="chunk size"):
+        small = LMCacheEngineConfig.from_defaults(chunk_size=128, max_local_cpu_size=0.001)
+        LMCacheEngineBuilder.get_or_create("x", small, metadata(), conn)
+    p2p = LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="h:1", distributed_url="h:2",
+                                            max_local_cpu_size=0.001)
+    with pytest.raises(ValueError, match="not available"):
+        LMCacheEngineBuilder.get_or_create("y", p2p, metadata(), conn)
+    with pytest.raises(ValueError, match="must be > 0"):
+        LMCacheEngineBuilder.get_or_create("z", LMCacheEngineConfig.from_defaults(max_local_cpu_size=0),
+                                           metadata(), conn)
+
+
+def test_seed_module_paths_import():
+    from lmcache.experimental.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+    from lmcache.experimental.config import LMCacheEngineConfig as C2
+    from lmcache.experimental.gpu_connector import VLLMPagedMemGPUConnectorV2 as V2
+    from lmcache.experimental.memory_management import MemoryFormat, TensorMemoryAllocator
+    from lmcache.experimental.storage_backend.abstract_backend import StorageBackendInterface
+    from lmcache.experimental.storage_backend.storage_manager import StorageManager
+    from lmcache.experimental.token_database import ChunkedTokenDatabase, TokenDatabase
+
+    assert C2 is LMCacheEngineConfig and V2 is VLLMPagedMemGPUConnectorV2
+    assert TensorMemoryAllocator.ALIGN_BYTES == 512 and MemoryFormat.KV_BLOB.value == 1
+    assert all([LMCacheEngine, LMCacheEngineBuilder, StorageBackendInterface, StorageManager,
+                ChunkedTokenDatabase, TokenDatabase])

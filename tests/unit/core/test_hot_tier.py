@@ -1,0 +1,120 @@
+import pytest
+import torch
+
+from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
+from lmcache.storage_backend.evictor import FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
+from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.utils import CacheEngineKey
+
+ALIGN = TensorMemoryAllocator.ALIGN_BYTES
+
+
+def key(i):
+    return CacheEngineKey("kv_blob", "m", 1, 0, f"{i:032x}", "uint8")
+
+
+def test_lru_evicts_least_recently_used_first():
+    p = LRUPolicy()
+    for k in "abc":
+        p.on_insert(k)
+    p.on_access("a")
+    assert list(p.candidates()) == ["b", "c", "a"]
+
+
+def test_fifo_ignores_accesses():
+    p = FIFOPolicy()
+    for k in "abc":
+        p.on_insert(k)
+    p.on_access("a")
+    assert list(p.candidates()) == ["a", "b", "c"]
+
+
+def test_lfu_evicts_least_frequent_then_least_recent():
+    p = LFUPolicy()
+    for k in "abcd":
+        p.on_insert(k)
+    for k in "aab":
+        p.on_access(k)
+    p.on_remove("d")
+    assert list(p.candidates()) == ["c", "b", "a"]
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="MRU"):
+        make_policy("MRU")
+
+
+def backend(slots=4, policy="LRU"):
+    return LocalCPUBackend(TensorMemoryAllocator(torch.zeros(slots * ALIGN, dtype=torch.uint8)), policy)
+
+
+def put(b, i):
+    obj = b.allocate(torch.Size([ALIGN]), torch.uint8, MemoryFormat.KV_BLOB)
+    assert obj is not None
+    obj.tensor.fill_(i)
+    b.submit_put_task(key(i), obj)
+    obj.ref_count_down()
+    return obj
+
+
+@pytest.mark.parametrize(("policy", "touched", "survivor_expected"),
+                         [("LRU", 0, True), ("FIFO", 0, False), ("LFU", 0, True)])
+def test_allocation_evicts_in_policy_order(policy, touched, survivor_expected):
+    b = backend(3, policy)
+    for i in range(3):
+        put(b, i)
+    got = b.get_blocking(key(touched))
+    got.ref_count_down()
+    put(b, 3)
+    assert b.contains(key(touched)) == survivor_expected
+    assert b.contains(key(3)) and len(b) == 3 and b.num_evicted == 1
+
+
+def test_objects_held_by_someone_else_are_not_evicted():
+    b = backend(2)
+    put(b, 0)
+    put(b, 1)
+    held = b.get_blocking(key(0))  # a reader holds chunk 0 (the LRU victim)
+    put(b, 2)
+    assert b.contains(key(0)) and not b.contains(key(1))
+    assert bool((held.tensor == 0).all())
+    other = b.get_blocking(key(2))
+    assert b.allocate(torch.Size([ALIGN]), torch.uint8) is None  # everything is held
+    held.ref_count_down()
+    other.ref_count_down()
+
+
+def test_pinned_objects_are_not_evicted_until_unpinned():
+    b = backend(2)
+    put(b, 0)
+    put(b, 1)
+    assert b.pin(key(0)) and not b.pin(key(9))
+    put(b, 2)
+    assert b.contains(key(0)) and not b.contains(key(1))
+    b.unpin(key(0))
+    b.get_blocking(key(2)).ref_count_down()
+    put(b, 3)
+    assert not b.contains(key(0))
+
+
+def test_duplicate_put_keeps_the_first_and_remove_frees():
+    b = backend(4)
+    first = put(b, 1)
+    second = b.allocate(torch.Size([ALIGN]), torch.uint8)
+    b.submit_put_task(key(1), second)
+    assert second.get_ref_count() == 1  # not taken
+    second.ref_count_down()
+    got = b.get_blocking(key(1))
+    assert got is first
+    got.ref_count_down()
+    assert b.remove(key(1)) and not b.remove(key(1))
+    assert not first.valid
+    b.allocator.check_integrity()
+
+
+def test_close_releases_everything():
+    b = backend(4)
+    for i in range(4):
+        put(b, i)
+    b.close()
+    assert len(b) == 0 and b.allocator.used_bytes == 0

@@ -1,0 +1,156 @@
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache.memory_management import (
+    BufferAllocator,
+    BytesBufferMemoryObj,
+    GPUMemoryAllocator,
+    HostMemoryAllocator,
+    MemoryFormat,
+    MixedMemoryAllocator,
+    PinMemoryAllocator,
+    TensorMemoryAllocator,
+)
+
+ALIGN = TensorMemoryAllocator.ALIGN_BYTES
+
+
+def alloc(size=64 * ALIGN):
+    return TensorMemoryAllocator(torch.zeros(size, dtype=torch.uint8))
+
+
+def test_allocations_are_aligned_and_do_not_overlap():
+    a = alloc()
+    objs = [a.allocate((n,), torch.uint8) for n in (1, 511, 512, 513, 1000)]
+    starts = [o.metadata.address for o in objs]
+    assert all(s % ALIGN == 0 for s in starts)
+    assert [o.metadata.phy_size for o in objs] == [512, 512, 512, 1024, 1024]
+    for o in objs:
+        o.tensor.fill_(o.metadata.address % 251)
+    for o in objs:
+        assert bool((o.tensor == o.metadata.address % 251).all())
+    a.check_integrity()
+
+
+def test_tensor_view_has_shape_and_dtype():
+    obj = alloc().allocate((2, 3, 4, 8), torch.bfloat16)
+    assert obj.tensor.shape == (2, 3, 4, 8) and obj.tensor.dtype == torch.bfloat16
+    assert obj.get_memory_format() == MemoryFormat.KV_BLOB and obj.get_size() == 2 * 3 * 4 * 8 * 2
+    assert len(obj.byte_array) == obj.get_size()
+
+
+def test_returns_none_when_full_and_first_fit_reuses_freed_space():
+    a = alloc(4 * ALIGN)
+    objs = [a.allocate((ALIGN,), torch.uint8) for _ in range(4)]
+    assert a.allocate((1,), torch.uint8) is None
+    objs[1].ref_count_down()
+    again = a.allocate((ALIGN,), torch.uint8)
+    assert again is not None and again.metadata.address == ALIGN
+    assert a.allocate((2 * ALIGN,), torch.uint8) is None
+
+
+def test_free_coalesces_neighbours():
+    a = alloc(4 * ALIGN)
+    objs = [a.allocate((ALIGN,), torch.uint8) for _ in range(4)]
+    for i in (0, 2, 1, 3):
+        objs[i].ref_count_down()
+        a.check_integrity()
+    big = a.allocate((4 * ALIGN,), torch.uint8)
+    assert big is not None and big.metadata.address == 0
+
+
+def test_ref_counting_frees_at_zero_and_rejects_misuse():
+    a = alloc(2 * ALIGN)
+    obj = a.allocate((ALIGN,), torch.uint8)
+    obj.ref_count_up()
+    obj.ref_count_down()
+    assert a.used_bytes == ALIGN and obj.get_ref_count() == 1
+    obj.ref_count_down()
+    assert a.used_bytes == 0 and not obj.valid
+    with pytest.raises(RuntimeError):
+        obj.ref_count_down()
+    with pytest.raises(RuntimeError):
+        obj.ref_count_up()
+    with pytest.raises(ValueError, match="double"):
+        a.free(obj)
+
+
+def test_empty_allocation_is_rejected():
+    with pytest.raises(ValueError, match="empty"):
+        alloc().allocate((0, 4), torch.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * ALIGN)), min_size=1, max_size=80),
+       st.integers(0, 2**32))
+def test_integrity_holds_under_random_alloc_free(ops, seed):
+    rnd = random.Random(seed)
+    a = alloc(32 * ALIGN)
+    live = []
+    for is_alloc, size in ops:
+        if is_alloc or not live:
+            obj = a.allocate((size,), torch.uint8)
+            if obj is not None:
+                live.append(obj)
+        else:
+            live.pop(rnd.randrange(len(live))).ref_count_down()
+        a.check_integrity()
+        assert a.used_bytes == sum(o.metadata.phy_size for o in live)
+    for obj in live:
+        obj.ref_count_down()
+    a.check_integrity()
+    assert a.allocate((32 * ALIGN,), torch.uint8) is not None
+
+
+def test_check_integrity_detects_corruption():
+    a = alloc(4 * ALIGN)
+    a.allocate((ALIGN,), torch.uint8)
+    a._free[0].start += ALIGN  # simulate a bookkeeping bug
+    with pytest.raises(AssertionError):
+        a.check_integrity()
+
+
+def test_host_and_pin_allocators_prefault_and_pin_falls_back_without_cuda():
+    h = HostMemoryAllocator(8 * ALIGN)
+    assert h.allocate((ALIGN,), torch.uint8) is not None
+    p = PinMemoryAllocator(8 * ALIGN)
+    assert p.is_pinned == torch.cuda.is_available()
+    assert p.buffer.is_pinned() == p.is_pinned
+    with pytest.raises(ValueError):
+        HostMemoryAllocator(0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_gpu_allocator_without_cuda_gives_a_clear_error():
+    with pytest.raises(ValueError, match="not usable"):
+        GPUMemoryAllocator(ALIGN)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_allocator_allocates_on_the_device():
+    obj = GPUMemoryAllocator(8 * ALIGN).allocate((4, 4), torch.float16)
+    assert obj is not None and obj.tensor.is_cuda
+
+
+def test_mixed_allocator_puts_binary_buffers_in_bytes_and_tensors_in_the_arena():
+    m = MixedMemoryAllocator(8 * ALIGN)
+    blob = m.allocate((100,), None, MemoryFormat.BINARY_BUFFER)
+    assert isinstance(blob, BytesBufferMemoryObj) and len(blob.byte_array) == 100
+    kv = m.allocate((2, 2, 4, 8), torch.bfloat16, MemoryFormat.KV_BLOB)
+    assert kv is not None and kv.tensor is not None and m.used_bytes == ALIGN
+    kv.ref_count_down()
+    blob.ref_count_down()
+    assert m.used_bytes == 0
+    m.check_integrity()
+
+
+def test_buffer_allocator_and_bytes_objects():
+    b = BufferAllocator()
+    obj = b.allocate((10,), None)
+    assert obj.get_memory_format() == MemoryFormat.BINARY_BUFFER and obj.tensor is None
+    raw = BytesBufferMemoryObj(b"abc")
+    assert bytes(raw.byte_array) == b"abc" and raw.get_size() == 3
