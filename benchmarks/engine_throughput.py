@@ -1,0 +1,180 @@
+"""Engine store/retrieve throughput through the paged connector vs. a plain copy of the same bytes.
+
+For each KV shape, a vLLM-v1-style paged cache (per layer [2, num_blocks, block_size, heads,
+head_size]) holds `--tokens` tokens in randomly placed blocks. Measured in one run:
+- copy: `dst.copy_(src)` of two pre-faulted contiguous buffers of the same byte count (baseline);
+- store (cold): the first `LMCacheEngine.store` into a freshly built engine (hashing, allocation,
+  connector gather, hot-tier insert), median over `--cold-reps` fresh engines;
+- retrieve: `LMCacheEngine.retrieve` of all tokens back into a paged cache, median over `--reps`.
+Prints GB/s and the ratio to the copy; writes JSON and a PNG under benchmarks/out/.
+
+    python benchmarks/engine_throughput.py [--tokens 8192] [--block-size 16] [--no-native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.memory_management import MixedMemoryAllocator
+from lmcache.token_database import ChunkedTokenDatabase
+
+SHAPES = {"SmolLM2-135M": (30, 3, 64), "7B-like": (32, 8, 128)}
+OUT = Path(__file__).parent / "out"
+
+
+@dataclass
+class Row:
+    shape: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    tokens: int
+    block_size: int
+    bytes: int
+    copy_gbps: float
+    store_cold_gbps: float
+    retrieve_gbps: float
+    store_ratio: float
+    retrieve_ratio: float
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def plain_copy_time(nbytes: int, reps: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    return median_time(lambda: dst.copy_(src), reps)
+
+
+def paged_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_size: int,
+                fill: bool) -> list[torch.Tensor]:
+    caches = [torch.empty(2, num_blocks, block_size, heads, head_size, dtype=torch.bfloat16)
+              for _ in range(layers)]
+    for c in caches:  # touch every page so no measurement pays first-touch faults
+        c.normal_() if fill else c.zero_()
+    return caches
+
+
+def build_engine(layers: int, heads: int, head_size: int, nbytes: int, use_native: bool) -> LMCacheEngine:
+    chunk = 256
+    config = LMCacheEngineConfig.from_defaults(chunk_size=chunk,
+                                               max_local_cpu_size=nbytes * 1.05 / (1 << 30))
+    metadata = LMCacheEngineMetadata("bench", 1, 0, "vllm", torch.bfloat16,
+                                     (layers, 2, chunk, heads, head_size))
+    connector = VLLMPagedMemGPUConnectorV2(heads * head_size, layers, use_native=use_native)
+    return LMCacheEngine(config, metadata, MixedMemoryAllocator(config.max_local_cpu_bytes),
+                         ChunkedTokenDatabase(config, metadata), connector)
+
+
+def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.Namespace) -> Row:
+    n, bs = args.tokens, args.block_size
+    num_blocks = 2 * (n // bs)
+    nbytes = 2 * layers * n * heads * head_size * 2
+    src_cache = paged_cache(layers, num_blocks, bs, heads, head_size, fill=True)
+    dst_cache = paged_cache(layers, num_blocks, bs, heads, head_size, fill=False)
+    blocks = torch.randperm(num_blocks)[: n // bs]
+    slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+    tokens = torch.randint(0, 49152, (n,))
+
+    copy_s = plain_copy_time(nbytes, args.reps)
+
+    store_times = []
+    engine = None
+    for _ in range(args.cold_reps):
+        if engine is not None:
+            engine.close()
+        engine = build_engine(layers, heads, head_size, nbytes, not args.no_native)
+        t0 = time.perf_counter()
+        engine.store(tokens, kvcaches=src_cache, slot_mapping=slots)
+        store_times.append(time.perf_counter() - t0)
+    assert engine is not None and engine.stats.get("stored_tokens") == n
+    store_s = statistics.median(store_times)
+
+    def retrieve() -> None:
+        ret = engine.retrieve(tokens, kvcaches=dst_cache, slot_mapping=slots)
+        assert bool(ret.all())
+
+    retrieve_s = median_time(retrieve, args.reps)
+    hidden = heads * head_size
+    for s, d in zip(src_cache, dst_cache, strict=True):  # the retrieved KV is the stored KV
+        assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
+    engine.close()
+    gb = nbytes / 1e9
+    return Row(name, layers, heads, head_size, n, bs, nbytes, gb / copy_s, gb / store_s, gb / retrieve_s,
+               copy_s / store_s, copy_s / retrieve_s)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for i, (label, attr) in enumerate([("copy", "copy_gbps"), ("store (cold)", "store_cold_gbps"),
+                                       ("retrieve", "retrieve_gbps")]):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], [getattr(r, attr) for r in rows],
+               width, label=label)
+    ax.set_xticks(range(len(rows)), [r.shape for r in rows])
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"LMCache engine throughput ({rows[0].tokens} tokens, block size {rows[0].block_size})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per request (multiple of 256)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cold-reps", type=int, default=3)
+    parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy path")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help="comma-separated subset of " + ",".join(SHAPES))
+    args = parser.parse_args()
+    if args.tokens % 256 or args.tokens % args.block_size:
+        parser.error("--tokens must be a multiple of 256 and of --block-size")
+
+    rows = [measure(name, *SHAPES[name], args) for name in args.shapes.split(",")]
+    print(f"\nLMCache engine throughput: {args.tokens} tokens, 256-token chunks, bf16, "
+          f"block size {args.block_size}, {torch.get_num_threads()} threads, "
+          f"{'torch' if args.no_native else 'native'} copy path")
+    print(f"{'shape':<14}{'MB':>8}{'copy GB/s':>11}{'store GB/s':>12}{'ratio':>7}"
+          f"{'retrieve GB/s':>15}{'ratio':>7}")
+    for r in rows:
+        print(f"{r.shape:<14}{r.bytes / 1e6:>8.0f}{r.copy_gbps:>11.2f}{r.store_cold_gbps:>12.2f}"
+              f"{r.store_ratio:>7.2f}{r.retrieve_gbps:>15.2f}{r.retrieve_ratio:>7.2f}")
+    print("goal: store (cold) and retrieve >= 0.60x copy")
+    OUT.mkdir(exist_ok=True)
+    suffix = "-torch" if args.no_native else ""
+    result = {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+              "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": [asdict(r) for r in rows]}
+    (OUT / f"engine_throughput{suffix}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, OUT / f"engine_throughput{suffix}.png")
+    print(f"wrote {OUT / f'engine_throughput{suffix}.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
