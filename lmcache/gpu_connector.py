@@ -47,7 +47,9 @@ class GPUConnectorInterface(abc.ABC):
         """Shape of the memory object holding `num_tokens` tokens."""
 
 
-class _KVBlobConnector(GPUConnectorInterface):
+class KVBlobConnector(GPUConnectorInterface):
+    """Base of connectors that produce/consume [2, num_layers, num_tokens, hidden] KV blobs."""
+
     def __init__(self, hidden_dim_size: int, num_layers: int) -> None:
         if hidden_dim_size <= 0 or num_layers <= 0:
             raise ValueError(f"hidden_dim_size={hidden_dim_size} and num_layers={num_layers} must be > 0")
@@ -57,7 +59,7 @@ class _KVBlobConnector(GPUConnectorInterface):
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
 
-    def _blob(self, memory_obj: MemoryObj, start: int, end: int, *, set_fmt: bool) -> torch.Tensor:
+    def blob_of(self, memory_obj: MemoryObj, start: int, end: int, *, set_fmt: bool) -> torch.Tensor:
         """The object's tensor, checked to be a [2, L, end - start, hidden] KV blob."""
         tensor = memory_obj.tensor
         assert tensor is not None, "memory object has no tensor"
@@ -73,19 +75,19 @@ class _KVBlobConnector(GPUConnectorInterface):
         return tensor
 
 
-def _kvcaches(kwargs: dict[str, Any]) -> Any:
+def require_kvcaches(kwargs: dict[str, Any]) -> Any:
     if "kvcaches" not in kwargs:
         raise ValueError("'kvcaches' should be provided in kwargs")
     return kwargs["kvcaches"]
 
 
-def _slot_mapping(kwargs: dict[str, Any]) -> torch.Tensor:
+def require_slot_mapping(kwargs: dict[str, Any]) -> torch.Tensor:
     if "slot_mapping" not in kwargs:
         raise ValueError("'slot_mapping' should be provided in kwargs")
     return kwargs["slot_mapping"]
 
 
-class VLLMNestedTupleGPUConnector(_KVBlobConnector):
+class VLLMNestedTupleGPUConnector(KVBlobConnector):
     """Per-layer ``(K, V)`` tensors with the token dimension first, covering the whole sequence."""
 
     def _layers(self, kvcaches: Sequence[Sequence[torch.Tensor]], start: int, end: int,
@@ -105,35 +107,42 @@ class VLLMNestedTupleGPUConnector(_KVBlobConnector):
         return views
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        blob = self._blob(memory_obj, start, end, set_fmt=True)
-        srcs = self._layers(_kvcaches(kwargs), start, end, blob.dtype)
+        blob = self.blob_of(memory_obj, start, end, set_fmt=True)
+        srcs = self._layers(require_kvcaches(kwargs), start, end, blob.dtype)
         torch._foreach_copy_(list(blob.flatten(0, 1).unbind(0)), srcs)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        blob = self._blob(memory_obj, start, end, set_fmt=False)
-        dsts = self._layers(_kvcaches(kwargs), start, end, blob.dtype)
+        blob = self.blob_of(memory_obj, start, end, set_fmt=False)
+        dsts = self._layers(require_kvcaches(kwargs), start, end, blob.dtype)
         torch._foreach_copy_(dsts, list(blob.flatten(0, 1).unbind(0)))
 
 
 class _PagedSources:
-    """The 2 * num_layers paged tensors (all K, then all V), each viewable as [num_slots, hidden]."""
+    """The 2 * num_layers paged tensors (all K, then all V), each ``[num_blocks, block_size, ...]``
+    with `hidden` values per token in any strides (flash-attention, FlashInfer and HND layouts
+    alike); the native path additionally needs them contiguous."""
 
     def __init__(self, tensors: list[torch.Tensor], hidden: int) -> None:
-        self.tensors = tensors
         first = tensors[0]
+        if first.dim() < 3:
+            raise ValueError("paged KV tensors must be [num_blocks, block_size, ...], "
+                             f"got {tuple(first.shape)}")
+        self.tensors = tensors
         self.device, self.dtype = first.device, first.dtype
-        self.num_slots = first.numel() // hidden
+        self.num_blocks, self.block_size = first.shape[0], first.shape[1]
+        self.num_slots = self.num_blocks * self.block_size
         for t in tensors:
-            if t.numel() != self.num_slots * hidden or t.dtype != self.dtype or t.device != self.device:
-                raise ValueError("paged KV tensors must all have the same size, dtype and device, "
-                                 f"got {tuple(t.shape)} {t.dtype} {t.device}")
-        self.flat = [t.view(self.num_slots, hidden) if t.is_contiguous() else None for t in tensors]
-        self.native_ok = self.device.type == "cpu" and all(f is not None for f in self.flat)
+            if (t.shape != first.shape or t[0, 0].numel() != hidden or t.dtype != self.dtype
+                    or t.device != self.device):
+                raise ValueError("paged KV tensors must all be [num_blocks, block_size, ...] with "
+                                 f"{hidden} values per token and one dtype/device, got "
+                                 f"{tuple(t.shape)} {t.dtype} {t.device}")
+        self.native_ok = self.device.type == "cpu" and all(t.is_contiguous() for t in tensors)
         self.ptrs = (torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
                      if self.native_ok else None)
 
 
-class VLLMPagedMemGPUConnector(_KVBlobConnector):
+class VLLMPagedMemGPUConnector(KVBlobConnector):
     """Paged per-layer ``(K, V)`` tuples of ``[num_blocks, block_size, num_heads, head_size]``."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, *, use_native: bool = True) -> None:
@@ -159,7 +168,7 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         return sources
 
     def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
-        slot_mapping = _slot_mapping(kwargs)
+        slot_mapping = require_slot_mapping(kwargs)
         if slot_mapping.dim() != 1 or slot_mapping.shape[0] < end:
             raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} does not cover "
                              f"tokens [{start}, {end})")
@@ -173,8 +182,8 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
 
     def _copy(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any],
               direction: int) -> None:
-        blob = self._blob(memory_obj, start, end, set_fmt=direction == _GATHER)
-        src = self._sources(_kvcaches(kwargs))
+        blob = self.blob_of(memory_obj, start, end, set_fmt=direction == _GATHER)
+        src = self._sources(require_kvcaches(kwargs))
         slots = self._slots(kwargs, start, end)
         if src.dtype != blob.dtype:
             raise ValueError(f"KV dtype {src.dtype} does not match memory object dtype {blob.dtype}")
@@ -202,22 +211,19 @@ class VLLMPagedMemGPUConnector(_KVBlobConnector):
         slots = slots.to(src.device, torch.int64)
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= src.num_slots):
             self._raise_bad_slots(slots, src.num_slots)
-        flat = [f if f is not None else t.reshape(src.num_slots, self.hidden_dim_size)
-                for f, t in zip(src.flat, src.tensors, strict=True)]
+        block, offset = slots // src.block_size, slots % src.block_size
         rows = blob.flatten(0, 1)  # [2L, n, hidden]
         if direction == _GATHER:
             staging = rows if rows.device == src.device else torch.empty(
                 rows.shape, dtype=rows.dtype, device=src.device)
-            for i, f in enumerate(flat):
-                torch.index_select(f, 0, slots, out=staging[i])
+            for i, t in enumerate(src.tensors):
+                staging[i] = t[block, offset].reshape(-1, staging.shape[-1])
             if staging is not rows:
                 rows.copy_(staging)
         else:
             data = rows.to(src.device, non_blocking=True)
-            for i, f in enumerate(flat):
-                f.index_copy_(0, slots, data[i])
-                if src.flat[i] is None:  # a non-contiguous cache got a reshaped copy: write back
-                    src.tensors[i].copy_(f.view_as(src.tensors[i]))
+            for i, t in enumerate(src.tensors):
+                t.index_put_((block, offset), data[i].view(-1, *t.shape[2:]))
 
     @staticmethod
     def _raise_bad_slots(slots: torch.Tensor, num_slots: int) -> None:
