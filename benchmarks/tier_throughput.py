@@ -34,19 +34,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata  # noqa: E402
-from lmcache.memory_management import (  # noqa: E402
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import (
     HostMemoryAllocator,
     MemoryFormat,
     MixedMemoryAllocator,
     TensorMemoryAllocator,
 )
-from lmcache.server.client import LMCacheClient  # noqa: E402
-from lmcache.storage_backend.local_disk_backend import SUFFIX, LocalDiskBackend  # noqa: E402
-from lmcache.storage_backend.lower_tier import LowerTierBackend  # noqa: E402
-from lmcache.storage_backend.remote_backend import RemoteBackend  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from tests.helpers.servers import LMServer, Valkey  # noqa: E402
+from lmcache.server.client import LMCacheClient
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.storage_backend.lower_tier import LowerTierBackend
+from lmcache.storage_backend.remote_backend import RemoteBackend
+from lmcache.utils import CacheEngineKey
+from tests.helpers.servers import LMServer, Valkey
 
 OUT = Path(__file__).parent / "out"
 LAYERS, KV_HEADS, HEAD_SIZE, TOKENS = 30, 3, 64, 256
@@ -158,12 +158,14 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     chunk_bytes = SHAPE.numel() * 2
     work = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
-    config = LMCacheEngineConfig.from_defaults(local_disk=str(work / "disk"),
-                                               max_local_disk_size=(args.chunks + 4) * chunk_bytes * 1.1 / 2**30)
-    meta = LMCacheEngineMetadata("SmolLM2-135M", 1, 0, "vllm", torch.bfloat16, (LAYERS, 2, TOKENS, KV_HEADS, HEAD_SIZE))
+    disk_gb = (args.chunks + 4) * chunk_bytes * 1.1 / 2**30
+    config = LMCacheEngineConfig.from_defaults(local_disk=str(work / "disk"), max_local_disk_size=disk_gb)
+    meta = LMCacheEngineMetadata("SmolLM2-135M", 1, 0, "vllm", torch.bfloat16,
+                                 (LAYERS, 2, TOKENS, KV_HEADS, HEAD_SIZE))
     # room for the chunks being filled plus one full read-back (every object is released after use)
     alloc = MixedMemoryAllocator(int((args.chunks + 4) * chunk_bytes * 1.05))
-    keys = [CacheEngineKey("kv_blob", meta.model_name, 1, 0, f"{i:032x}", "bfloat16") for i in range(args.chunks)]
+    keys = [CacheEngineKey("kv_blob", meta.model_name, 1, 0, f"{i:032x}", "bfloat16")
+            for i in range(args.chunks)]
 
     rows = bench_disk(config, meta, alloc, keys, args.reps)
     valkey = Valkey(work).start()
@@ -179,7 +181,8 @@ def main() -> None:
         valkey.kill()
         lm.stop()
 
-    print(f"{'tier':8} {'path':10} {'chunks':>6} {'MB/chunk':>8} {'tier GB/s':>9} {'raw GB/s':>9} {'ratio':>6}")
+    print(f"{'tier':8} {'path':10} {'chunks':>6} {'MB/chunk':>8} {'tier GB/s':>9} {'raw GB/s':>9} "
+          f"{'ratio':>6}")
     for x in rows:
         print(f"{x.tier:8} {x.path:10} {x.chunks:6d} {x.chunk_bytes / 1e6:8.2f} {x.tier_gbps:9.2f} "
               f"{x.raw_gbps:9.2f} {x.ratio:6.2f}")

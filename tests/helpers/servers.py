@@ -65,8 +65,14 @@ class Valkey:
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                      "--dir", str(self.workdir), *self.extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
+        log = self.workdir / "valkey.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_port(self.port)
+        except TimeoutError as e:
+            self.kill()
+            raise TimeoutError(f"{e}; valkey log:\n{log.read_text()[-2000:]}") from None
         return self
 
     def kill(self) -> None:
@@ -85,15 +91,17 @@ def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
     given contiguous slot ranges with CLUSTER ADDSLOTSRANGE; returns once the cluster is ok."""
     import redis
 
+    bus_ports = [free_port() for _ in range(n)]  # the default bus port, port + 10000, may not exist
     nodes = [Valkey(workdir, None, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no").start()
-             for _ in range(n)]
+                    "--cluster-port", str(bus), "--cluster-node-timeout", "1000",
+                    "--cluster-require-full-coverage", "no").start()
+             for bus in bus_ports]
     clients = [redis.Redis(port=v.port) for v in nodes]
     per = 16384 // n
     for i, c in enumerate(clients):
         c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, 16383 if i == n - 1 else (i + 1) * per - 1)
         if i:
-            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port, bus_ports[0])
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
@@ -111,10 +119,10 @@ def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
 class LMServer:
     """`lmcache server` in a subprocess on a free port."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, port: int = 0, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.env = env
-        self.port = 0
+        self.port = port
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> LMServer:

@@ -76,7 +76,8 @@ def test_a_chunk_larger_than_the_whole_tier_is_skipped(disk, make_obj, key):
     assert d.num_too_large == 1 and not d.contains(key(1)) and files(d) == []
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_key", "flip_header", "empty", "garbage"])
+@pytest.mark.parametrize("damage",
+                         ["truncate", "flip_payload", "flip_key", "flip_header", "empty", "garbage"])
 def test_a_damaged_file_is_a_miss_and_is_removed(disk, make_obj, key, damage):
     d = disk()
     put(d, key(1), make_obj(1))

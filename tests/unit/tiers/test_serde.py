@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
-from lmcache.storage_backend.serde import blob
+from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, blob, create_serde
 
 SERDES = ["naive", "fast", "torch", "safe"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
