@@ -63,13 +63,13 @@ class LocalDiskBackend(LowerTierBackend):
         if config.max_local_disk_bytes <= 0:
             raise ValueError(f"max_local_disk_size={config.max_local_disk_size} GB: the disk tier "
                              f"at {config.local_disk!r} needs a size limit > 0")
-        super().__init__(allocate, pools)
         self.path = os.path.abspath(config.local_disk)
         os.makedirs(self.path, exist_ok=True)
         self.max_bytes = config.max_local_disk_bytes
         self.fsync = config.local_disk_fsync
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        super().__init__(allocate, pools)
         self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> bytes, LRU first
         self._index_lock = threading.Lock()
         self.used_bytes = 0
@@ -222,10 +222,10 @@ class LocalDiskBackend(LowerTierBackend):
         self._insert_stem(stem, size)
 
     def _reserve(self, size: int) -> bool:
-        if size > self.max_bytes:
-            self.num_too_large += 1
-            return False
         with self._index_lock:
+            if size > self.max_bytes:
+                self.num_too_large += 1
+                return False
             victims = self._take_victims(size)
             self._reserved_bytes += size
         self._unlink_all(victims)
@@ -256,8 +256,9 @@ class LocalDiskBackend(LowerTierBackend):
         except ForeignSerdeError:
             return None  # written by a process with another local_disk_serde: a miss, kept
         except CorruptBlobError as e:
-            self.num_corrupt += 1
             logger.warning("removing corrupt disk cache file %s: %s", path, e)
+            with self._index_lock:
+                self.num_corrupt += 1
             self._forget(stem)
             _unlink_quietly(path)
             return None
