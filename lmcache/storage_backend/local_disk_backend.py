@@ -49,7 +49,7 @@ MAX_KEY_BYTES = 4096
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 600.0
-READ_PIECE = 1 << 18  # read + hash in pieces that stay in L2
+READ_PIECE = 1 << 20  # read + hash in pieces small enough to still be in L2 when hashed
 _PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's temporary files from a dead namesake's
 
 

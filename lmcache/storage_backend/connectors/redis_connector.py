@@ -8,6 +8,7 @@ does the backing off) and with `remote_timeout` as connect and socket timeout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +55,7 @@ class RedisClientConnector(RemoteConnector):
     client: Any
 
     def __init__(self, url: RemoteURL) -> None:
-        raw_ttl = url.options.get("ttl")
-        self.ttl = int(url.float_option("ttl", 1.0)) if raw_ttl is not None else None
+        self.ttl = math.ceil(url.float_option("ttl", 1.0)) if "ttl" in url.options else None
 
     def get(self, key: str) -> Buffer | None:
         return self.client.get(key)
