@@ -15,7 +15,8 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig
 from lmcache.memory_management import MixedMemoryAllocator
-from lmcache.storage_backend.local_disk_backend import SUFFIX, TMP_SUFFIX, LocalDiskBackend
+from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.servers import REPO
 from tests.integration.tiers import disk_worker

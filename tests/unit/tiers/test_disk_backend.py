@@ -4,7 +4,8 @@ import time
 import pytest
 import torch
 
-from lmcache.storage_backend.local_disk_backend import SUFFIX, LocalDiskBackend
+from lmcache.storage_backend.disk_file import SUFFIX
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 
 
 @pytest.fixture
