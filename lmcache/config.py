@@ -41,7 +41,10 @@ _FALSE = {"0", "false", "no", "off"}
 class LMCacheEngineConfig:
     """Seed 000's config. Extras beyond the seed: `cache_policy` (hot-tier eviction order),
     `blend_check_layers` (CacheBlend's token-selection layers), `blend_special_str` (the text
-    separating blended segments) and `remote_timeout` (seconds per remote operation)."""
+    separating blended segments), `remote_timeout` (seconds per remote operation),
+    `local_disk_serde` (the serde of disk files) and `local_disk_fsync` (fsync each disk file
+    before it becomes visible: durable across power loss; without it a file torn by a crash is
+    still never served, because checksums catch it)."""
 
     chunk_size: int = 256
     local_cpu: bool = True
@@ -62,6 +65,8 @@ class LMCacheEngineConfig:
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
     blend_special_str: str = " # # "
     remote_timeout: float = 5.0
+    local_disk_serde: str = "naive"
+    local_disk_fsync: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -81,6 +86,8 @@ class LMCacheEngineConfig:
                    f"scheme must be one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
         _check(self.remote_serde is None or self.remote_serde in SERDES, "remote_serde",
                self.remote_serde, f"must be one of {SERDES}")
+        _check(self.local_disk_serde in SERDES, "local_disk_serde", self.local_disk_serde,
+               f"must be one of {SERDES}")
         _check(0.0 <= self.blend_recompute_ratio <= 1.0, "blend_recompute_ratio",
                self.blend_recompute_ratio, "must be in [0, 1]")
         _check(self.blend_min_tokens >= 0, "blend_min_tokens", self.blend_min_tokens, "must be >= 0")

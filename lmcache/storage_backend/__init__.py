@@ -21,14 +21,17 @@ def create_storage_backends(
     allocator: MemoryAllocatorInterface,
     allocate: Callable[..., Any],
 ) -> dict[str, StorageBackendInterface]:
-    """`allocate(shape, dtype, fmt)` gives lower tiers buffers (evicting from the hot tier)."""
+    """`allocate(shape, dtype, fmt)` gives lower tiers buffers (evicting from the hot tier). Lower
+    tiers never contact their store here: an unreachable remote shows up as misses later."""
     backends: dict[str, StorageBackendInterface] = {}
     if config.local_cpu:
         backends["Hot"] = LocalCPUBackend(allocator, config.cache_policy)
     if config.local_disk is not None:
-        raise ValueError(f"local_disk={config.local_disk!r}: the local disk tier is not available "
-                         "in this version of lmcache")
+        from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+
+        backends["LocalDiskBackend"] = LocalDiskBackend(config, metadata, allocate)
     if config.remote_url is not None:
-        raise ValueError(f"remote_url={config.remote_url!r}: the remote tier is not available in "
-                         "this version of lmcache")
+        from lmcache.storage_backend.remote_backend import RemoteBackend
+
+        backends["RemoteBackend"] = RemoteBackend(config, metadata, allocate)
     return backends

@@ -13,6 +13,7 @@ from lmcache.storage_backend.serde.serde import (
     CorruptBlobError,
     Deserializer,
     DeserializerDebugWrapper,
+    ForeignSerdeError,
     Serializer,
     SerializerDebugWrapper,
 )
@@ -43,6 +44,6 @@ def create_serde(name: str, config: LMCacheEngineConfig,
 
 
 __all__ = [
-    "CorruptBlobError", "Deserializer", "DeserializerDebugWrapper", "Serializer",
+    "CorruptBlobError", "Deserializer", "ForeignSerdeError", "DeserializerDebugWrapper", "Serializer",
     "SerializerDebugWrapper", "create_serde",
 ]

@@ -14,7 +14,9 @@ Layout (little-endian), followed by `payload_len` payload bytes:
     88          payload
 
 `pack_header` writes the 88 bytes for a payload; `unpack` validates a whole blob and returns a
-zero-copy view of its payload.
+zero-copy view of its payload; `parse_header` + `verify_payload` (or a `PayloadVerifier` fed
+piece by piece) do the same in steps, for a reader that places the payload straight into a buffer
+it allocates after reading the header.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from lmcache.storage_backend.serde.serde import CorruptBlobError
+from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 MAGIC = b"LMCB"
 VERSION = 1
@@ -43,6 +45,17 @@ _DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True)
+class Header:
+    """The fields of a blob header (validated except for the checksum)."""
+
+    serde_id: int
+    dtype: torch.dtype
+    shape: torch.Size
+    payload_len: int
+    checksum: int
+
+
+@dataclass(frozen=True)
 class Blob:
     serde_id: int
     dtype: torch.dtype
@@ -50,7 +63,7 @@ class Blob:
     payload: memoryview
 
 
-def _checksum(head: bytes, payload: bytes | memoryview) -> int:
+def _checksum(head: bytes | memoryview, payload: bytes | memoryview) -> int:
     h = xxhash.xxh3_64(head)
     h.update(payload)
     return h.intdigest()
@@ -68,9 +81,11 @@ def pack_header(serde: str, shape: torch.Size | tuple[int, ...], dtype: torch.dt
     return head + struct.pack("<Q", _checksum(head, payload))
 
 
-def unpack(blob: bytes | bytearray | memoryview, serde: str | None = None) -> Blob:
-    """Validate `blob` and return its fields; raises CorruptBlobError for anything invalid."""
-    view = memoryview(blob).cast("B")
+def parse_header(head: bytes | bytearray | memoryview, serde: str | None = None) -> Header:
+    """Validate the first HEADER_SIZE bytes of a blob (all but the checksum, which needs the
+    payload: see `verify_payload`). Lets a reader learn shape and dtype, allocate, and read the
+    payload straight into place. Raises CorruptBlobError."""
+    view = memoryview(head).cast("B")
     if len(view) < HEADER_SIZE:
         raise CorruptBlobError(f"blob of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, serde_id, dtype_code, ndim, *rest = _FIXED.unpack_from(view)
@@ -79,14 +94,53 @@ def unpack(blob: bytes | bytearray | memoryview, serde: str | None = None) -> Bl
         raise CorruptBlobError("not an LMCache blob (bad magic)")
     if version != VERSION:
         raise CorruptBlobError(f"unsupported blob version {version}")
-    if serde is not None and serde_id != SERDE_IDS[serde]:
-        raise CorruptBlobError(f"blob was written by serde id {serde_id}, expected {serde!r}")
     if dtype_code not in _DTYPES or ndim > MAX_NDIM:
         raise CorruptBlobError(f"bad dtype code {dtype_code} or ndim {ndim}")
-    if len(view) != HEADER_SIZE + payload_len:
-        raise CorruptBlobError(f"blob has {len(view) - HEADER_SIZE} payload bytes, header says {payload_len}")
+    if serde is not None and serde_id != SERDE_IDS[serde]:
+        raise ForeignSerdeError(f"blob was written by serde id {serde_id}, expected {serde!r}")
+    (checksum,) = struct.unpack_from("<Q", view, _FIXED.size)
+    return Header(serde_id, _DTYPES[dtype_code], torch.Size(dims[:ndim]), payload_len, checksum)
+
+
+class PayloadVerifier:
+    """Checks a payload that arrives in pieces (e.g. read from a file straight into its buffer, a
+    piece at a time, so each piece is hashed while it is still in cache)."""
+
+    def __init__(self, head: bytes | bytearray | memoryview, header: Header) -> None:
+        self.header = header
+        self._hash = xxhash.xxh3_64(memoryview(head)[: _FIXED.size])
+        self._received = 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        self._hash.update(piece)
+        self._received += len(piece)
+
+    def finish(self) -> None:
+        """Raise CorruptBlobError unless the pieces were exactly the payload the header describes."""
+        if self._received != self.header.payload_len:
+            raise CorruptBlobError(f"blob has {self._received} payload bytes, header says "
+                                   f"{self.header.payload_len}")
+        if self._hash.intdigest() != self.header.checksum:
+            raise CorruptBlobError("blob checksum mismatch (corrupted)")
+
+
+def verify_payload(head: bytes | bytearray | memoryview, header: Header,
+                   payload: bytes | bytearray | memoryview) -> None:
+    """Raise CorruptBlobError unless `payload` is exactly the payload `head` describes."""
+    if len(payload) != header.payload_len:  # before hashing gigabytes of the wrong thing
+        raise CorruptBlobError(f"blob has {len(payload)} payload bytes, header says {header.payload_len}")
+    verifier = PayloadVerifier(head, header)
+    verifier.update(payload)
+    verifier.finish()
+
+
+def unpack(blob: bytes | bytearray | memoryview, serde: str | None = None) -> Blob:
+    """Validate `blob` and return its fields; raises CorruptBlobError for anything invalid, and
+    its subclass ForeignSerdeError for an intact blob of another serde than `serde`."""
+    view = memoryview(blob).cast("B")
+    header = parse_header(view)
     payload = view[HEADER_SIZE:]
-    (stored,) = struct.unpack_from("<Q", view, _FIXED.size)
-    if stored != _checksum(bytes(view[: _FIXED.size]), payload):
-        raise CorruptBlobError("blob checksum mismatch (corrupted)")
-    return Blob(serde_id, _DTYPES[dtype_code], torch.Size(dims[:ndim]), payload)
+    verify_payload(view, header, payload)
+    if serde is not None and header.serde_id != SERDE_IDS[serde]:
+        raise ForeignSerdeError(f"blob was written by serde id {header.serde_id}, expected {serde!r}")
+    return Blob(header.serde_id, header.dtype, header.shape, payload)

@@ -1,0 +1,42 @@
+"""`Backoff`: after a failure, do not try again until a growing delay has passed.
+
+Used by everything that talks to a remote store (the lm:// client's reconnects, the remote tier's
+per-failure-domain retry), so that a dead server costs one failed attempt per delay, not one per
+request. `ready()` says whether an attempt may be made now; `failed()` doubles the delay (from
+`initial` up to `maximum`); `succeeded()` resets it. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Backoff:
+    def __init__(self, initial: float = 0.5, maximum: float = 30.0) -> None:
+        if not 0 < initial <= maximum:
+            raise ValueError(f"backoff delays must satisfy 0 < initial={initial} <= maximum={maximum}")
+        self.initial = initial
+        self.maximum = maximum
+        self._lock = threading.Lock()
+        self._delay = 0.0
+        self._retry_at = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    @property
+    def failing(self) -> bool:
+        return self._delay > 0
+
+    def failed(self) -> float:
+        """Record a failure; returns the delay before the next attempt."""
+        with self._lock:
+            self._delay = self.initial if self._delay == 0 else min(self._delay * 2, self.maximum)
+            self._retry_at = time.monotonic() + self._delay
+            return self._delay
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._delay = 0.0
+            self._retry_at = 0.0

@@ -1,0 +1,155 @@
+"""`LMCacheClient`: blocking client of the lm:// server, safe to share between threads.
+
+It keeps a few idle connections (each call borrows one, so concurrent callers never interleave
+frames). Reconnects use a `Backoff`: after a failed connect, calls fail fast with ConnectionError
+until the delay has passed, then one call tries again. A call that fails on a reused connection
+(e.g. the server restarted since) is retried once on a fresh one. Errors: ConnectionError /
+TimeoutError (transport), PermissionError (bad auth token), `LMServerError` (the server refused
+the request), ValueError (bad arguments, e.g. an oversize key).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Sequence
+
+from lmcache.backoff import Backoff
+from lmcache.server import protocol
+from lmcache.server.protocol import Op, Status
+
+Buffer = bytes | bytearray | memoryview
+
+
+class LMServerError(RuntimeError):
+    """The server answered a request with an error status."""
+
+
+class LMCacheClient:
+    def __init__(self, host: str, port: int, *, timeout: float = 5.0, auth_token: str | None = None,
+                 max_idle: int = 8, backoff: Backoff | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self.auth_token = auth_token.encode() if auth_token else None
+        self.max_idle = max_idle
+        self.backoff = backoff or Backoff()
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    def put(self, key: str, value: Buffer | Sequence[Buffer]) -> None:
+        """Store `value` (bytes, or pieces sent in order without joining them)."""
+        parts = [value] if isinstance(value, (bytes, bytearray, memoryview)) else list(value)
+        status, _ = self._call([(Op.PUT, key, parts)])[0]
+        if status == Status.TOO_LARGE:
+            raise LMServerError(f"value for {key!r} is larger than the server's capacity")
+
+    def get(self, key: str) -> bytearray | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Pipelined GETs: all requests are sent, then the answers read in order."""
+        if not keys:
+            return []
+        answers = self._call([(Op.GET, k, ()) for k in keys])
+        return [value if status == Status.OK else None for status, value in answers]
+
+    def exists(self, key: str) -> bool:
+        return self._call([(Op.EXISTS, key, ())])[0][0] == Status.OK
+
+    def delete(self, key: str) -> bool:
+        return self._call([(Op.DELETE, key, ())])[0][0] == Status.OK
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        _, value = self._call([(Op.LIST, prefix, ())])[0]
+        return [k.decode() for k in protocol.unpack_key_list(value)]
+
+    def health(self) -> dict[str, int]:
+        _, value = self._call([(Op.HEALTH, "", ())])[0]
+        return json.loads(value)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    # ---- transport ------------------------------------------------------------------------------
+
+    def _call(self, requests: list[tuple[Op, str, Sequence[Buffer]]]) -> list[tuple[Status, bytearray]]:
+        frames = [(protocol.pack_request(op, key.encode(), sum(memoryview(p).nbytes for p in parts)), parts)
+                  for op, key, parts in requests]
+        for attempt in range(2):
+            sock, reused = self._borrow()
+            try:
+                for head, parts in frames:
+                    sock.sendall(head)
+                    for part in parts:
+                        sock.sendall(part)
+                answers = [self._read_answer(sock) for _ in frames]
+            except (ConnectionError, EOFError) as e:
+                sock.close()
+                if reused and attempt == 0:
+                    continue  # a stale pooled connection: retry once on a fresh one
+                raise ConnectionError(f"lm://{self.host}:{self.port}: {e}") from e
+            except BaseException:
+                sock.close()
+                raise
+            self._give_back(sock)
+            return answers
+        raise AssertionError("unreachable")
+
+    def _read_answer(self, sock: socket.socket) -> tuple[Status, bytearray]:
+        status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
+        value = _recv_exact(sock, value_len) if value_len else bytearray()
+        if status == Status.ERROR:
+            raise LMServerError(value.decode(errors="replace"))
+        if status == Status.UNAUTHORIZED:
+            raise PermissionError(f"lm://{self.host}:{self.port} rejected the auth token")
+        return status, value
+
+    def _borrow(self) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _connect(self) -> socket.socket:
+        if not self.backoff.ready():
+            raise ConnectionError(f"lm://{self.host}:{self.port} is unreachable; waiting before reconnecting")
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError:
+            self.backoff.failed()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.auth_token is not None:
+            try:
+                sock.sendall(protocol.pack_request(Op.AUTH, self.auth_token))
+                self._read_answer(sock)
+            except BaseException:
+                sock.close()
+                raise
+        self.backoff.succeeded()
+        return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise EOFError("connection closed by the server")
+        view = view[got:]
+    return buf

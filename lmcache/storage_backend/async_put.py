@@ -1,0 +1,112 @@
+"""`AsyncPutQueue`: the write-behind queue of a lower tier (disk, remote), written once.
+
+- `submit(key, obj)` queues `write(key, obj)` on a small worker pool and returns its Future. The
+  queue holds a reference on `obj` (`ref_count_up`) until the write has finished or was cancelled,
+  so the hot tier cannot recycle the buffer under a write.
+- A key already in flight is not queued twice: `submit` returns the existing Future.
+- At most `max_pending` writes are in flight; beyond that `submit` drops the put (returns None,
+  counts it in `num_dropped`) instead of blocking the engine.
+- `get_pending(key)` hands out the in-flight object (with a reference for the caller), so a read
+  that races a write is served from memory.
+- `flush(timeout)` waits for everything in flight; `close(timeout)` stops accepting, flushes with
+  that bounded wait, then cancels what is still queued.
+A write that raises is counted in `num_failed` and logged once per incident.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+from lmcache.memory_management import MemoryObj
+from lmcache.observability import IncidentLog
+from lmcache.utils import CacheEngineKey
+
+logger = logging.getLogger(__name__)
+
+WriteFn = Callable[[CacheEngineKey, MemoryObj], None]
+
+
+class AsyncPutQueue:
+    def __init__(self, name: str, write: WriteFn, *, num_workers: int = 2, max_pending: int = 64) -> None:
+        if num_workers < 1 or max_pending < 1:
+            raise ValueError(f"num_workers={num_workers} and max_pending={max_pending} must be >= 1")
+        self.name = name
+        self.max_pending = max_pending
+        self._write = write
+        self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix=f"lmcache-{name}-put")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a write is accounted for
+        self._pending: dict[CacheEngineKey, tuple[Future, MemoryObj]] = {}
+        self._closed = False
+        self._incidents = IncidentLog(logger, f"asynchronous writes to {name}")
+        self.num_written = 0
+        self.num_failed = 0
+        self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        return key in self._pending
+
+    def submit(self, key: CacheEngineKey, obj: MemoryObj) -> Future | None:
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending[0]
+            if self._closed or len(self._pending) >= self.max_pending:
+                self.num_dropped += 1
+                if self.num_dropped == 1:
+                    logger.warning("%s: write queue full (%d in flight); dropping puts (counted in "
+                                   "num_dropped)", self.name, self.max_pending)
+                return None
+            obj.ref_count_up()
+            future = self._executor.submit(self._write, key, obj)
+            self._pending[key] = (future, obj)
+        future.add_done_callback(partial(self._finish, key, obj))
+        return future
+
+    def _finish(self, key: CacheEngineKey, obj: MemoryObj, future: Future) -> None:
+        error = None if future.cancelled() else future.exception()
+        with self._lock:
+            if self._pending.get(key, (None,))[0] is future:
+                del self._pending[key]
+            obj.ref_count_down()
+            if future.cancelled():
+                self.num_dropped += 1
+            elif error is None:
+                self.num_written += 1
+            else:
+                self.num_failed += 1
+            self._idle.notify_all()
+        if error is not None:
+            self._incidents.fail(error)
+        elif not future.cancelled():
+            self._incidents.recover()
+
+    def get_pending(self, key: CacheEngineKey) -> MemoryObj | None:
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                return None
+            obj = pending[1]
+            obj.ref_count_up()
+            return obj
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until no write is in flight (each finished and accounted for in the counters);
+        False if `timeout` ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._closed = True
+        if not self.flush(timeout):
+            logger.warning("%s: %d writes did not finish within %.1f s and are abandoned",
+                           self.name, len(self._pending), timeout)
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,38 @@
+"""`RemoteConnector`: the small interface every remote store implements (key string -> bytes).
+
+Methods raise on transport failures (any exception); the remote tier turns that into a miss.
+`failure_domain(key)` names the unit that fails together (a whole server by default, one node
+of a cluster for `redis-cluster://`), so a fault only disables the keys that live there.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+Buffer = bytes | bytearray | memoryview
+
+
+class RemoteConnector(abc.ABC):
+    @abc.abstractmethod
+    def get(self, key: str) -> Buffer | None: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Several GETs in one round trip where the store allows it."""
+        return [self.get(k) for k in keys]
+
+    @abc.abstractmethod
+    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of `parts` under `key`."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    def failure_domain(self, key: str) -> str:
+        return "*"
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,44 @@
+"""lm://HOST:PORT — the lmcache server (`lmcache server`), through `LMCacheClient`.
+
+The auth token comes from the `auth_token` URL option or the LMCACHE_AUTH_TOKEN variable.
+The client's own reconnect backoff is kept short: the remote tier does the long backoff.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from lmcache.backoff import Backoff
+from lmcache.server.client import LMCacheClient
+from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector
+from lmcache.storage_backend.connectors.url import RemoteURL
+
+
+class LMConnector(RemoteConnector):
+    def __init__(self, url: RemoteURL, timeout: float) -> None:
+        url.check_options(frozenset({"auth_token"}))
+        if len(url.hosts) != 1 or url.path:
+            raise ValueError(f"remote_url {url.url!r}: lm:// takes exactly one host:port and no path")
+        host, port = url.hosts[0]
+        token = url.options.get("auth_token") or os.environ.get("LMCACHE_AUTH_TOKEN") or None
+        self.client = LMCacheClient(host, port, timeout=timeout, auth_token=token,
+                                    backoff=Backoff(initial=0.05, maximum=1.0))
+
+    def get(self, key: str) -> Buffer | None:
+        return self.client.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return list(self.client.get_many(keys))
+
+    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        self.client.put(key, parts)
+
+    def exists(self, key: str) -> bool:
+        return self.client.exists(key)
+
+    def delete(self, key: str) -> bool:
+        return self.client.delete(key)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,98 @@
+"""redis:// rediss:// valkey:// valkeys:// — one Redis/Valkey server through redis-py.
+
+`RedisClientConnector` holds the operations shared by every redis-py client (standalone,
+sentinel, cluster): GET, MGET for batches, SET with the optional `ttl`, EXISTS, DELETE. Clients are
+built without redis-py's own retries (a dead server must cost one quick failure; the remote tier
+does the backing off) and with `remote_timeout` as connect and socket timeout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector
+from lmcache.storage_backend.connectors.url import RemoteURL
+
+REDIS_OPTIONS = frozenset({"ttl", "max_connections"})
+TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+                         "ssl_check_hostname"})
+TLS_SCHEMES = ("rediss", "valkeys")
+
+
+def client_kwargs(url: RemoteURL, timeout: float) -> dict[str, Any]:
+    """redis-py keyword arguments shared by every redis-family scheme."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout, "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0), "username": url.username, "password": url.password,
+    }
+    if url.scheme in TLS_SCHEMES:
+        kwargs["ssl"] = True
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+            if name in url.options:
+                kwargs[name] = url.options[name]
+        if "ssl_check_hostname" in url.options:
+            kwargs["ssl_check_hostname"] = url.options["ssl_check_hostname"].lower() in ("1", "true", "yes")
+    return kwargs
+
+
+def db_number(url: RemoteURL, index: int) -> int:
+    if len(url.path) <= index:
+        return 0
+    if not url.path[index].isdigit():
+        raise ValueError(f"remote_url {url.url!r}: database {url.path[index]!r} must be a number")
+    return int(url.path[index])
+
+
+class RedisClientConnector(RemoteConnector):
+    """Operations over any redis-py client in `self.client`."""
+
+    client: Any
+
+    def __init__(self, url: RemoteURL) -> None:
+        self.ttl = math.ceil(url.float_option("ttl", 1.0)) if "ttl" in url.options else None
+
+    def get(self, key: str) -> Buffer | None:
+        return self.client.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return list(self.client.mget(keys)) if keys else []
+
+    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        value = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.client.set(key, value, ex=self.ttl)
+
+    def exists(self, key: str) -> bool:
+        return bool(self.client.exists(key))
+
+    def delete(self, key: str) -> bool:
+        return bool(self.client.delete(key))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisConnector(RedisClientConnector):
+    def __init__(self, url: RemoteURL, timeout: float) -> None:
+        url.check_options(REDIS_OPTIONS | (TLS_OPTIONS if url.scheme in TLS_SCHEMES else frozenset()))
+        if len(url.hosts) != 1 or len(url.path) > 1:
+            raise ValueError(f"remote_url {url.url!r}: {url.scheme}:// takes one host:port "
+                             "and an optional /DB")
+        super().__init__(url)
+        host, port = url.hosts[0]
+        max_connections = int(url.float_option("max_connections", 16))
+        kwargs = client_kwargs(url, timeout)
+        if kwargs.pop("ssl", False):
+            kwargs["connection_class"] = redis.SSLConnection
+        pool = redis.ConnectionPool(host=host, port=port, db=db_number(url, 0),
+                                    max_connections=max_connections, **kwargs)
+        self.client = redis.Redis(connection_pool=pool)
+
+    def close(self) -> None:
+        self.client.close()
+        self.client.connection_pool.disconnect()

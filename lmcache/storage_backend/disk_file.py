@@ -1,0 +1,156 @@
+"""The disk tier's file format, its atomic write and its verified read.
+
+One file per chunk, `<stem>.kvc`, holding
+
+    b"LMCK" | u32 key length | key (UTF-8) | blob (serde header with checksum + payload)
+
+- `write_atomic` writes to a uniquely named temporary file in the same directory
+  (`<stem>.<pid>.<token><random>.tmp`), optionally fsyncs it (and the directory), then
+  `os.replace`s it onto the final name: a reader sees no file or a complete one, whoever writes
+  and however a writer dies. `is_stale_tmp` tells which temporary files a dead writer left.
+- `read_chunk` checks the key and the blob header, allocates, and (for a raw serde) reads the
+  payload straight into the new buffer in READ_PIECE pieces, hashing each piece while it is still
+  in cache. Anything that does not verify raises CorruptBlobError (ForeignSerdeError for an intact
+  file of another serde).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+from lmcache.memory_management import MemoryFormat, MemoryObj
+from lmcache.storage_backend.serde import blob as blob_header
+from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
+
+FILE_MAGIC = b"LMCK"
+_PREFIX = struct.Struct("<4sI")
+MAX_KEY_BYTES = 4096
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+MIN_FILE_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
+STALE_TMP_SECONDS = 600.0
+READ_PIECE = 1 << 20  # read + hash in pieces small enough to still be in L2 when hashed
+_PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's temporary files from a dead namesake's
+
+Buffer = bytes | memoryview
+
+
+def file_parts(key_bytes: bytes, blob_parts: Sequence[Buffer]) -> list[Buffer]:
+    """The pieces of a chunk file, in order (the blob parts are not copied)."""
+    return [_PREFIX.pack(FILE_MAGIC, len(key_bytes)), key_bytes, *blob_parts]
+
+
+def write_atomic(directory: str, stem: str, parts: Sequence[Buffer], fsync: bool) -> None:
+    final = os.path.join(directory, stem + SUFFIX)
+    tmp = os.path.join(directory, f"{stem}.{os.getpid()}.{_PROCESS_TOKEN}{os.urandom(6).hex()}{TMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        if fsync:
+            _fsync_dir(directory)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+
+
+def read_chunk(f: io.FileIO, key_bytes: bytes, serde_id: int, deser: Deserializer,
+               allocate: AllocateFn) -> MemoryObj | None:
+    """The chunk in `f` (an unbuffered file positioned at 0) in a buffer from `allocate`, or None
+    if `allocate` has no room. Raises CorruptBlobError if the file does not verify."""
+    file_size = os.fstat(f.fileno()).st_size
+    magic, key_len = _PREFIX.unpack(_read_exact(f, _PREFIX.size))
+    if magic != FILE_MAGIC or key_len > MAX_KEY_BYTES:
+        raise CorruptBlobError("not an LMCache disk cache file (bad magic or key length)")
+    if _read_exact(f, key_len) != key_bytes:
+        raise CorruptBlobError("the file holds a different key")
+    head = _read_exact(f, blob_header.HEADER_SIZE)
+    header = blob_header.parse_header(head)
+    expected = _PREFIX.size + key_len + blob_header.HEADER_SIZE + header.payload_len
+    if file_size != expected:
+        raise CorruptBlobError(f"file has {file_size} bytes, its header describes {expected}")
+    if not (header.serde_id == serde_id and deser.raw_payload and header.dtype == deser.dtype):
+        return deser.from_bytes_to(head + f.readall(), allocate)
+    if header.shape.numel() * header.dtype.itemsize != header.payload_len:
+        raise CorruptBlobError(f"payload of {header.payload_len} bytes does not hold "
+                               f"{header.dtype} {tuple(header.shape)}")
+    obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)
+    if obj is None:
+        return None
+    try:
+        verifier = blob_header.PayloadVerifier(head, header)
+        _readinto_verified(f, obj.byte_array, verifier)
+        verifier.finish()
+    except BaseException:
+        obj.ref_count_down()
+        raise
+    return obj
+
+
+def is_stale_tmp(name: str, mtime: float) -> bool:
+    """A temporary file whose writer process is gone (or that is far too old to be in progress)."""
+    if time.time() - mtime > STALE_TMP_SECONDS:
+        return True
+    parts = name.split(".")
+    if len(parts) != 4 or not parts[1].isdigit():
+        return True
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return not parts[2].startswith(_PROCESS_TOKEN)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact(f: io.FileIO, n: int) -> bytes:
+    data = f.read(n)
+    if data is None or len(data) != n:
+        raise CorruptBlobError(f"file is truncated (wanted {n} more bytes)")
+    return data
+
+
+def _readinto_verified(f: io.FileIO, buf: memoryview, verifier: blob_header.PayloadVerifier) -> None:
+    """Fill `buf` from `f` in READ_PIECE pieces, hashing each while it is still in cache."""
+    view = buf.cast("B") if buf.format != "B" else buf
+    while view:
+        n = f.readinto(view[:READ_PIECE])
+        if not n:
+            raise CorruptBlobError("file is truncated")
+        verifier.update(view[:n])
+        view = view[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,236 @@
+"""`LocalDiskBackend` ("LocalDiskBackend"): KV chunks as files in `config.local_disk`.
+
+One file per chunk, named by the xxh3-128 of the key string; the format, the atomic write and the
+verified read are in `disk_file`. This module keeps the index:
+- Writes run on the put workers (`LowerTierBackend`) through `disk_file.write_atomic`
+  (temporary file, optional fsync per `local_disk_fsync`, atomic rename): several processes
+  (tensor-parallel ranks, two engines) may share the directory, and a writer killed halfway leaves
+  at most a temporary file, which `load_disk` removes once its writer is gone.
+- The directory is the persistent index: `load_disk` (run at start-up) scans it and rebuilds the
+  in-memory LRU index from file sizes and modification times; `contains` also finds files that
+  other processes wrote since (one `stat`).
+- `max_local_disk_size` bounds the bytes this process knows of; room for a new file is made by
+  unlinking least recently used files (safe while another process still reads them).
+- Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
+  counted (`num_corrupt`) and the read is a miss. With a raw serde (`naive`, `fast`) the payload is
+  read straight into the buffer from `allocate`, with no intermediate copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+
+import xxhash
+
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryObj
+from lmcache.storage_backend import disk_file
+from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
+from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
+from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
+from lmcache.storage_backend.serde.blob import SERDE_IDS
+from lmcache.storage_backend.serde.serde import AllocateFn
+from lmcache.utils import CacheEngineKey
+
+logger = logging.getLogger(__name__)
+
+
+class LocalDiskBackend(LowerTierBackend):
+    name = "LocalDiskBackend"
+
+    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
+                 allocate: AllocateFn, pools: TierPools | None = None) -> None:
+        if config.local_disk is None:
+            raise ValueError("LocalDiskBackend needs config.local_disk (a directory)")
+        if config.max_local_disk_bytes <= 0:
+            raise ValueError(f"max_local_disk_size={config.max_local_disk_size} GB: the disk tier "
+                             f"at {config.local_disk!r} needs a size limit > 0")
+        self.path = os.path.abspath(config.local_disk)
+        os.makedirs(self.path, exist_ok=True)
+        self.max_bytes = config.max_local_disk_bytes
+        self.fsync = config.local_disk_fsync
+        self.serde_name = config.local_disk_serde
+        self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        super().__init__(allocate, pools)
+        self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> bytes, LRU first
+        self._index_lock = threading.Lock()
+        self.used_bytes = 0
+        self._reserved_bytes = 0
+        self.num_corrupt = 0
+        self.num_evicted = 0
+        self.num_too_large = 0
+        self.load_disk()
+
+    # ---- naming ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stem(key: CacheEngineKey) -> str:
+        return xxhash.xxh3_128_hexdigest(key.to_string().encode())
+
+    def _key_to_path(self, key: CacheEngineKey) -> str:
+        return os.path.join(self.path, self._stem(key) + SUFFIX)
+
+    # ---- index ----------------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        stem = self._stem(key)
+        with self._index_lock:
+            if stem in self._index:
+                return True
+        try:  # written by another process sharing the directory?
+            size = os.stat(os.path.join(self.path, stem + SUFFIX)).st_size
+        except FileNotFoundError:
+            return False
+        self._insert_stem(stem, size)
+        return True
+
+    def insert_key(self, key: CacheEngineKey, size: int) -> None:
+        """Record that `key`'s file (of `size` bytes) is on disk."""
+        self._insert_stem(self._stem(key), size)
+
+    def _insert_stem(self, stem: str, size: int) -> None:
+        with self._index_lock:
+            self.used_bytes += size - self._index.pop(stem, 0)
+            self._index[stem] = size
+            victims = self._take_victims(0, keep=stem)
+        self._unlink_all(victims)
+
+    def _touch(self, stem: str) -> None:
+        with self._index_lock:
+            if stem in self._index:
+                self._index.move_to_end(stem)
+
+    def _forget(self, stem: str) -> None:
+        with self._index_lock:
+            self.used_bytes -= self._index.pop(stem, 0)
+
+    def _take_victims(self, incoming: int, keep: str | None = None) -> list[str]:
+        """Under the index lock: drop LRU entries until `incoming` more bytes fit."""
+        victims = []
+        for stem in list(self._index):
+            if self.used_bytes + self._reserved_bytes + incoming <= self.max_bytes:
+                break
+            if stem == keep:
+                continue
+            self.used_bytes -= self._index.pop(stem)
+            victims.append(stem)
+        self.num_evicted += len(victims)
+        return victims
+
+    def _unlink_all(self, stems: list[str]) -> None:
+        for stem in stems:
+            try:
+                os.unlink(os.path.join(self.path, stem + SUFFIX))
+            except FileNotFoundError:
+                pass
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        stem = self._stem(key)
+        self._forget(stem)
+        try:
+            os.unlink(os.path.join(self.path, stem + SUFFIX))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def load_disk(self) -> int:
+        """Rebuild the index from the directory (oldest modification first = first to evict) and
+        remove temporary files whose writer is gone; returns the number of entries found."""
+        found: list[tuple[float, str, int]] = []
+        for entry in os.scandir(self.path):
+            name = entry.name
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            if name.endswith(SUFFIX):
+                if st.st_size < disk_file.MIN_FILE_SIZE:
+                    unlink_quietly(entry.path)  # cannot even hold a header: a foreign or torn file
+                    continue
+                found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
+            elif name.endswith(TMP_SUFFIX) and disk_file.is_stale_tmp(name, st.st_mtime):
+                unlink_quietly(entry.path)
+        found.sort()
+        with self._index_lock:
+            for _, stem, size in found:
+                self.used_bytes += size - self._index.pop(stem, 0)
+                self._index[stem] = size
+            victims = self._take_victims(0)
+        self._unlink_all(victims)
+        return len(self._index)
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def _should_put(self, key: CacheEngineKey) -> bool:
+        return not self.contains(key)
+
+    def _write(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        self.async_save_bytes_to_disk(key, obj)
+
+    def async_save_bytes_to_disk(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        """Write `memory_obj` as `key`'s file (temporary file + atomic rename); runs on a put
+        worker. Skipped (counted in `num_too_large`) if it cannot fit in `max_local_disk_size`."""
+        tensor = memory_obj.tensor
+        if tensor is None:
+            raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
+        parts = disk_file.file_parts(key.to_string().encode(), self.serializer.to_parts(tensor))
+        size = sum(len(p) for p in parts)
+        if not self._reserve(size):
+            return
+        stem = self._stem(key)
+        try:
+            disk_file.write_atomic(self.path, stem, parts, self.fsync)
+        finally:
+            with self._index_lock:
+                self._reserved_bytes -= size
+        self._insert_stem(stem, size)
+
+    def _reserve(self, size: int) -> bool:
+        with self._index_lock:
+            if size > self.max_bytes:
+                self.num_too_large += 1
+                return False
+            victims = self._take_victims(size)
+            self._reserved_bytes += size
+        self._unlink_all(victims)
+        return True
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def _read(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.load_bytes_from_disk(key)
+
+    def async_load_bytes_from_disk(self, key: CacheEngineKey) -> Future:
+        """`load_bytes_from_disk(key)` on the load pool."""
+        return self._loads.submit(self.load_bytes_from_disk, key)
+
+    def load_bytes_from_disk(self, key: CacheEngineKey) -> MemoryObj | None:
+        """`key`'s chunk in a buffer from `allocate` (reference owned by the caller), or None if
+        it is not on disk, is corrupt (then the file is removed) or `allocate` has no room."""
+        stem = self._stem(key)
+        path = os.path.join(self.path, stem + SUFFIX)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            self._forget(stem)
+            return None
+        try:
+            with f:
+                obj = disk_file.read_chunk(f, key.to_string().encode(), SERDE_IDS[self.serde_name],
+                                           self.deserializer, self.allocate)
+        except ForeignSerdeError:
+            return None  # written by a process with another local_disk_serde: a miss, kept
+        except CorruptBlobError as e:
+            logger.warning("removing corrupt disk cache file %s: %s", path, e)
+            with self._index_lock:
+                self.num_corrupt += 1
+            self._forget(stem)
+            unlink_quietly(path)
+            return None
+        if obj is not None:
+            self._touch(stem)
+        return obj

@@ -1,0 +1,154 @@
+"""`RemoteBackend` ("RemoteBackend"): KV chunks in a shared remote store, chosen by `remote_url`.
+
+The store is reached through a `RemoteConnector` (lm://, redis://, rediss://, valkey://,
+redis-sentinel://, redis-cluster://; see `connectors/url.py`); chunks are serialized with
+`remote_serde`, and every blob carries the checksummed header, so a truncated or foreign value is
+a miss (and is deleted, so that it can be stored again).
+
+Failure is a miss: every call goes through `_call`, which answers a default (not found / not
+stored) when the store fails, logs one warning per incident, and does not try the failing part
+again until a backoff delay has passed (`backoff` / `max_backoff` URL options). The failing part
+is the connector's `failure_domain` of the key: the whole server, or one node of a cluster.
+Writes skip keys the store already has (another engine may have stored them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
+
+from lmcache.backoff import Backoff
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryObj
+from lmcache.observability import IncidentLog
+from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
+from lmcache.storage_backend.connectors.base import Buffer
+from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
+from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
+from lmcache.storage_backend.serde.serde import AllocateFn
+from lmcache.utils import CacheEngineKey
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Domain:
+    def __init__(self, name: str, initial: float, maximum: float) -> None:
+        self.backoff = Backoff(initial, maximum)
+        self.incidents = IncidentLog(logger, f"remote store {name}")
+
+
+class RemoteBackend(LowerTierBackend):
+    name = "RemoteBackend"
+
+    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, allocate: AllocateFn,
+                 pools: TierPools | None = None, connector: RemoteConnector | None = None) -> None:
+        if config.remote_url is None:
+            raise ValueError("RemoteBackend needs config.remote_url")
+        self.url = parse_remote_url(config.remote_url)
+        self._backoff_range = (self.url.float_option("backoff", 0.5),
+                               self.url.float_option("max_backoff", 30.0))
+        self.connector = connector or create_connector(self.url, config.remote_timeout)
+        super().__init__(allocate, pools)
+        self.serde_name = config.remote_serde or "naive"
+        self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self._domains: dict[str, _Domain] = {}
+        self._domains_lock = threading.Lock()
+        self.num_corrupt = 0
+        self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
+        self.num_skipped = 0  # calls not made because the store was backing off
+
+    def _remote_key(self, key: CacheEngineKey) -> str:
+        ns = self.url.namespace
+        return f"{ns}:{key.to_string()}" if ns else key.to_string()
+
+    def _domain(self, remote_key: str) -> _Domain:
+        name = self.connector.failure_domain(remote_key)
+        with self._domains_lock:
+            domain = self._domains.get(name)
+            if domain is None:
+                label = self.url.url if name == "*" else f"{self.url.url} node {name}"
+                domain = self._domains[name] = _Domain(label, *self._backoff_range)
+            return domain
+
+    def _call(self, remote_key: str, fn: Callable[[], T], default: T) -> T:
+        domain = self._domain(remote_key)
+        if not domain.backoff.ready():
+            self.num_skipped += 1
+            return default
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - any store failure is a miss
+            domain.backoff.failed()
+            domain.incidents.fail(e)
+            return default
+        if domain.backoff.failing:
+            domain.backoff.succeeded()
+            domain.incidents.recover()
+        return result
+
+    @property
+    def available(self) -> bool:
+        """False while some part of the store is failing (being backed off from)."""
+        return not any(d.backoff.failing for d in list(self._domains.values()))
+
+    # ---- interface ------------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        rk = self._remote_key(key)
+        return self._call(rk, lambda: self.connector.exists(rk), False)
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        rk = self._remote_key(key)
+        return self._call(rk, lambda: self.connector.delete(rk), False)
+
+    def _write(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        tensor = obj.tensor
+        if tensor is None:
+            raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
+        rk = self._remote_key(key)
+        if self._call(rk, lambda: self.connector.exists(rk), True):
+            return  # already there (or the store is failing: then the put is skipped)
+        parts = self.serializer.to_parts(tensor)
+        self._call(rk, lambda: self.connector.put(rk, parts), None)
+
+    def _read(self, key: CacheEngineKey) -> MemoryObj | None:
+        rk = self._remote_key(key)
+        return self._decode(rk, self._call(rk, lambda: self.connector.get(rk), None))
+
+    def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Objects for `keys` (None for misses): keys still being written come from memory, the
+        rest with one batched request per failure domain."""
+        out: list[MemoryObj | None] = [self.puts.get_pending(k) for k in keys]
+        by_domain: dict[int, list[tuple[int, str]]] = {}
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                rk = self._remote_key(key)
+                by_domain.setdefault(id(self._domain(rk)), []).append((i, rk))
+        for group in by_domain.values():
+            rks = [rk for _, rk in group]
+            misses: list[Buffer | None] = [None] * len(rks)
+            values = self._call(rks[0], partial(self.connector.get_many, rks), misses)
+            for (i, rk), data in zip(group, values):
+                out[i] = self._decode(rk, data)
+        return out
+
+    def _decode(self, remote_key: str, data: Buffer | None) -> MemoryObj | None:
+        if data is None:
+            return None
+        try:
+            return self.deserializer.from_bytes_to(data, self.allocate)
+        except ForeignSerdeError:
+            self.num_foreign += 1
+            return None
+        except CorruptBlobError as e:
+            self.num_corrupt += 1
+            logger.warning("deleting corrupt remote value %r: %s", remote_key, e)
+            self._call(remote_key, lambda: self.connector.delete(remote_key), False)
+            return None
+
+    def _close(self) -> None:
+        self.connector.close()

