@@ -25,6 +25,7 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import GPUConnectorInterface
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MixedMemoryAllocator
 from lmcache.observability import EngineStats
+from lmcache.storage_backend.leases import LeaseTable
 from lmcache.storage_backend.storage_manager import StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.utils import CacheEngineKey
@@ -55,6 +56,8 @@ class LMCacheEngine:
         self.token_database = token_database
         self.gpu_connector = gpu_connector
         self.storage_manager = StorageManager(config, metadata, memory_allocator)
+        hot = self.storage_manager.hot
+        self._leases = LeaseTable(hot) if hot is not None else None
         self.stats = EngineStats()
         self._closed = False
         self._full_warned = False
@@ -129,18 +132,34 @@ class LMCacheEngine:
     # ---- lookup / prefetch ----------------------------------------------------------------------
 
     def lookup(self, tokens: torch.Tensor, search_range: list[str] | None = None, *,
-               extra_key: str | None = None) -> int:
+               extra_key: str | None = None, lease_id: str | None = None,
+               lease_ttl: float = 60.0) -> int:
         """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
-        (a subset of "Hot", "LocalDiskBackend", "RemoteBackend"; None = all)."""
+        (a subset of "Hot", "LocalDiskBackend", "RemoteBackend"; None = all).
+
+        With `lease_id`, the hot chunks counted are pinned (not evicted) until `release(lease_id)`
+        or `lease_ttl` seconds, and those found only in lower tiers start loading into the hot
+        tier, so that a retrieve soon after finds what the lookup counted."""
         StorageManager.check_search_range(search_range)
         hit = 0
+        found = []
         for _, end, key in self.token_database.process_tokens(tokens, extra_key=extra_key):
             if not self.storage_manager.contains(key, search_range):
                 break
             hit = end
+            found.append(key)
+        if lease_id is not None and self._leases is not None:
+            self._leases.acquire(lease_id, found, lease_ttl)
+            for key in found:
+                self.storage_manager.prefetch(key)
         self.stats.add("lookup_requests")
         self.stats.add("lookup_hit_tokens", hit)
         return hit
+
+    def release(self, lease_id: str) -> None:
+        """End a lookup lease (see `lookup`); unknown ids are ignored."""
+        if self._leases is not None:
+            self._leases.release(lease_id)
 
     def prefetch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
                  extra_key: str | None = None) -> None:

@@ -243,3 +243,40 @@ def test_seed_module_paths_import():
     assert TensorMemoryAllocator.ALIGN_BYTES == 512 and MemoryFormat.KV_BLOB.value == 1
     assert all([LMCacheEngine, LMCacheEngineBuilder, StorageBackendInterface, StorageManager,
                 ChunkedTokenDatabase, TokenDatabase])
+
+
+def test_lookup_lease_pins_counted_chunks_until_released():
+    chunk_bytes = 2 * 2 * 8 * 8 * 2
+    engine = build_engine(8, cpu_bytes=2 * chunk_bytes)
+    kv = PagedKV()
+    a, b = torch.randint(0, 1000, (16,)), torch.randint(0, 1000, (16,))
+    engine.store(a, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    assert engine.lookup(a, lease_id="req-a") == 16
+    engine.store(b, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))  # would evict a's chunks
+    assert engine.lookup(b) == 0 and engine.lookup(a) == 16
+    engine.release("req-a")
+    engine.store(b, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    assert engine.lookup(b) == 16 and engine.lookup(a) == 0
+    engine.close()
+
+
+def test_leases_expire_and_repeated_acquire_replaces():
+    from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
+    from lmcache.storage_backend.leases import LeaseTable
+    from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.utils import CacheEngineKey
+
+    hot = LocalCPUBackend(TensorMemoryAllocator(torch.zeros(4096, dtype=torch.uint8)))
+    keys = [CacheEngineKey("kv_blob", "m", 1, 0, str(i), "uint8") for i in range(2)]
+    for k in keys:
+        obj = hot.allocate(torch.Size([512]), torch.uint8, MemoryFormat.KV_BLOB)
+        hot.submit_put_task(k, obj)
+        obj.ref_count_down()
+    now = [0.0]
+    leases = LeaseTable(hot, clock=lambda: now[0])
+    assert leases.acquire("r", keys, ttl=5) == 2
+    assert leases.acquire("r", keys, ttl=5) == 2  # idempotent: pins are replaced, not stacked
+    assert hot._pins == {keys[0]: 1, keys[1]: 1}
+    now[0] = 6.0
+    leases.acquire("other", [], ttl=5)  # any call expires old leases
+    assert hot._pins == {} and len(leases) == 1
