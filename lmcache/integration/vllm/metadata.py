@@ -1,0 +1,41 @@
+"""What the scheduler side tells the worker side each step (pickled by vLLM with the step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class RequestPlan:
+    """One request's work in this step.
+
+    Load: retrieve the cached prefix ``token_ids[:retrieve_to]`` but write only tokens
+    ``[load_from, load_to)`` into the engine (below `load_from` vLLM's own prefix cache already
+    holds the KV; from `load_to` on vLLM computes). Save: store tokens ``[save_from, save_to)``
+    (``save_from`` tokens are known to be cached already). A range with equal ends means nothing
+    to do. `block_ids` are all of the request's blocks so far."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    extra_key: str | None = None
+    load_from: int = 0
+    load_to: int = 0
+    retrieve_to: int = 0
+    save_from: int = 0
+    save_to: int = 0
+
+    @property
+    def has_load(self) -> bool:
+        return self.load_to > self.load_from
+
+    @property
+    def has_save(self) -> bool:
+        return self.save_to > self.save_from
+
+
+@dataclass
+class LMCacheConnectorMetadata(KVConnectorMetadata):
+    requests: list[RequestPlan] = field(default_factory=list)

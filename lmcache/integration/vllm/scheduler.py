@@ -1,0 +1,128 @@
+"""The scheduler side of the vLLM connector (runs in vLLM's EngineCore process).
+
+- `get_num_new_matched_tokens`: asks the workers (over `lookup_channel`) how many prefix tokens
+  LMCache holds, pinning them under a lease named by the request id; answers the tokens beyond
+  vLLM's own hit, always leaving at least one prompt token to compute. It may be called repeatedly
+  for a waiting request, so the answer is remembered until the request is admitted.
+- `update_state_after_alloc`: records the blocks and how many external tokens vLLM accepted.
+- `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once, in its
+  first step) or has newly computed prompt chunks to save (decode tokens too with
+  `save_decode_cache`); a trailing partial chunk is saved when the prompt is complete.
+- `request_finished`: forgets the request; reports the tokens it planned to load in
+  `kv_transfer_params["lmcache_loaded_tokens"]`. Saves are synchronous, so blocks are never held.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
+from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
+from lmcache.integration.vllm.utils import extra_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vllm.v1.request.Request (kept: later steps do not resend the tokens)
+    block_ids: list[int]
+    extra_key: str | None
+    load_from: int = 0
+    load_to: int = 0
+    retrieve_to: int = 0
+    load_pending: bool = False
+    saved: int = 0  # tokens [0, saved) are in LMCache
+
+
+class LMCacheScheduler:
+    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig) -> None:
+        self.config = config
+        self.chunk_size = config.chunk_size
+        engine_id = vllm_config.kv_transfer_config.engine_id
+        ranks = vllm_config.parallel_config.world_size
+        self.client = LookupClient([socket_path(engine_id, r) for r in range(ranks)],
+                                   timeout=config.remote_timeout)
+        self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
+        self._reqs: dict[str, _Tracked] = {}
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = request.prompt_token_ids
+        if tokens is None or len(tokens) < 2:
+            return 0, False
+        rid = request.request_id
+        known = self._lookups.get(rid)
+        cached = known[0] if known is not None else self.client.lookup(rid, tokens, extra_key(request))
+        self._lookups[rid] = (cached, num_computed_tokens)
+        usable = min(cached, len(tokens) - 1)
+        if usable <= num_computed_tokens:
+            return 0, False
+        return usable - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        cached, local = self._lookups.pop(rid, (0, 0))
+        tracked = _Tracked(request, list(blocks.get_block_ids()[0]), extra_key(request),
+                           saved=cached - cached % self.chunk_size)
+        if num_external_tokens > 0:
+            tracked.load_from, tracked.load_to = local, local + num_external_tokens
+            tracked.retrieve_to = max(cached, tracked.load_to)
+            tracked.load_pending = True
+        self._reqs[rid] = tracked
+
+    # ---- per step -------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+        plans: list[RequestPlan] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._reqs.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._add_plan(plans, tracked, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self._reqs.get(rid)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if rid in resumed:
+                    tracked.block_ids = list(new_blocks[0])
+                else:
+                    tracked.block_ids.extend(new_blocks[0])
+            self._add_plan(plans, tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        return LMCacheConnectorMetadata(plans)
+
+    def _add_plan(self, plans: list[RequestPlan], tracked: _Tracked, computed: int) -> None:
+        """`computed`: tokens whose KV exists once this step has run."""
+        request = tracked.request
+        prompt_len = request.num_prompt_tokens
+        plan = RequestPlan(request.request_id, [], tracked.block_ids, tracked.extra_key)
+        if tracked.load_pending:
+            tracked.load_pending = False
+            plan.load_from, plan.load_to = tracked.load_from, tracked.load_to
+            plan.retrieve_to = tracked.retrieve_to
+        limit = computed if self.config.save_decode_cache else min(computed, prompt_len)
+        save_to = prompt_len if limit == prompt_len else limit - limit % self.chunk_size
+        if save_to > tracked.saved:
+            plan.save_from, plan.save_to = tracked.saved, save_to
+            tracked.saved = save_to
+        if plan.has_load or plan.has_save:
+            plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to)])
+            plans.append(plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._lookups.pop(request.request_id, None)
+        tracked = self._reqs.pop(request.request_id, None)
+        loaded = tracked.load_to - tracked.load_from if tracked is not None else 0
+        return False, {"lmcache_loaded_tokens": loaded}
+
+    def close(self) -> None:
+        self.client.close()

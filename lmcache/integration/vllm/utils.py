@@ -1,0 +1,73 @@
+"""What the vLLM integration derives from vLLM's configuration: the LMCache config, the engine
+metadata (model identity, world size, rank, KV dtype and shape) and the engine's name."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.integration.checkpoint import checkpoint_fingerprint, model_name
+
+logger = logging.getLogger(__name__)
+
+ENGINE_NAME = "vllm-instance"
+EXTRA_PREFIX = "lmcache."
+
+
+def lmcache_config_from_vllm(vllm_config: Any) -> LMCacheEngineConfig:
+    """LMCache config for a vLLM engine: `kv_connector_extra_config` keys ``lmcache.<field>``
+    over ``LMCACHE_*`` env over ``LMCACHE_CONFIG_FILE`` over defaults. Raises ValueError for an
+    unknown or invalid field, or a chunk size that is not a multiple of vLLM's block size. The
+    connector always runs with ``error_handling=True``: a cache fault never fails a request."""
+    transfer = vllm_config.kv_transfer_config
+    extra: dict[str, Any] = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+    overrides = {}
+    for name, value in extra.items():
+        if not name.startswith(EXTRA_PREFIX):
+            raise ValueError(f"kv_connector_extra_config key {name!r}: LMCache keys are "
+                             f"'{EXTRA_PREFIX}<field>' (e.g. 'lmcache.chunk_size')")
+        overrides[name[len(EXTRA_PREFIX):]] = value
+    try:
+        config = LMCacheEngineConfig.load(overrides)
+    except ValueError as e:
+        raise ValueError(f"LMCache kv_connector_extra_config: {e}") from e
+    if not config.error_handling:
+        config.error_handling = True
+    block_size = vllm_config.cache_config.block_size
+    if block_size and config.chunk_size % block_size:
+        raise ValueError(f"LMCache chunk_size={config.chunk_size} must be a multiple of vLLM's "
+                         f"block_size={block_size}")
+    return config
+
+
+def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: torch.dtype,
+                    rank: int) -> LMCacheEngineMetadata:
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    num_layers = model_config.get_num_layers(parallel)
+    num_kv_heads = model_config.get_num_kv_heads(parallel)
+    head_size = model_config.get_head_size()
+    return LMCacheEngineMetadata(
+        model_name=model_name(model_config.model),
+        world_size=parallel.world_size,
+        worker_id=rank,
+        fmt="vllm",
+        kv_dtype=kv_dtype,
+        kv_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_size),
+        model_fingerprint=checkpoint_fingerprint(model_config.model),
+    )
+
+
+def extra_key(request: Any) -> str | None:
+    """What separates caches of the same tokens: vLLM's cache_salt and the LoRA adapter."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_int_id}")
+    return "|".join(parts) or None
