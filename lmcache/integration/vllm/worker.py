@@ -1,10 +1,9 @@
 """The worker side of the vLLM connector (runs in each vLLM worker process, next to the model).
 
-- `register_kv_caches`: builds this rank's engine around vLLM's per-layer caches: on CPU the
-  packed vLLM-CPU layout (probed with vLLM's own kernel) through `VLLMCPUPackedConnector`, on CUDA
-  the flash-attention ``[2, num_blocks, block_size, heads, head_size]`` or FlashInfer ``[num_blocks,
-  2, ...]`` layout through `VLLMPagedMemGPUConnectorV2`; both store the canonical KV_BLOB layout.
-  Then it starts the lookup server the scheduler side asks.
+- `register_kv_caches`: builds this rank's engine (`vllm_adapter.init_lmcache_engine`) around
+  vLLM's per-layer caches: on CPU the packed vLLM-CPU layout (probed with vLLM's own kernel), on
+  CUDA the flash-attention or FlashInfer layout; both store the canonical KV_BLOB layout. Then it
+  starts the lookup server the scheduler side asks.
 - `start_load_kv` (before the forward): loads each planned prefix; whatever could not be loaded
   (evicted since the lookup, a tier fault) is reported by `get_block_ids_with_load_errors` and vLLM
   recomputes it.
@@ -23,10 +22,11 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
-from lmcache.gpu_connector import GPUConnectorInterface, VLLMPagedMemGPUConnectorV2
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
-from lmcache.integration.vllm.utils import ENGINE_NAME, engine_metadata
+from lmcache.integration.vllm.transfer import load_plan, save_plan
+from lmcache.integration.vllm.utils import ENGINE_NAME
+from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine
 
 logger = logging.getLogger(__name__)
 
@@ -47,36 +47,18 @@ class LMCacheWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
-        connector, self.kvcaches = self._connector_for(tensors)
-        metadata = engine_metadata(self.vllm_config, self.config, tensors[0].dtype, self.rank)
-        if metadata.num_layers != len(tensors):
-            raise ValueError(f"vLLM registered {len(tensors)} KV layers, the model has {metadata.num_layers}")
-        self.engine = LMCacheEngineBuilder.get_or_create(ENGINE_NAME, self.config, metadata, connector)
-        address = socket_path(self.vllm_config.kv_transfer_config.engine_id, self.rank)
+        vc = self.vllm_config
+        self.kvcaches = connector_kvcaches(tensors, self.block_size)
+        self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
+                                          config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
+                                          device=tensors[0].device.type)
+        if self.engine.metadata.num_layers != len(tensors):
+            raise ValueError(f"vLLM registered {len(tensors)} KV layers, the model has "
+                             f"{self.engine.metadata.num_layers}")
+        address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
         logger.info("LMCache engine ready: %d layers, chunk %d, %s, lookups on %s", len(tensors),
-                    self.config.chunk_size, type(connector).__name__, address)
-
-    def _connector_for(self, tensors: list[torch.Tensor]) -> tuple[GPUConnectorInterface, list[Any]]:
-        model_config = self.vllm_config.model_config
-        parallel = self.vllm_config.parallel_config
-        heads, head_size = model_config.get_num_kv_heads(parallel), model_config.get_head_size()
-        first, bs = tensors[0], self.block_size
-        hidden = heads * head_size
-        if first.device.type == "cpu" and tuple(first.shape[1:]) == (heads, bs, 2 * head_size):
-            from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
-            from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout
-
-            layout = probe_packed_layout(heads, head_size, bs, first.dtype,
-                                         default_isa(first.dtype, bs, head_size))
-            return VLLMCPUPackedConnector(hidden, len(tensors), layout), tensors
-        connector = VLLMPagedMemGPUConnectorV2(hidden, len(tensors))
-        if first.dim() == 5 and first.shape[0] == 2 and first.shape[2] == bs:
-            return connector, tensors  # flash attention: [2, num_blocks, bs, heads, head_size]
-        if first.dim() == 5 and first.shape[1] == 2 and first.shape[2] == bs:
-            return connector, [(t[:, 0], t[:, 1]) for t in tensors]  # FlashInfer
-        raise ValueError(f"LMCache does not know vLLM's KV cache layout {tuple(first.shape)} on "
-                         f"{first.device} (block size {bs}, {heads} KV heads of {head_size})")
+                    self.config.chunk_size, type(self.engine.gpu_connector).__name__, address)
 
     def _answer(self, header: dict[str, Any], tokens: Any) -> dict[str, Any]:
         assert self.engine is not None
@@ -104,45 +86,20 @@ class LMCacheWorker:
                 self.save(plan)
 
     def load(self, plan: RequestPlan) -> int:
-        """Load `plan`'s prefix; returns the tokens now valid up to (<= plan.load_to)."""
+        """Load `plan`'s prefix; what could not be loaded is reported as failed blocks."""
         assert self.engine is not None
-        n = plan.retrieve_to
-        chunk = self.config.chunk_size
-        slots = self._slots(plan.block_ids, n)
-        slots[: plan.load_from] = -1
-        slots[plan.load_to :] = -1
-        skip = plan.load_from - plan.load_from % chunk
-        mask = torch.arange(n) >= skip if skip else None
-        tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-        loaded = self.engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=self.kvcaches,
-                                      slot_mapping=slots)
-        valid = min(skip + int(loaded[skip:].sum()), plan.load_to)
+        valid = load_plan(self.engine, self.kvcaches, plan, self.block_size)
         if valid < plan.load_to:
             bs = self.block_size
             first = max(valid, plan.load_from) // bs
             self._load_errors.update(plan.block_ids[first : -(-plan.load_to // bs)])
             logger.info("request %s: loaded %d of %d planned tokens; vLLM recomputes the rest",
                         plan.req_id, max(valid - plan.load_from, 0), plan.load_to - plan.load_from)
-        self.engine.release(plan.req_id)
         return valid
 
     def save(self, plan: RequestPlan) -> None:
         assert self.engine is not None
-        n = plan.save_to
-        skip = plan.save_from - plan.save_from % self.config.chunk_size
-        mask = torch.arange(n) >= skip if skip else None
-        tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-        self.engine.store(tokens, mask, extra_key=plan.extra_key, kvcaches=self.kvcaches,
-                          slot_mapping=self._slots(plan.block_ids, n))
-
-    def _slots(self, block_ids: list[int], n: int) -> torch.Tensor:
-        """Slot of each of the first `n` tokens (-1 where no block is allocated yet)."""
-        bs = self.block_size
-        blocks = torch.tensor(block_ids[: -(-n // bs)], dtype=torch.int64)
-        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:n]
-        if slots.shape[0] < n:
-            slots = torch.cat([slots, torch.full((n - slots.shape[0],), -1, dtype=torch.int64)])
-        return slots
+        save_plan(self.engine, self.kvcaches, plan, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.engine is not None:
