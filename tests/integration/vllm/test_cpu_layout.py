@@ -1,0 +1,92 @@
+"""The packed vLLM-CPU layout, checked against vLLM's own cache-write kernel."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm._custom_ops")
+
+from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector  # noqa: E402
+from lmcache.integration.vllm.cpu_layout import _write, default_isa, probe_packed_layout  # noqa: E402
+from lmcache.memory_management import HostMemoryAllocator, MemoryFormat  # noqa: E402
+
+H, D, L = 3, 64, 2
+
+
+def written_cache(dtype, bs, nb, slots, isa):
+    """Caches written by vLLM's kernel, and the canonical K/V [L, n, H, D] that went in."""
+    n = slots.shape[0]
+    caches, ks, vs = [], [], []
+    for _ in range(L):
+        kv = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+        k, v = torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype)
+        _write(kv, k, v, slots, isa)
+        caches.append(kv)
+        ks.append(k)
+        vs.append(v)
+    return caches, torch.stack(ks), torch.stack(vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bs", [32, 128])
+def test_probe_finds_the_vec_layout_on_this_cpu(dtype, bs):
+    isa = default_isa(dtype, bs, D)
+    layout = probe_packed_layout(H, D, bs, dtype, isa)
+    assert layout.is_vec == (isa in ("vec", "vec16"))
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_connector_round_trips_what_vllm_wrote(isa, aligned):
+    dtype, bs, nb = torch.bfloat16, 32, 12
+    layout = probe_packed_layout(H, D, bs, dtype, isa)
+    assert layout.is_vec == (isa == "vec")
+    n = 64 if aligned else 50
+    blocks = torch.randperm(nb)[: -(-n // bs)]
+    slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    if not aligned:
+        slots = torch.randperm(nb * bs)[:n]
+    caches, k, v = written_cache(dtype, bs, nb, slots, isa)
+    conn = VLLMCPUPackedConnector(H * D, L, layout)
+    obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+    conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=slots)
+    assert torch.equal(obj.tensor[0], k.view(L, n, H * D))
+    assert torch.equal(obj.tensor[1], v.view(L, n, H * D))
+    fresh = [torch.zeros_like(c) for c in caches]
+    conn.to_gpu(obj, 0, n, kvcaches=fresh, slot_mapping=slots)
+    for a, b in zip(caches, fresh):
+        assert torch.equal(a, b)  # same packed bytes as vLLM's own kernel wrote
+
+
+def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them():
+    dtype, bs, nb, n = torch.float32, 32, 6, 64
+    layout = probe_packed_layout(H, D, bs, dtype, "vec")
+    slots = torch.arange(n) + bs  # blocks 1 and 2
+    caches, _, _ = written_cache(dtype, bs, nb, slots, "vec")
+    conn = VLLMCPUPackedConnector(H * D, L, layout)
+    obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+    conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=slots)
+    target = [torch.full_like(c, 7.0) for c in caches]
+    skipped = slots.clone()
+    skipped[:40] = -1
+    conn.to_gpu(obj, 0, n, kvcaches=target, slot_mapping=skipped)
+    k_views = [layout.token_views(t)[0].reshape(-1, H, D) for t in target]
+    for t_k, src in zip(k_views, caches):
+        src_k = layout.token_views(src)[0].reshape(-1, H, D)
+        assert bool((t_k[slots[:40]] == 7.0).all())
+        assert torch.equal(t_k[slots[40:]], src_k[slots[40:]])
+    with pytest.raises(ValueError, match="negative"):
+        conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=skipped)
+
+
+def test_connector_rejects_wrong_cache_shapes():
+    layout = probe_packed_layout(H, D, 32, torch.float32, "vec")
+    conn = VLLMCPUPackedConnector(H * D, L, layout)
+    obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(4), torch.float32, MemoryFormat.KV_BLOB)
+    bad = [torch.zeros(4, H, 16, 2 * D) for _ in range(L)]
+    with pytest.raises(ValueError, match="vLLM-CPU cache"):
+        conn.from_gpu(obj, 0, 4, kvcaches=bad, slot_mapping=torch.arange(4))
+    good = [torch.zeros(4, H, 32, 2 * D) for _ in range(L)]
+    with pytest.raises(ValueError, match="beyond"):
+        conn.from_gpu(obj, 0, 4, kvcaches=good, slot_mapping=torch.tensor([0, 1, 2, 4 * 32]))
+    with pytest.raises(ValueError, match="heads"):
+        VLLMCPUPackedConnector(H * D + 1, L, layout)
