@@ -44,7 +44,7 @@ test: lint typecheck
 	$(PY) -m pytest -q -ra tests
 
 demo: install
-	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/long_doc_qa.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

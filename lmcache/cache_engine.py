@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +70,7 @@ class LMCacheEngine:
               extra_key: str | None = None, **kwargs: Any) -> None:
         """Store the KV of `tokens` (where `mask` is True) that is not cached yet. `kwargs` go to
         the connector (e.g. ``kvcaches``, ``slot_mapping``). Raises ValueError for a bad mask."""
+        t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         self.stats.add("store_requests")
         try:
@@ -78,6 +80,8 @@ class LMCacheEngine:
                 raise
             self.stats.add("errors")
             logger.exception("store failed; the KV of this request is not cached")
+        finally:
+            self.stats.add_time("store_s", time.perf_counter() - t0)
 
     def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> None:
         sm = self.storage_manager
@@ -107,6 +111,7 @@ class LMCacheEngine:
                  extra_key: str | None = None, **kwargs: Any) -> torch.Tensor:
         """Load the longest cached prefix of `tokens` (from the first True of `mask`) into the
         engine; return a CPU bool mask of the tokens retrieved."""
+        t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         ret_mask = torch.zeros(tokens.shape[0], dtype=torch.bool)
         self.stats.add("retrieve_requests")
@@ -127,6 +132,7 @@ class LMCacheEngine:
                 raise
             self.stats.add("errors")
             logger.exception("retrieve failed; the rest of the prefix will be recomputed")
+        self.stats.add_time("retrieve_s", time.perf_counter() - t0)
         return ret_mask
 
     # ---- lookup / prefetch ----------------------------------------------------------------------

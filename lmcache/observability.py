@@ -8,22 +8,28 @@ from collections import Counter
 
 
 class EngineStats:
-    """Thread-safe named counters (tokens stored, hit, errors, ...)."""
+    """Thread-safe named counters (tokens stored, hit, errors, ...) and time accumulators
+    (seconds spent storing, retrieving; names end in ``_s``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._seconds: dict[str, float] = {}
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
 
+    def add_time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
     def get(self, name: str) -> int:
         return self._counts[name]
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._counts)
+            return {**self._counts, **self._seconds}
 
 
 class IncidentLog:

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path  # noqa: E402
-from tests.helpers.vllm_engines import (  # noqa: E402
+from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
+from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
     sentence_text,
     start_llm,

@@ -5,9 +5,9 @@ import torch
 
 pytest.importorskip("vllm._custom_ops")
 
-from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector  # noqa: E402
-from lmcache.integration.vllm.cpu_layout import _write, default_isa, probe_packed_layout  # noqa: E402
-from lmcache.memory_management import HostMemoryAllocator, MemoryFormat  # noqa: E402
+from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
+from lmcache.integration.vllm.cpu_layout import _write, default_isa, probe_packed_layout
+from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
 
 H, D, L = 3, 64, 2
 
