@@ -65,10 +65,10 @@ def load() -> ctypes.CDLL | None:
             logger.warning("native copy kernels unavailable, using torch copies: %s %s", e,
                            detail.decode(errors="replace")[:500])
             return None
-        lib.lmc_paged_copy.restype = ctypes.c_int
-        lib.lmc_paged_copy.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-        ]
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.lmc_paged_copy.restype = cint
+        lib.lmc_paged_copy.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, cint, cint]
+        lib.lmc_vec_packed_copy.restype = cint
+        lib.lmc_vec_packed_copy.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, cint, cint]
         _lib = lib
         return _lib

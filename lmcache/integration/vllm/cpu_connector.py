@@ -7,24 +7,31 @@ KV stored by vLLM-CPU is shared with vLLM on CUDA and with HF transformers.
 
 On `to_gpu`, tokens whose slot is negative are skipped: they belong to blocks the engine already
 holds (its own prefix cache), which must never be overwritten. `from_gpu` rejects negative slots.
-Whole blocks go through `index_select` / `index_copy_` on zero-copy strided views (vec ISAs);
-partial blocks and other ISAs go through per-token indexing.
+On the vec ISAs the copies run in a native kernel (`lmcache.native`, one call per chunk); without
+it, whole blocks go through `index_select` / `index_copy_` on zero-copy strided views and partial
+blocks through per-token indexing. Other ISAs (AMX tiles) go through the probed permutations.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
+from lmcache import native
 from lmcache.gpu_connector import KVBlobConnector, require_kvcaches, require_slot_mapping
 from lmcache.integration.vllm.cpu_layout import PackedLayout
 from lmcache.memory_management import MemoryObj
 
 
 class VLLMCPUPackedConnector(KVBlobConnector):
-    def __init__(self, hidden_dim_size: int, num_layers: int, layout: PackedLayout) -> None:
+    def __init__(self, hidden_dim_size: int, num_layers: int, layout: PackedLayout, *,
+                 use_native: bool = True) -> None:
         super().__init__(hidden_dim_size, num_layers)
+        self._native = native.load() if use_native and layout.is_vec else None
+        self._ptrs_for: tuple[int, int] | None = None
+        self._ptrs = torch.empty(0, dtype=torch.int64)
         if layout.num_kv_heads * layout.head_size != hidden_dim_size:
             raise ValueError(f"layout has {layout.num_kv_heads} heads x {layout.head_size} values, "
                              f"connector hidden size is {hidden_dim_size}")
@@ -80,6 +87,9 @@ class VLLMCPUPackedConnector(KVBlobConnector):
         lay = self.layout
         bs, h, d = lay.block_size, lay.num_kv_heads, lay.head_size
         n = slots.shape[0]
+        if self._native is not None and blob.element_size() in (2, 4) and blob.is_contiguous():
+            self._copy_native(kvcaches, slots, blob, gather)
+            return
         blocks = _whole_blocks(slots, bs)
         if lay.is_vec:
             views = self._token_views(kvcaches)
@@ -93,6 +103,24 @@ class VLLMCPUPackedConnector(KVBlobConnector):
         else:
             for layer, kv in enumerate(kvcaches):
                 _permuted_copy(kv, lay, slots, blob[:, layer].view(2, n, h, d), gather)
+
+
+    def _copy_native(self, kvcaches: list[torch.Tensor], slots: torch.Tensor, blob: torch.Tensor,
+                     gather: bool) -> None:
+        assert self._native is not None
+        ident = (id(kvcaches), kvcaches[0].data_ptr())
+        if self._ptrs_for != ident:
+            self._ptrs = torch.tensor([kv.data_ptr() for kv in kvcaches], dtype=torch.int64)
+            self._ptrs_for = ident
+        lay = self.layout
+        slots = slots.contiguous()
+        rc = self._native.lmc_vec_packed_copy(
+            ctypes.c_void_p(self._ptrs.data_ptr()), len(kvcaches), kvcaches[0].shape[0],
+            lay.num_kv_heads, lay.head_size, lay.block_size, blob.element_size(),
+            ctypes.c_void_p(slots.data_ptr()), slots.shape[0], ctypes.c_void_p(blob.data_ptr()),
+            0 if gather else 1, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native vLLM-CPU copy rejected the slot mapping (code {rc})")
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:

@@ -34,9 +34,9 @@ def test_probe_finds_the_vec_layout_on_this_cpu(dtype, bs):
     assert layout.is_vec == (isa in ("vec", "vec16"))
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize(("isa", "use_native"), [("vec", True), ("vec", False), ("amx", True)])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_connector_round_trips_what_vllm_wrote(isa, aligned):
+def test_connector_round_trips_what_vllm_wrote(isa, use_native, aligned):
     dtype, bs, nb = torch.bfloat16, 32, 12
     layout = probe_packed_layout(H, D, bs, dtype, isa)
     assert layout.is_vec == (isa == "vec")
@@ -46,7 +46,7 @@ def test_connector_round_trips_what_vllm_wrote(isa, aligned):
     if not aligned:
         slots = torch.randperm(nb * bs)[:n]
     caches, k, v = written_cache(dtype, bs, nb, slots, isa)
-    conn = VLLMCPUPackedConnector(H * D, L, layout)
+    conn = VLLMCPUPackedConnector(H * D, L, layout, use_native=use_native)
     obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
     conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=slots)
     assert torch.equal(obj.tensor[0], k.view(L, n, H * D))
@@ -57,12 +57,13 @@ def test_connector_round_trips_what_vllm_wrote(isa, aligned):
         assert torch.equal(a, b)  # same packed bytes as vLLM's own kernel wrote
 
 
-def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them():
+@pytest.mark.parametrize("use_native", [True, False])
+def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them(use_native):
     dtype, bs, nb, n = torch.float32, 32, 6, 64
     layout = probe_packed_layout(H, D, bs, dtype, "vec")
     slots = torch.arange(n) + bs  # blocks 1 and 2
     caches, _, _ = written_cache(dtype, bs, nb, slots, "vec")
-    conn = VLLMCPUPackedConnector(H * D, L, layout)
+    conn = VLLMCPUPackedConnector(H * D, L, layout, use_native=use_native)
     obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
     conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=slots)
     target = [torch.full_like(c, 7.0) for c in caches]
