@@ -65,6 +65,7 @@ class LMCacheEngineConfig:
     blend_check_layers: list[int] = field(default_factory=lambda: [1])
     blend_special_str: str = " # # "
     remote_timeout: float = 5.0
+    lookup_timeout: float = 1.0
     local_disk_serde: str = "naive"
     local_disk_fsync: bool = False
 
