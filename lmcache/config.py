@@ -42,6 +42,8 @@ class LMCacheEngineConfig:
     """Seed 000's config. Extras beyond the seed: `cache_policy` (hot-tier eviction order),
     `blend_check_layers` (CacheBlend's token-selection layers), `blend_special_str` (the text
     separating blended segments), `remote_timeout` (seconds per remote operation),
+    `lookup_timeout` (seconds a serving engine's scheduler waits for a cache lookup before treating
+    it as a miss),
     `local_disk_serde` (the serde of disk files) and `local_disk_fsync` (fsync each disk file
     before it becomes visible: durable across power loss; without it a file torn by a crash is
     still never served, because checksums catch it)."""
@@ -97,6 +99,7 @@ class LMCacheEngineConfig:
         _check(self.cache_policy in CACHE_POLICIES, "cache_policy", self.cache_policy,
                f"must be one of {CACHE_POLICIES}")
         _check(self.remote_timeout > 0, "remote_timeout", self.remote_timeout, "must be > 0")
+        _check(self.lookup_timeout > 0, "lookup_timeout", self.lookup_timeout, "must be > 0")
         for name in ("lookup_url", "distributed_url"):
             url = getattr(self, name)
             if url is not None:

@@ -8,6 +8,7 @@
 - `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once, in its
   first step) or has newly computed prompt chunks to save (decode tokens too with
   `save_decode_cache`); a trailing partial chunk is saved when the prompt is complete.
+- `kv_role`: "kv_producer" only stores, "kv_consumer" only loads, "kv_both" does both.
 - `request_finished`: forgets the request; reports the tokens it planned to load in
   `kv_transfer_params["lmcache_loaded_tokens"]`. Saves are synchronous, so blocks are never held.
 """
@@ -45,7 +46,10 @@ class LMCacheScheduler:
         engine_id = vllm_config.kv_transfer_config.engine_id
         ranks = vllm_config.parallel_config.world_size
         self.client = LookupClient([socket_path(engine_id, r) for r in range(ranks)],
-                                   timeout=config.remote_timeout)
+                                   timeout=config.lookup_timeout)
+        role = vllm_config.kv_transfer_config.kv_role
+        self.loads = role != "kv_producer"  # a producer (prefill instance) only stores
+        self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
         self._reqs: dict[str, _Tracked] = {}
 
@@ -53,7 +57,7 @@ class LMCacheScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = request.prompt_token_ids
-        if tokens is None or len(tokens) < 2:
+        if not self.loads or tokens is None or len(tokens) < 2:
             return 0, False
         rid = request.request_id
         known = self._lookups.get(rid)
@@ -111,7 +115,7 @@ class LMCacheScheduler:
             plan.retrieve_to = tracked.retrieve_to
         limit = computed if self.config.save_decode_cache else min(computed, prompt_len)
         save_to = prompt_len if limit == prompt_len else limit - limit % self.chunk_size
-        if save_to > tracked.saved:
+        if self.saves and save_to > tracked.saved:
             plan.save_from, plan.save_to = tracked.saved, save_to
             tracked.saved = save_to
         if plan.has_load or plan.has_save:
