@@ -77,9 +77,12 @@ class LookupServer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close(0)
-        self._ctx.term()
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():  # a socket must not be closed under its thread: leave it
+            logger.warning("lookup server thread did not stop; leaving its socket to process exit")
+        else:
+            self._sock.close(0)
+            self._ctx.term()
         if self.address.startswith("ipc://"):
             try:
                 os.unlink(self.address[len("ipc://"):])

@@ -71,8 +71,9 @@ class LMCacheScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         cached, local = self._lookups.pop(rid, (0, 0))
-        tracked = _Tracked(request, list(blocks.get_block_ids()[0]), extra_key(request),
-                           saved=cached - cached % self.chunk_size)
+        # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
+        saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
+        tracked = _Tracked(request, list(blocks.get_block_ids()[0]), extra_key(request), saved=saved)
         if num_external_tokens > 0:
             tracked.load_from, tracked.load_to = local, local + num_external_tokens
             tracked.retrieve_to = max(cached, tracked.load_to)

@@ -1,0 +1,140 @@
+"""Scheduler-side planning of the vLLM connector, driven like vLLM's scheduler drives it."""
+
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
+from lmcache.integration.vllm.scheduler import LMCacheScheduler
+
+CHUNK, BLOCK = 256, 128
+
+
+class FakeRequest:
+    def __init__(self, rid, prompt_len):
+        self.request_id = rid
+        self.prompt_token_ids = list(range(prompt_len))
+        self.num_prompt_tokens = prompt_len
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.cache_salt = None
+        self.lora_request = None
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def step(new=(), cached=(), scheduled=None):
+    """A SchedulerOutput with the fields the connector reads."""
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
+            resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+@pytest.fixture
+def make_scheduler():
+    servers = []
+
+    def make(hit=0, role="kv_both", **cfg):
+        engine_id = f"unit-{uuid.uuid4().hex[:8]}"
+        servers.append(LookupServer(socket_path(engine_id, 0), lambda h, t: {"hit": hit}))
+        vllm_config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role=role),
+            parallel_config=SimpleNamespace(world_size=1),
+        )
+        return LMCacheScheduler(vllm_config, LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, **cfg))
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_chunked_prefill_saves_each_completed_chunk_then_the_tail(make_scheduler):
+    sched = make_scheduler(hit=0)
+    req = FakeRequest("a", 700)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
+    m1 = sched.build_connector_meta(step(new=[("a", [5, 6, 7], 0)], scheduled={"a": 300}))
+    assert [(p.save_from, p.save_to, p.has_load) for p in m1.requests] == [(0, 256, False)]
+    assert m1.requests[0].token_ids == req.prompt_token_ids[:256]
+    m2 = sched.build_connector_meta(step(cached=[("a", [8, 9], 300)], scheduled={"a": 300}))
+    assert [(p.save_from, p.save_to) for p in m2.requests] == [(256, 512)]
+    assert m2.requests[0].block_ids == [5, 6, 7, 8, 9]
+    m3 = sched.build_connector_meta(step(cached=[("a", None, 600)], scheduled={"a": 100}))
+    assert [(p.save_from, p.save_to) for p in m3.requests] == [(512, 700)]
+    req.all_token_ids.append(42)
+    m4 = sched.build_connector_meta(step(cached=[("a", None, 700)], scheduled={"a": 1}))
+    assert m4.requests == []  # decode tokens are not saved by default
+    assert sched.request_finished(req, []) == (False, {"lmcache_loaded_tokens": 0})
+
+
+def test_lookup_hit_becomes_a_load_beyond_vllms_own_hit_leaving_one_token(make_scheduler):
+    sched = make_scheduler(hit=700)
+    req = FakeRequest("b", 700)
+    assert sched.get_num_new_matched_tokens(req, 128) == (699 - 128, False)
+    assert sched.get_num_new_matched_tokens(req, 128) == (699 - 128, False)  # repeatable
+    sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5, 6]), 699 - 128)
+    (plan,) = sched.build_connector_meta(
+        step(new=[("b", [1, 2, 3, 4, 5, 6], 699)], scheduled={"b": 1})
+    ).requests
+    assert (plan.load_from, plan.load_to, plan.retrieve_to) == (128, 699, 700)
+    assert plan.save_to <= plan.save_from  # everything is cached already
+    assert len(plan.token_ids) == 700
+    (again,) = sched.build_connector_meta(step(cached=[("b", None, 700)], scheduled={"b": 1})).requests or [
+        None
+    ]
+    assert again is None or not again.has_load  # a load is planned once
+    assert sched.request_finished(req, [])[1] == {"lmcache_loaded_tokens": 571}
+
+
+def test_hit_not_beyond_vllms_own_cache_loads_nothing(make_scheduler):
+    sched = make_scheduler(hit=256)
+    assert sched.get_num_new_matched_tokens(FakeRequest("c", 600), 384) == (0, False)
+
+
+def test_roles(make_scheduler):
+    producer = make_scheduler(hit=512, role="kv_producer")
+    req = FakeRequest("p", 600)
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+    producer.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 0)
+    (plan,) = producer.build_connector_meta(
+        step(new=[("p", [1, 2, 3, 4, 5], 0)], scheduled={"p": 600})
+    ).requests
+    assert plan.has_save and not plan.has_load
+    consumer = make_scheduler(hit=512, role="kv_consumer")
+    req = FakeRequest("q", 600)
+    n, _ = consumer.get_num_new_matched_tokens(req, 0)
+    consumer.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), n)
+    (plan,) = consumer.build_connector_meta(
+        step(new=[("q", [1, 2, 3, 4, 5], n)], scheduled={"q": 600 - n})
+    ).requests
+    assert plan.has_load and not plan.has_save
+
+
+def test_decode_tokens_are_saved_with_save_decode_cache(make_scheduler):
+    sched = make_scheduler(hit=0, save_decode_cache=True)
+    req = FakeRequest("d", 500)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
+    (p1,) = sched.build_connector_meta(step(new=[("d", [1, 2, 3, 4], 0)], scheduled={"d": 500})).requests
+    assert (p1.save_from, p1.save_to) == (0, 500)
+    req.all_token_ids += list(range(20))
+    assert sched.build_connector_meta(step(cached=[("d", None, 500)], scheduled={"d": 1})).requests == []
+    (p2,) = sched.build_connector_meta(step(cached=[("d", None, 511)], scheduled={"d": 1})).requests
+    assert (p2.save_from, p2.save_to) == (500, 512)
