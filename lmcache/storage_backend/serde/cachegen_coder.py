@@ -45,7 +45,7 @@ def channel_classes(q: torch.Tensor) -> torch.Tensor:
     """q: [G, C, T] integral float32 -> uint8 classes [G, C] in [0, 16): half-octave bins of
     the channel's mean |q| (0 for mean |q| < ~0.1)."""
     spread = q.abs().sum(dim=2).div_(q.shape[2])
-    return torch.floor(2 * torch.log2(spread + 0.25) + 5).clamp_(0, NUM_CLASSES - 1).to(torch.uint8)
+    return torch.floor(2 * torch.log2(spread + 0.25) + 4).clamp_(0, NUM_CLASSES - 1).to(torch.uint8)
 
 
 def tuple_size(n: int) -> int:
@@ -197,9 +197,12 @@ def decode_substream(words: np.ndarray, pair_groups: list[Group],
                 continue
             count = target.size
             symbols = coder.decode(models[grp.key], -(-count // k))
-            if k > 1:
-                symbols = _digits(grp.size, k)[symbols].reshape(-1)[:count]
-            target[...] = symbols.reshape(-1, ntok)
+            if k == 1:
+                target[...] = symbols.reshape(-1, ntok)
+            elif count % k == 0 and target.flags.c_contiguous:
+                np.take(_digits(grp.size, k), symbols, axis=0, out=target.reshape(-1, k))
+            else:
+                target[...] = _digits(grp.size, k)[symbols].reshape(-1)[:count].reshape(-1, ntok)
         leftover = not coder.is_empty()
     except (ValueError, AssertionError, RuntimeError, OverflowError) as e:
         raise CorruptBlobError(f"cachegen substream does not decode: {e}") from e

@@ -21,6 +21,8 @@ quality benchmark uses `torch_quant_vectorized` for its 8-bit per-token baseline
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -71,6 +73,16 @@ def collect_bytes(output_buffer: torch.Tensor, output_lengths: torch.Tensor) -> 
     return torch.cat([output_buffer[i, :int(n)] for i, n in enumerate(output_lengths.tolist())])
 
 
+@dataclass
+class SymbolTables:
+    """`CacheGenEncoderImpl.compute_cdf`'s result for a set of (K/V, layer) pairs."""
+
+    layout: coder.SymbolLayout
+    classes: torch.Tensor  # [pairs, C] uint8
+    symbols: np.ndarray  # [pairs, C, T] int32, class-sorted rows, offset to [0, n) per group
+    freqs: np.ndarray  # concatenated frequency tables (int32, < 2**16)
+
+
 class CacheGenEncoderImpl:
     """One encode call's state. kwargs: fp_k, fp_v ([L, T, C] float, any device),
     key_bins, value_bins ([L] ints)."""
@@ -84,10 +96,7 @@ class CacheGenEncoderImpl:
         self.means = torch.empty(0)
         self.exps = torch.empty(0)
         self.q = torch.empty(0)
-        self.layouts: dict[bool, coder.SymbolLayout] = {}
-        self.classes: dict[bool, torch.Tensor] = {}
-        self.symbols: dict[bool, np.ndarray] = {}
-        self.freqs: dict[bool, np.ndarray] = {}
+        self.tables: dict[bool | None, SymbolTables] = {}
 
     def _channel_major(self) -> torch.Tensor:
         return quant.to_channel_major(torch.stack([self.fp_k, self.fp_v]))
@@ -104,12 +113,15 @@ class CacheGenEncoderImpl:
             self.exps = quant.bound_exponents(x, self.means, self.exps)
             self.q = quant.quantize_(x, self.means, self.exps)
 
-    def compute_cdf(self, is_key: bool) -> None:
-        """For the K (or V) pairs: channel classes, the symbol layout with each group's range,
-        the frequency tables, and the symbols ([L, C, T] int32, class-sorted rows, offset to
-        [0, n) per group)."""
-        q = self.q[: self.nlayers] if is_key else self.q[self.nlayers:]
-        nlayers, nch, ntok = q.shape
+    def compute_cdf(self, is_key: bool | None = None) -> SymbolTables:
+        """Channel classes, symbol groups with their ranges and frequency tables, and the
+        class-sorted symbols of the K pairs (is_key=True), the V pairs (False) or all 2L pairs
+        (None, K first: what the stream holds). Consumes `self.q` of those pairs."""
+        if is_key is None:
+            q = self.q
+        else:
+            q = self.q[: self.nlayers] if is_key else self.q[self.nlayers:]
+        npairs, nch, ntok = q.shape
         classes = coder.channel_classes(q)
         layout = coder.SymbolLayout.from_classes(classes)
         group_of = layout.group_of.to(q.device).reshape(-1)
@@ -122,24 +134,16 @@ class CacheGenEncoderImpl:
         if int(size.max()) > MAX_ALPHABET:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
         layout = layout.with_ranges(low.long().cpu().numpy(), size)
-        q.sub_(low[group_of].reshape(nlayers, nch, 1))  # symbols in [0, n) per group
-        offset = layout.group_values("freq_start").to(q.device)[group_of].reshape(nlayers, nch, 1)
+        q.sub_(low[group_of].reshape(npairs, nch, 1))  # symbols in [0, n) per group
+        offset = layout.group_values("freq_start").to(q.device)[group_of].reshape(npairs, nch, 1)
         sample = q[:, :, ::HIST_STRIDE].long().add_(offset)
         counts = torch.bincount(sample.reshape(-1), minlength=layout.total_size()).cpu().numpy()
-        rows = (layout.perm.to(q.device) + torch.arange(nlayers, device=q.device)[:, None] * nch)
+        rows = layout.perm.to(q.device) + torch.arange(npairs, device=q.device)[:, None] * nch
         symbols = q.to(torch.int32).view(-1, ntok).index_select(0, rows.reshape(-1))
-        self.layouts[is_key] = layout
-        self.classes[is_key] = classes.cpu()
-        self.symbols[is_key] = symbols.view(nlayers, nch, ntok).cpu().numpy()
-        self.freqs[is_key] = _to_u16(counts.astype(np.int64), layout)
-
-    def layout(self) -> coder.SymbolLayout:
-        """The layout of all 2L pairs (K pairs first), after both `compute_cdf` calls."""
-        ranges = torch.stack([torch.cat([self.layouts[k].group_values(f) for k in (True, False)])
-                              for f in ("low", "size")], 1).numpy()
-        return coder.SymbolLayout.from_classes(
-            torch.cat([self.classes[True], self.classes[False]])).with_ranges(ranges[:, 0],
-                                                                             ranges[:, 1])
+        tables = SymbolTables(layout, classes.cpu(), symbols.view(npairs, nch, ntok).cpu().numpy(),
+                              _to_u16(counts.astype(np.int64), layout))
+        self.tables[is_key] = tables
+        return tables
 
 
 def _to_u16(counts: np.ndarray, layout: coder.SymbolLayout) -> np.ndarray:
@@ -166,12 +170,9 @@ def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Te
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     impl = CacheGenEncoderImpl(fp_k=kv[0], fp_v=kv[1], key_bins=key_bins, value_bins=value_bins)
     impl.quantize()
-    impl.compute_cdf(True)
-    impl.compute_cdf(False)
-    layout = impl.layout()
-    freqs = np.concatenate([impl.freqs[True], impl.freqs[False]])
-    models = coder.build_models(layout, freqs)
-    symbols = np.concatenate([impl.symbols[True], impl.symbols[False]])  # [2L, C, T]
+    tables = impl.compute_cdf()
+    layout, symbols = tables.layout, tables.symbols  # symbols: [2L, C, T]
+    models = coder.build_models(layout, tables.freqs)
     ntok = kv.shape[2]
     blocks = []
     for t0 in range(0, ntok, chunk_size):
@@ -184,10 +185,9 @@ def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Te
     exps = impl.exps.cpu().to(torch.int16).reshape(2, config.nlayers, ntok)
     ranges = torch.stack([layout.group_values("low"), layout.group_values("size")], 1)
     return CacheGenGPUEncoderOutput(
-        blocks, torch.from_numpy(freqs), exps[0], exps[1], 1, kv.shape[3],
+        blocks, torch.from_numpy(tables.freqs), exps[0], exps[1], 1, kv.shape[3],
         channel_means=impl.means.cpu().to(torch.bfloat16).reshape(2, config.nlayers, -1),
-        channel_classes=torch.cat([impl.classes[True], impl.classes[False]]).reshape(
-            2, config.nlayers, -1),
+        channel_classes=tables.classes.reshape(2, config.nlayers, -1),
         symbol_ranges=ranges.to(torch.int32),
         key_bins=torch.as_tensor(key_bins, dtype=torch.int32),
         value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
