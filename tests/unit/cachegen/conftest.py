@@ -29,7 +29,8 @@ def _make_kv(nlayers: int = NLAYERS, ntokens: int = CHUNK, hidden: int = HEADS *
     outliers = torch.rand(2, nlayers, 1, hidden, generator=g) < 0.05
     offsets = torch.where(outliers, offsets * 20, offsets)
     token_scale = torch.exp(torch.randn(2, nlayers, ntokens, 1, generator=g) * 0.6)
-    noise = torch.distributions.Laplace(0.0, 1.0).sample((2, nlayers, ntokens, hidden))
+    u = torch.rand(2, nlayers, ntokens, hidden, generator=g) - 0.5
+    noise = -torch.sign(u) * torch.log1p(-2 * u.abs())  # Laplace(0, 1)
     smooth = torch.cumsum(torch.randn(2, nlayers, ntokens, hidden, generator=g) * 0.1, dim=2)
     return (offsets + token_scale * noise + smooth).to(dtype)
 
