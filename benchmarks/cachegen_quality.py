@@ -158,22 +158,30 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"cachegen": ("o-", "tab:blue"), "reference": ("s--", "tab:gray"),
-              "baseline": ("D", "tab:red"), "bf16": ("^", "black")}
-    for kind, (marker, color) in styles.items():
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"cachegen": ("o-", "tab:blue", "CacheGen (fitted table, scaled)"),
+              "reference": ("s--", "tab:gray", "per-token max quantization (entropy only)"),
+              "baseline": ("D", "tab:red", "int8 per-token baseline"),
+              "bf16": ("^", "black", "bf16 cache")}
+    for kind, (marker, color, label) in styles.items():
         pts = sorted((r["bits_per_value"], max(r["mean_kl"], 1e-7), r["codec"]) for r in rows
                      if r["kind"] == kind and "default for" not in r["codec"])
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, label=kind)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, label=label)
+        if kind == "cachegen":
+            for x, y, name in pts:
+                ax.annotate(name.split()[1], (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7)
     for r in rows:
         if "default for" in r["codec"]:
             ax.plot(r["bits_per_value"], r["mean_kl"], "x", color="tab:green",
-                    label="cachegen, layer-count default")
+                    label="CacheGen, layer-count default")
     ax.axhline(0.01, color="tab:orange", lw=0.8, ls=":")
     ax.axvline(3.0, color="tab:orange", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_yscale("log")
     ax.set_xlabel("bits per value (every stored byte)")
     ax.set_ylabel("mean KL of next-token distribution (nats)")

@@ -8,19 +8,20 @@ The KV of one encode call is handled channel-major, ``x: [G, C, T]`` float32 (G 
     q[g, c, t]  = round((x[g, c, t] - mean[g, c]) / step[g, t])     (signed integers)
     x_hat       = q * step + mean          so |x - x_hat| <= step / 2 (+ float rounding)
 
-Why these choices (measured on SmolLM2-135M KV of real text, KL of the next-token distribution):
-- Steps relative to the token's RMS rather than to its max (the seed's `torch_quant_vectorized`)
-  reach the same KL with ~0.3 fewer bits/value: the max is set by a few outlier channels.
-  Steps uniform over a layer (MSE-optimal) or per channel give 3-6x the KL at equal bits:
-  small-norm tokens need proportionally fine steps.
+Why these choices (measured on SmolLM2-135M KV of real text; KL of the next-token distribution,
+bits = entropy with one table per layer unless said otherwise):
+- Steps relative to the token's RMS rather than to its max (the seed's `torch_quant_vectorized`):
+  3.09 bits/value at KL 0.0075, where per-token max scaling needs ~3.5 (its 16 / 32 levels: 2.71
+  bits at KL 0.025, 3.73 at 0.006) — the max is set by a few outlier channels. One step for a
+  whole layer (MSE-optimal) or per channel gives 6x / 12x the KL at equal bits: small-norm tokens
+  need proportionally fine steps.
 - Subtracting the per-channel mean over the chunk's tokens is a lossless rate gain (keys: 3.01
-  -> 2.49 bits/value of entropy at equal error; their RoPE'd outlier channels carry a large
-  offset shared by neighbouring tokens). This is the token-wise locality that pays here:
-  closed-loop deltas against the previous token (the paper's anchors) measured 2.44 bits/value
-  for keys with one table per layer but 2.32 with per-class tables, worse than the mean alone
-  (2.31), and worse for values (3.42 vs 3.02). A per-channel AR(1) predictor on top of the mean
-  saves ~0.13 bits/value more, but needs a sequential loop over tokens at both ends, which the
-  speed budget on 2 CPU cores rules out.
+  -> 2.49 bits/value at equal error; their RoPE'd outlier channels carry a large offset shared by
+  neighbouring tokens). This is the token-wise locality that pays here. Closed-loop deltas
+  against the previous token (the paper's anchor deltas, without drift) measured worse: keys 2.44
+  vs 2.49 with one table per layer but 2.32 vs 2.25 with per-channel tables, values 3.42 vs 3.02.
+  A per-channel AR(1) predictor on top of the mean saves ~0.13 bits/value more, but it needs a
+  sequential 256-step loop over tokens in the encoder and the decoder; not taken (speed).
 
 Steps are stored as exponents ``e`` (1/8 octave): all exponents of one pair lie within a
 255-code window below the pair's largest (a token with a tiny RMS gets a coarser step, still
