@@ -147,6 +147,7 @@ def summarize(codec: Codec) -> dict:
         "bits_per_value": 8 * st["bytes"] / st["values"],
         "bytes_per_token": st["bytes"] / st["tokens"],
         "mean_kl": float(torch.cat(st["kl"]).mean()),
+        "mean_kl_per_text": [float(k.mean()) for k in st["kl"]],
         "top1_agreement": float(torch.cat(st["top1"]).mean()),
         "encode_MBps": mb / st["enc_s"] if st["enc_s"] else None,
         "decode_MBps": mb / st["dec_s"] if st["dec_s"] else None,

@@ -135,11 +135,12 @@ class CacheGenEncoderImpl:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
         layout = layout.with_ranges(low.long().cpu().numpy(), size)
         q.sub_(low[group_of].reshape(npairs, nch, 1))  # symbols in [0, n) per group
-        offset = layout.group_values("freq_start").to(q.device)[group_of].reshape(npairs, nch, 1)
-        sample = q[:, :, ::HIST_STRIDE].long().add_(offset)
+        qi = q.to(torch.int32)
+        offset = layout.group_values("freq_start").to(q.device, torch.int32)[group_of]
+        sample = qi[:, :, ::HIST_STRIDE] + offset.reshape(npairs, nch, 1)
         counts = torch.bincount(sample.reshape(-1), minlength=layout.total_size()).cpu().numpy()
         rows = layout.perm.to(q.device) + torch.arange(npairs, device=q.device)[:, None] * nch
-        symbols = q.to(torch.int32).view(-1, ntok).index_select(0, rows.reshape(-1))
+        symbols = qi.view(-1, ntok).index_select(0, rows.reshape(-1))
         tables = SymbolTables(layout, classes.cpu(), symbols.view(npairs, nch, ntok).cpu().numpy(),
                               _to_u16(counts.astype(np.int64), layout))
         self.tables[is_key] = tables

@@ -94,8 +94,10 @@ def dequantize_(q: torch.Tensor, means: torch.Tensor, exps: torch.Tensor) -> tor
 
 
 def to_token_major(x: torch.Tensor, nlayers: int, dtype: torch.dtype) -> torch.Tensor:
-    """x [2L, C, T] float32 -> KV [2, L, T, C] of `dtype` (one fused copy)."""
+    """x [2L, C, T] float32 -> KV [2, L, T, C] of `dtype`."""
     pairs, nch, ntok = x.shape
     out = torch.empty(2, nlayers, ntok, nch, dtype=dtype, device=x.device)
+    if dtype.itemsize < 4:  # convert first: the strided transpose then moves half the bytes
+        x = x.to(dtype)
     out.view(pairs, ntok, nch).copy_(x.transpose(1, 2))
     return out
