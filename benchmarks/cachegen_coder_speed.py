@@ -12,8 +12,8 @@ The symbols are CacheGen's own (default SmolLM2 table) for 256-token chunks of r
 4. as 3, plus tuples of 2-4 symbols per coded symbol for small alphabets — CacheGen's path
    (`cachegen_coder`).
 
-Bits are the payload only (tables excluded; way 2 would also have to ship ~2 bits/value of
-per-channel tables; way 1 codes other data, 4 pairs, so its bits are not comparable).
+Bits are the payload only (tables excluded; way 2 would also have to ship its
+per-channel tables (1-2 bits/value); way 1 codes other data, 4 pairs, so its bits are not comparable).
 Prints a table and writes benchmarks/out/cachegen_coder_speed.json.
     python benchmarks/cachegen_coder_speed.py [--chunks 2] [--repeats 3]
 """

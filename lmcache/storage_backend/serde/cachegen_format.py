@@ -10,7 +10,7 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     nlayers          u16      L
     num_heads        u16
     head_size        u16
-    reserved         u16 (0)
+    coder_version    u16      constriction major * 256 + minor that built the symbol models
     ntokens          u32      T
     nblocks          u32      B
     ngroups          u32      N
@@ -32,11 +32,17 @@ Groups are implied by the classes: for each pair g in order, one group per disti
 its channels, in increasing class order (`N` must match). Every substream is a whole number of
 32-bit ANS words (`cachegen_coder`). `unpack` checks every size against the header and raises
 `CorruptBlobError` for anything inconsistent.
+
+The entropy models are rebuilt from the shipped integer tables by constriction, which rounds the
+probabilities to its fixed-point precision; a different constriction release might round
+differently and decode garbage, so a stream written by another major.minor release is refused
+(`CorruptBlobError`: a cache miss, the KV is recomputed) rather than decoded.
 """
 
 from __future__ import annotations
 
 import struct
+from importlib.metadata import version
 from typing import Any
 
 import numpy as np
@@ -49,6 +55,14 @@ VERSION = 1
 MAX_ALPHABET = 4095
 NUM_CLASSES = 16
 _HEAD = struct.Struct("<4sBBHHHHIII")
+
+
+def _coder_version() -> int:
+    major, minor = version("constriction").split(".")[:2]
+    return int(major) * 256 + int(minor)
+
+
+CODER_VERSION = _coder_version()
 TENSOR_FIELDS = ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
                  "channel_classes", "symbol_ranges")
 
@@ -56,6 +70,9 @@ TENSOR_FIELDS = ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
 def pack(out: Any) -> bytes:
     """Serialize a `CacheGenEncoderOutput` (fields as documented in `cachegen_basics`)."""
     nlayers, ntokens = out.max_tensors_key.shape
+    if max(nlayers, out.num_heads, out.head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
+        raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
+                         f"heads={out.num_heads}, head_size={out.head_size}, T={ntokens}")
     exps = torch.stack([out.max_tensors_key, out.max_tensors_value]).reshape(2 * nlayers, ntokens)
     base = exps.amax(1, keepdim=True) - 127
     offsets = exps - base
@@ -68,7 +85,7 @@ def pack(out: Any) -> bytes:
     starts = out.start_indices.long()
     ranges = out.symbol_ranges.to(torch.int64)
     parts = [
-        _HEAD.pack(MAGIC, VERSION, 0, nlayers, out.num_heads, out.head_size, 0, ntokens,
+        _HEAD.pack(MAGIC, VERSION, 0, nlayers, out.num_heads, out.head_size, CODER_VERSION, ntokens,
                    len(out.block_tokens), len(ranges)),
         _arr(out.key_bins, np.uint16), _arr(out.value_bins, np.uint16),
         _arr(out.block_tokens, np.uint32),
@@ -103,12 +120,15 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     """The fields of a `CacheGenEncoderOutput`; raises CorruptBlobError for invalid bytes."""
     if len(bs) < _HEAD.size:
         raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
-    magic, version, _flags, nlayers, heads, head_size, _r, ntokens, nblocks, ngroups = \
+    magic, fmt_version, _flags, nlayers, heads, head_size, coder, ntokens, nblocks, ngroups = \
         _HEAD.unpack_from(bs)
     if magic != MAGIC:
         raise CorruptBlobError("not a cachegen stream (bad magic)")
-    if version != VERSION:
-        raise CorruptBlobError(f"unsupported cachegen stream version {version}")
+    if fmt_version != VERSION:
+        raise CorruptBlobError(f"unsupported cachegen stream version {fmt_version}")
+    if coder != CODER_VERSION:
+        raise CorruptBlobError(f"cachegen stream was coded with constriction {coder >> 8}.{coder & 255}"
+                               f", this is {CODER_VERSION >> 8}.{CODER_VERSION & 255}")
     if min(nlayers, heads, head_size, ntokens, nblocks) < 1 or nblocks > ntokens:
         raise CorruptBlobError(f"bad cachegen dims L={nlayers} heads={heads} head_size={head_size} "
                                f"T={ntokens} blocks={nblocks}")

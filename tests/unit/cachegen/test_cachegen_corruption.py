@@ -64,6 +64,15 @@ def test_wrong_magic_and_version_are_rejected(serde, good: bytes) -> None:
         serde[1].from_bytes(rewrap(good, bytes(payload)))
 
 
+def test_a_stream_from_another_constriction_release_is_refused(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload)
+    fields = list(fmt._HEAD.unpack_from(payload))
+    fields[6] = fmt.CODER_VERSION + 1
+    bad = fmt._HEAD.pack(*fields) + payload[fmt._HEAD.size:]
+    with pytest.raises(CorruptBlobError, match="constriction"):
+        serde[1].from_bytes(rewrap(good, bad))
+
+
 def test_inconsistent_header_fields_are_rejected(serde, good: bytes) -> None:
     payload = bytes(blob.unpack(good).payload)
     fields = list(fmt._HEAD.unpack_from(payload))
