@@ -1,0 +1,186 @@
+"""The versioned binary format of a CacheGen stream (no pickle; all integers little-endian).
+
+A stream encodes KV of shape ``[2, L, T, C]`` (C = num_heads * head_size) cut into token blocks.
+Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol groups):
+
+    field            type / count           meaning
+    magic            4 bytes  b"CGEN"
+    version          u8 (1)
+    flags            u8 (0)
+    nlayers          u16      L
+    num_heads        u16
+    head_size        u16
+    coder_version    u16      constriction major * 256 + minor that built the symbol models
+    ntokens          u32      T
+    nblocks          u32      B
+    ngroups          u32      N
+    key_bins         u16[L]   bins per layer (informational; decoding uses the step exponents)
+    value_bins       u16[L]
+    block_tokens     u32[B]   tokens per block (sum = T)
+    channel_means    bf16[G*C]            per (K/V, layer, channel) mean, subtracted before
+                                          quantization
+    exp_base         i16[G]               step exponents e[g, t] = exp_base[g] + exp_offset[g, t]
+    exp_offset       i8[G*T]              (step = 2 ** (e / 8), see cachegen_quant)
+    channel_classes  u8[ceil(G*C/2)]      4-bit class per channel, low nibble first
+    group_low        i16[N]               lowest symbol of each group
+    group_size       u16[N]               alphabet size n of each group (1..4095)
+    frequencies      u16[sum n]           the groups' frequency tables, concatenated
+    stream_lengths   u32[B*G]             byte length of substream (block b, pair g)
+    payload          bytes                the substreams, block-major, then pair order
+
+Groups are implied by the classes: for each pair g in order, one group per distinct class of
+its channels, in increasing class order (`N` must match). Every substream is a whole number of
+32-bit ANS words (`cachegen_coder`). `unpack` checks every size against the header and raises
+`CorruptBlobError` for anything inconsistent.
+
+The entropy models are rebuilt from the shipped integer tables by constriction, which rounds the
+probabilities to its fixed-point precision; a different constriction release might round
+differently and decode garbage, so a stream written by another major.minor release is refused
+(`CorruptBlobError`: a cache miss, the KV is recomputed) rather than decoded.
+"""
+
+from __future__ import annotations
+
+import struct
+from importlib.metadata import version
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+MAGIC = b"CGEN"
+VERSION = 1
+MAX_ALPHABET = 4095
+NUM_CLASSES = 16
+_HEAD = struct.Struct("<4sBBHHHHIII")
+
+
+def _coder_version() -> int:
+    major, minor = version("constriction").split(".")[:2]
+    return int(major) * 256 + int(minor)
+
+
+CODER_VERSION = _coder_version()
+TENSOR_FIELDS = ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
+                 "channel_classes", "symbol_ranges")
+
+
+def pack(out: Any) -> bytes:
+    """Serialize a `CacheGenEncoderOutput` (fields as documented in `cachegen_basics`)."""
+    nlayers, ntokens = out.max_tensors_key.shape
+    if max(nlayers, out.num_heads, out.head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
+        raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
+                         f"heads={out.num_heads}, head_size={out.head_size}, T={ntokens}")
+    exps = torch.stack([out.max_tensors_key, out.max_tensors_value]).reshape(2 * nlayers, ntokens)
+    base = exps.amax(1, keepdim=True) - 127
+    offsets = exps - base
+    if int(offsets.min()) < -128:
+        raise ValueError("step exponents of one layer span more than 255 codes")
+    classes = out.channel_classes.reshape(-1).to(torch.uint8)
+    if classes.numel() % 2:
+        classes = torch.cat([classes, classes.new_zeros(1)])
+    packed_classes = classes[0::2] | (classes[1::2] << 4)
+    starts = out.start_indices.long()
+    ranges = out.symbol_ranges.to(torch.int64)
+    parts = [
+        _HEAD.pack(MAGIC, VERSION, 0, nlayers, out.num_heads, out.head_size, CODER_VERSION, ntokens,
+                   len(out.block_tokens), len(ranges)),
+        _arr(out.key_bins, np.uint16), _arr(out.value_bins, np.uint16),
+        _arr(out.block_tokens, np.uint32),
+        out.channel_means.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes(),
+        _arr(base, np.int16), _arr(offsets, np.int8), _arr(packed_classes, np.uint8),
+        _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16), _arr(out.cdf, np.uint16),
+        _arr(starts.diff(dim=1), np.uint32), out.bytestream,
+    ]
+    return b"".join(parts)
+
+
+def _arr(t: torch.Tensor, dtype: type) -> bytes:
+    return t.cpu().numpy().astype(dtype, copy=False).tobytes()
+
+
+class _Reader:
+    def __init__(self, bs: bytes | bytearray | memoryview) -> None:
+        self.buf = memoryview(bs).cast("B")
+        self.pos = 0
+
+    def take(self, count: int, dtype: type, what: str) -> np.ndarray:
+        nbytes = count * np.dtype(dtype).itemsize
+        if self.pos + nbytes > len(self.buf):
+            raise CorruptBlobError(f"cachegen stream truncated in {what} "
+                                   f"(needs {nbytes} bytes at offset {self.pos}, has {len(self.buf)})")
+        arr: np.ndarray = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+        self.pos += nbytes
+        return arr
+
+
+def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The fields of a `CacheGenEncoderOutput`; raises CorruptBlobError for invalid bytes."""
+    if len(bs) < _HEAD.size:
+        raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
+    magic, fmt_version, _flags, nlayers, heads, head_size, coder, ntokens, nblocks, ngroups = \
+        _HEAD.unpack_from(bs)
+    if magic != MAGIC:
+        raise CorruptBlobError("not a cachegen stream (bad magic)")
+    if fmt_version != VERSION:
+        raise CorruptBlobError(f"unsupported cachegen stream version {fmt_version}")
+    if coder != CODER_VERSION:
+        raise CorruptBlobError(f"cachegen stream was coded with constriction {coder >> 8}.{coder & 255}"
+                               f", this is {CODER_VERSION >> 8}.{CODER_VERSION & 255}")
+    if min(nlayers, heads, head_size, ntokens, nblocks) < 1 or nblocks > ntokens:
+        raise CorruptBlobError(f"bad cachegen dims L={nlayers} heads={heads} head_size={head_size} "
+                               f"T={ntokens} blocks={nblocks}")
+    pairs, channels = 2 * nlayers, heads * head_size
+    r = _Reader(bs)
+    r.pos = _HEAD.size
+    key_bins = r.take(nlayers, np.uint16, "key_bins")
+    value_bins = r.take(nlayers, np.uint16, "value_bins")
+    block_tokens = r.take(nblocks, np.uint32, "block_tokens")
+    if int(block_tokens.min()) < 1 or int(block_tokens.sum(dtype=np.int64)) != ntokens:
+        raise CorruptBlobError(f"block sizes {block_tokens.tolist()[:8]}... do not add up to T={ntokens}")
+    means = r.take(pairs * channels, np.int16, "channel_means")
+    base = r.take(pairs, np.int16, "exp_base").astype(np.int16)
+    offsets = r.take(pairs * ntokens, np.int8, "exp_offset").reshape(pairs, ntokens)
+    packed = r.take((pairs * channels + 1) // 2, np.uint8, "channel_classes")
+    nibbles = np.empty(packed.size * 2, dtype=np.uint8)
+    nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
+    classes = nibbles[: pairs * channels].reshape(pairs, channels)
+    expected_groups = sum(len(np.unique(row)) for row in classes)
+    if ngroups != expected_groups:
+        raise CorruptBlobError(f"header says {ngroups} symbol groups, the classes imply {expected_groups}")
+    low = r.take(ngroups, np.int16, "group_low")
+    size = r.take(ngroups, np.uint16, "group_size")
+    if ngroups and (int(size.min()) < 1 or int(size.max()) > MAX_ALPHABET):
+        raise CorruptBlobError(f"symbol alphabet sizes must be in [1, {MAX_ALPHABET}]")
+    freqs = r.take(int(size.sum(dtype=np.int64)), np.uint16, "frequencies")
+    group_sums = np.add.reduceat(freqs.astype(np.int64), np.r_[0, np.cumsum(size.astype(np.int64))[:-1]]) \
+        if ngroups else np.zeros(0)
+    if ngroups and int(group_sums.min()) < 1:
+        raise CorruptBlobError("a symbol group has an all-zero frequency table")
+    lengths = r.take(nblocks * pairs, np.uint32, "stream_lengths").astype(np.int64)
+    if np.any(lengths % 4):
+        raise CorruptBlobError("substream lengths must be whole 32-bit words")
+    total = int(lengths.sum())
+    if r.pos + total != len(r.buf):
+        raise CorruptBlobError(f"cachegen payload has {len(r.buf) - r.pos} bytes, "
+                               f"the substream lengths say {total}")
+    exps = torch.from_numpy(base.astype(np.int16)[:, None] + offsets.astype(np.int16))
+    exps = exps.reshape(2, nlayers, ntokens)
+    starts = np.concatenate([np.zeros((nblocks, 1), np.int64),
+                             np.cumsum(lengths.reshape(nblocks, pairs), axis=1)], axis=1)
+    starts += np.r_[0, np.cumsum(lengths.reshape(nblocks, pairs).sum(1))[:-1]][:, None]
+    return dict(
+        bytestream=bytes(r.buf[r.pos:]),
+        start_indices=torch.from_numpy(starts),
+        cdf=torch.from_numpy(freqs.astype(np.int32)),
+        max_tensors_key=exps[0].clone(), max_tensors_value=exps[1].clone(),
+        num_heads=heads, head_size=head_size,
+        channel_means=torch.from_numpy(means.copy()).view(torch.bfloat16).reshape(2, nlayers, channels),
+        channel_classes=torch.from_numpy(classes.copy()).reshape(2, nlayers, channels),
+        symbol_ranges=torch.from_numpy(np.stack([low.astype(np.int32), size.astype(np.int32)], 1)),
+        key_bins=torch.from_numpy(key_bins.astype(np.int32)),
+        value_bins=torch.from_numpy(value_bins.astype(np.int32)),
+        block_tokens=torch.from_numpy(block_tokens.astype(np.int64)),
+    )

@@ -1,0 +1,126 @@
+"""Corrupt, truncated or foreign bytes raise CorruptBlobError (a ValueError), never garbage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmcache.storage_backend.serde import blob
+from lmcache.storage_backend.serde import cachegen_format as fmt
+from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+
+@pytest.fixture
+def good(serde, make_kv) -> bytes:
+    return serde[0].to_bytes(make_kv(ntokens=40))
+
+
+def rewrap(data: bytes, payload: bytes) -> bytes:
+    """`payload` under a valid blob header (same shape/dtype): only the cachegen checks remain."""
+    head = blob.unpack(data, "cachegen")
+    return blob.pack_header("cachegen", head.shape, head.dtype, payload) + payload
+
+
+def test_corrupt_blob_error_is_a_value_error() -> None:
+    assert issubclass(CorruptBlobError, ValueError)
+
+
+@pytest.mark.parametrize("cut", [0, 10, blob.HEADER_SIZE, blob.HEADER_SIZE + 30, -1, -100])
+def test_truncated_blobs_are_rejected(serde, good: bytes, cut: int) -> None:
+    with pytest.raises(CorruptBlobError):
+        serde[1].from_bytes(good[:cut])
+
+
+@pytest.mark.parametrize("pos", [0, 5, 40, blob.HEADER_SIZE + 3, blob.HEADER_SIZE + 500, -7])
+def test_flipped_bytes_are_rejected(serde, good: bytes, pos: int) -> None:
+    bad = bytearray(good)
+    bad[pos] ^= 0x5A
+    with pytest.raises(CorruptBlobError):
+        serde[1].from_bytes(bytes(bad))
+
+
+def test_a_blob_of_another_serde_is_rejected(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload)
+    foreign = blob.pack_header("naive", (2, 4, 40, 32), blob.unpack(good).dtype, payload) + payload
+    with pytest.raises(CorruptBlobError, match="serde id"):
+        serde[1].from_bytes(foreign)
+
+
+def test_stream_truncated_under_a_valid_header_is_rejected(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload)
+    for cut in (3, 30, 200, len(payload) // 2, len(payload) - 4):
+        with pytest.raises(CorruptBlobError, match="cachegen"):
+            serde[1].from_bytes(rewrap(good, payload[:cut]))
+
+
+def test_wrong_magic_and_version_are_rejected(serde, good: bytes) -> None:
+    payload = bytearray(blob.unpack(good).payload)
+    payload[:4] = b"XXXX"
+    with pytest.raises(CorruptBlobError, match="bad magic"):
+        serde[1].from_bytes(rewrap(good, bytes(payload)))
+    payload = bytearray(blob.unpack(good).payload)
+    payload[4] = fmt.VERSION + 1
+    with pytest.raises(CorruptBlobError, match="version"):
+        serde[1].from_bytes(rewrap(good, bytes(payload)))
+
+
+def test_a_stream_from_another_constriction_release_is_refused(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload)
+    fields = list(fmt._HEAD.unpack_from(payload))
+    fields[6] = fmt.CODER_VERSION + 1
+    bad = fmt._HEAD.pack(*fields) + payload[fmt._HEAD.size:]
+    with pytest.raises(CorruptBlobError, match="constriction"):
+        serde[1].from_bytes(rewrap(good, bad))
+
+
+def test_inconsistent_header_fields_are_rejected(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload)
+    fields = list(fmt._HEAD.unpack_from(payload))
+    for index, value, message in [(7, 0, "bad cachegen dims"), (8, 2, "do not add up"),
+                                  (9, 1, "symbol groups"), (7, 41, "do not add up")]:
+        changed = list(fields)
+        changed[index] = value
+        bad = fmt._HEAD.pack(*changed) + payload[fmt._HEAD.size:]
+        with pytest.raises(CorruptBlobError, match=message):
+            serde[1].from_bytes(rewrap(good, bad))
+
+
+def test_stream_shape_must_match_the_blob_header(serde, good: bytes) -> None:
+    head = blob.unpack(good)
+    payload = bytes(head.payload)
+    other = blob.pack_header("cachegen", (2, 4, 41, 32), head.dtype, payload) + payload
+    with pytest.raises(CorruptBlobError, match="shape"):
+        serde[1].from_bytes(other)
+
+
+def test_all_zero_frequency_table_is_rejected(serde, good: bytes, stream_of) -> None:
+    out = stream_of(good)
+    out.cdf[: int(out.symbol_ranges[0, 1])] = 0
+    with pytest.raises(CorruptBlobError, match="all-zero frequency"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
+def test_substream_missing_its_last_word_is_rejected(serde, good: bytes, stream_of) -> None:
+    out = stream_of(good)
+    lengths = np.diff(out.start_indices.numpy(), axis=1)[0]
+    g = int(np.flatnonzero(lengths >= 8)[0])
+    start = int(out.start_indices[0, g])
+    end = start + int(lengths[g])
+    out.bytestream = out.bytestream[: end - 4] + out.bytestream[end:]
+    out.start_indices[0, g + 1:] -= 4
+    with pytest.raises(CorruptBlobError, match="substream"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
+def test_bytes_beyond_the_substreams_are_rejected(serde, good: bytes) -> None:
+    payload = bytes(blob.unpack(good).payload) + b"\x00\x00\x00\x00"
+    with pytest.raises(CorruptBlobError, match="payload has"):
+        serde[1].from_bytes(rewrap(good, payload))
+
+
+def test_substream_lengths_must_be_whole_words(serde, good: bytes, stream_of) -> None:
+    out = stream_of(good)
+    out.bytestream += b"\x00"
+    out.start_indices[-1, -1] += 1
+    with pytest.raises(CorruptBlobError, match="whole 32-bit words"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))

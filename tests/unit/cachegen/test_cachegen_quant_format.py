@@ -1,0 +1,90 @@
+"""The quantizers (seed names and the codec's RMS steps) and the versioned stream format."""
+
+from __future__ import annotations
+
+import torch
+
+from lmcache.storage_backend.serde import cachegen_quant as cgq
+from lmcache.storage_backend.serde.cachegen_basics import (
+    CacheGenConfig,
+    CacheGenEncoderOutput,
+    CacheGenGPUEncoderOutput,
+)
+from lmcache.storage_backend.serde.cachegen_decoder import do_dequantize, quant
+from lmcache.storage_backend.serde.cachegen_encoder import (
+    collect_bytes,
+    concat_max,
+    encode_function,
+    torch_quant,
+    torch_quant_vectorized,
+)
+
+
+def test_torch_quant_error_is_at_most_half_a_bin() -> None:
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 4
+    for bins in (8, 32, 255):
+        xq, max1 = torch_quant(bins, x)
+        assert xq.abs().max() <= bins // 2
+        assert (quant(bins, xq, max1) - x).abs().max() <= max1 / (bins // 2) / 2 + 1e-6
+
+
+def test_torch_quant_vectorized_scales_each_token_by_its_max() -> None:
+    x = torch.randn(4, 20, 16, generator=torch.Generator().manual_seed(2))
+    x *= torch.linspace(0.01, 100, 20)[None, :, None]
+    bins = torch.tensor([8, 16, 64, 255])
+    q, maxes = torch_quant_vectorized(bins, x)
+    assert maxes.shape == (4, 20, 1)
+    assert torch.equal(maxes, x.abs().amax(dim=2, keepdim=True))
+    assert bool((q.abs() <= (bins // 2)[:, None, None]).all())
+    err = (do_dequantize(q, bins, maxes) - x).abs()
+    assert bool((err <= maxes / (bins // 2)[:, None, None] / 2 + 1e-5).all())
+
+
+def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
+    base = torch.randn(1, 64, 10, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([base, base * 100])
+    exps = cgq.step_exponents(x, torch.tensor([16, 32]))
+    ratio = cgq.steps(exps[1]) / cgq.steps(exps[0])  # 100x the RMS, 2x the bins: ~50x the step
+    assert bool(((ratio > 50 / 2 ** (1 / 8)) & (ratio < 50 * 2 ** (1 / 8))).all())
+    rms = base[0].pow(2).mean(0).sqrt()
+    assert torch.allclose(cgq.steps(exps[0]), 8 * rms / 16, rtol=2 ** (1 / 16) - 1 + 1e-6)
+    x[0, :, 3] = 1e-30  # a near-zero token: its exponent is pulled into the pair's window
+    exps = cgq.step_exponents(x, torch.tensor([16, 16]))
+    assert int(exps[0].max() - exps[0].min()) <= cgq.EXP_WINDOW
+
+
+def test_bound_exponents_keep_symbols_within_qmax() -> None:
+    x = torch.randn(1, 8, 6, generator=torch.Generator().manual_seed(1))
+    x[0, :, 2] = 1e-4  # tiny token whose channels' means are large
+    means = torch.full((1, 8), 50.0)
+    exps = cgq.step_exponents(x, torch.tensor([64]))
+    assert float(cgq.quantize_(x.clone(), means, exps).abs().max()) > cgq.QMAX
+    exps = cgq.bound_exponents(x, means, exps)
+    assert float(cgq.quantize_(x.clone(), means, exps).abs().max()) <= cgq.QMAX
+
+
+def test_concat_max_and_collect_bytes() -> None:
+    assert concat_max({1: torch.ones(3, 1), 0: torch.zeros(3)}).tolist() == [[0, 0, 0], [1, 1, 1]]
+    buf = torch.arange(12, dtype=torch.uint8).view(3, 4)
+    assert collect_bytes(buf, torch.tensor([1, 0, 3])).tolist() == [0, 8, 9, 10]
+
+
+def test_output_classes_roundtrip_through_bytes_field_by_field() -> None:
+    kv = torch.randn(2, 3, 70, 12, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    cfg = CacheGenConfig.default_for_layers(3)
+    gpu = encode_function(kv, cfg, torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins()), 32)
+    flat = gpu.to_flat()
+    back = CacheGenEncoderOutput.from_bytes(flat.to_bytes())
+    for name in ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
+                 "channel_classes", "symbol_ranges", "key_bins", "value_bins", "start_indices",
+                 "block_tokens"):
+        assert torch.equal(getattr(back, name).to(getattr(flat, name).dtype),
+                           getattr(flat, name)), name
+    assert back.bytestream == flat.bytestream
+    assert (back.num_heads, back.head_size) == (1, 12)
+    gpu2 = CacheGenGPUEncoderOutput.from_bytes(gpu.to_bytes())
+    assert [c.ntokens for c in gpu2.data_chunks] == [32, 32, 6]
+    for a, b in zip(gpu.data_chunks, gpu2.data_chunks):
+        assert torch.equal(a.bytestream, b.bytestream)
+        assert torch.equal(a.bytestream_lengths, b.bytestream_lengths)
+    assert gpu2.to_bytes() == gpu.to_bytes()

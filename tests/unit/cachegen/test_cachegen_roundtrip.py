@@ -1,0 +1,131 @@
+"""Serializer -> deserializer round trips: shape, dtype, device, error bound, size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.storage_backend.serde import create_serde
+from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, CacheGenGPUEncoderOutput
+from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer, decode_kv
+from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, encode_function
+
+
+def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:
+    ser, de = create_serde("cachegen", engine_config, metadata)
+    assert isinstance(ser, CacheGenSerializer) and isinstance(de, CacheGenDeserializer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_roundtrip_keeps_shape_dtype_device_within_half_a_step(serde, make_kv, within_half_step,
+                                                                dtype: torch.dtype) -> None:
+    ser, de = serde
+    kv = make_kv(dtype=dtype)
+    data = ser.to_bytes(kv)
+    out = de.from_bytes(data)
+    assert out.shape == kv.shape and out.dtype == dtype and out.device == kv.device
+    within_half_step(kv, out, data)
+
+
+@pytest.mark.parametrize("ntokens", [1, 2, 17, 63])
+def test_trailing_partial_chunks_roundtrip(serde, make_kv, within_half_step, dims,
+                                           ntokens: int) -> None:
+    ser, de = serde
+    kv = make_kv(ntokens=ntokens, seed=ntokens)
+    data = ser.to_bytes(kv)
+    out = de.from_bytes(data)
+    assert out.shape == (2, dims["nlayers"], ntokens, dims["hidden"])
+    within_half_step(kv, out, data)
+
+
+def test_compresses_kv_like_data_well_below_8_bits(serde, make_kv) -> None:
+    ser, _ = serde
+    kv = make_kv()
+    assert len(ser.to_bytes(kv)) * 8 / kv.numel() < 6.0
+
+
+def test_more_bins_give_smaller_error_and_larger_blobs(engine_config, metadata, make_kv,
+                                                       dims) -> None:
+    kv = make_kv()
+    de = CacheGenDeserializer(engine_config, metadata, kv.dtype)
+    sizes, errors = [], []
+    for bins in (4, 16, 64):
+        cfg = CacheGenConfig.uniform(dims["nlayers"], bins, bins)
+        data = CacheGenSerializer(engine_config, metadata, cachegen_config=cfg).to_bytes(kv)
+        sizes.append(len(data))
+        errors.append(float((de.from_bytes(data).float() - kv.float()).pow(2).mean()))
+    assert sizes[0] < sizes[1] < sizes[2]
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_constant_inputs_roundtrip_exactly(serde, dims) -> None:
+    ser, de = serde
+    shape = (2, dims["nlayers"], 8, dims["hidden"])
+    for value in (0.0, 3.5, -1e-3):
+        kv = torch.full(shape, value, dtype=torch.bfloat16)
+        assert torch.equal(de.from_bytes(ser.to_bytes(kv)), kv)
+
+
+def test_a_tiny_token_among_large_ones_stays_within_its_step(serde, make_kv,
+                                                             within_half_step) -> None:
+    ser, de = serde
+    kv = make_kv(ntokens=16)
+    kv[:, :, 5] *= 1e-6  # its step is raised so that |q| stays <= QMAX
+    data = ser.to_bytes(kv)
+    within_half_step(kv, de.from_bytes(data), data)
+
+
+def test_rejects_non_finite_wrong_shape_and_integer_input(serde, make_kv, dims) -> None:
+    ser, _ = serde
+    kv = make_kv(ntokens=4)
+    kv[0, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ser.to_bytes(kv)
+    nl, hidden = dims["nlayers"], dims["hidden"]
+    with pytest.raises(ValueError, match="KV_BLOB"):
+        ser.to_bytes(torch.zeros(2, nl, 4, hidden + 1))
+    with pytest.raises(ValueError, match="layers"):
+        ser.to_bytes(torch.zeros(2, nl + 1, 4, hidden))
+    with pytest.raises(ValueError, match="floating-point"):
+        ser.to_bytes(torch.zeros(2, nl, 4, hidden, dtype=torch.int32))
+
+
+def test_token_blocks_decode_independently_to_the_same_values(make_kv, dims) -> None:
+    kv = make_kv(ntokens=100)
+    cfg = CacheGenConfig.default_for_layers(dims["nlayers"])
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    one = encode_function(kv, cfg, kb, vb, chunk_size=100)
+    blocks = encode_function(kv, cfg, kb, vb, chunk_size=32)
+    assert [c.ntokens for c in blocks.data_chunks] == [32, 32, 32, 4]
+    assert torch.equal(decode_kv(one, kv.dtype), decode_kv(blocks, kv.dtype))
+    again = CacheGenGPUEncoderOutput.from_bytes(blocks.to_bytes())
+    assert torch.equal(decode_kv(again, kv.dtype), decode_kv(blocks, kv.dtype))
+
+
+def test_stream_records_bins_and_head_split(serde, make_kv, stream_of, dims) -> None:
+    ser, _ = serde
+    out = stream_of(ser.to_bytes(make_kv(ntokens=8)))
+    assert out.num_heads == dims["heads"] and out.head_size == dims["head_size"]
+    assert out.key_bins.tolist() == ser.cachegen_config.key_bins()
+    assert out.value_bins.tolist() == ser.cachegen_config.value_bins()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nlayers=st.integers(1, 3), ntokens=st.integers(1, 40), hidden=st.integers(1, 24),
+       bins=st.integers(2, 200), scale=st.floats(1e-3, 1e3),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 2**16))
+def test_hypothesis_random_shapes_roundtrip(make_kv, within_half_step, nlayers: int, ntokens: int,
+                                            hidden: int, bins: int, scale: float,
+                                            dtype: torch.dtype, seed: int) -> None:
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=64)
+    md = LMCacheEngineMetadata("random", 1, 0, "vllm", dtype, (nlayers, 2, 64, 1, hidden))
+    ser = CacheGenSerializer(cfg, md, cachegen_config=CacheGenConfig.uniform(nlayers, bins, bins))
+    kv = (make_kv(nlayers, ntokens, hidden, torch.float32, seed) * scale).to(dtype)
+    data = ser.to_bytes(kv)
+    out = CacheGenDeserializer(cfg, md, dtype).from_bytes(data)
+    assert out.shape == kv.shape and out.dtype == dtype
+    within_half_step(kv, out, data)
