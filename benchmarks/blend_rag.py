@@ -17,6 +17,7 @@ Goals at ratio 0.15: TTFT <= 0.35x full prefill, KL <= half of ratio 0's.
 Writes a table, benchmarks/out/blend_rag.json and benchmarks/out/blend_rag.png.
 
     python benchmarks/blend_rag.py [--questions 6] [--repeats 2] [--ratios 0,0.05,0.15,0.3,1.0]
+                                   [--check-layers 1]   (e.g. 1,4 for gradual filtering)
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=6, help="how many of the 6 questions to run")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per prefill (median reported)")
     ap.add_argument("--greedy", type=int, default=12, help="free-running greedy tokens compared")
-    ap.add_argument("--check-layer", type=int, default=1)
+    ap.add_argument("--check-layers", default="1",
+                    help="comma-separated CacheBlend check layers (the config default is 1)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -104,7 +106,7 @@ def main() -> None:
 
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=256, max_local_cpu_size=1.0, enable_blending=True, blend_min_tokens=0,
-        blend_check_layers=[args.check_layer])
+        blend_check_layers=[int(x) for x in args.check_layers.split(",")])
     engine = create_hf_engine(model, config, instance_id="blend_rag")
     blenders = {r: CacheBlendLM(model, engine, tokenizer=tok,
                                 config=dataclasses.replace(config, blend_recompute_ratio=r)) for r in ratios}
@@ -162,16 +164,17 @@ def main() -> None:
     goals = check_goals(summary)
     result = {
         "model": path, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "check_layers": [args.check_layer], "repeats": args.repeats, "questions": len(questions),
+        "check_layers": config.blend_check_layers, "repeats": args.repeats, "questions": len(questions),
         "precompute_s": precompute_s, "total_s": time.perf_counter() - started,
         "summary": summary, "goals": goals, "records": records,
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "blend_rag.json").write_text(json.dumps(result, indent=1))
-    plot(summary, out_dir / "blend_rag.png")
-    print(f"wrote {out_dir / 'blend_rag.json'} and {out_dir / 'blend_rag.png'} "
-          f"(total {result['total_s']:.0f}s)")
+    layers_tag = "-".join(str(x) for x in config.blend_check_layers)
+    stem = "blend_rag" if layers_tag == "1" else f"blend_rag_check{layers_tag}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(summary, out_dir / f"{stem}.png", config.blend_check_layers)
+    print(f"wrote {out_dir / stem}.json and .png (total {result['total_s']:.0f}s)")
     for blender in blenders.values():
         blender.close()
     LMCacheEngineBuilder.destroy("blend_rag")
@@ -218,7 +221,7 @@ def check_goals(rows: list[dict[str, float]]) -> dict[str, Any]:
     return goals
 
 
-def plot(rows: list[dict[str, float]], path: Path) -> None:
+def plot(rows: list[dict[str, float]], path: Path, check_layers: list[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,8 +240,9 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     b2.plot(r, [x["top1_agreement"] for x in rows], "s--", color="green", label="top-1 agreement")
     b2.set_ylim(0, 1.05)
     b2.set_ylabel("top-1 agreement")
-    b.legend(loc="upper center")
-    b2.legend(loc="center right")
+    handles = b.get_legend_handles_labels()[0] + b2.get_legend_handles_labels()[0]
+    b.legend(handles, [h.get_label() for h in handles], loc="center right")
+    fig.suptitle(f"CacheBlend, check layers {check_layers}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
