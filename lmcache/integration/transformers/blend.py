@@ -9,11 +9,13 @@ segment alone, stored through the engine like any prefix). `prefill` then retrie
 KV independently of its position (`SPTBlendRetriever`, asynchronously), runs `LlamaBlendForward`
 with a `CacheBlendImpl` (``blend_recompute_ratio``, ``blend_check_layers``), always recomputing the
 query after the last separator. Inputs shorter than ``blend_min_tokens`` are simply prefilled.
-Blended KV is approximate and is never stored.
+Blended KV is approximate and is never stored. Prefills on one instance run one at a time (the
+executor keeps per-input state between layers).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +66,7 @@ class CacheBlendLM:
         self.executor = CacheBlendImpl.from_config(config)
         self.forward = LlamaBlendForward(model, self.executor)
         self.retriever = SPTBlendRetriever(self.spt, engine, engine.metadata, device=self.prefix.device)
+        self._lock = threading.Lock()
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -109,8 +112,9 @@ class CacheBlendLM:
             out = self.model(input_ids=tokens.unsqueeze(0).to(self.prefix.device), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             return BlendPrefillOutput(out.logits[0, -1], cache, 0, n, False)
-        task = self.retriever.new_request(tokens, torch.tensor([0, n]))
-        out = self.forward(tokens, task, force_recompute=self.query_mask(tokens))
+        with self._lock:
+            task = self.retriever.new_request(tokens, torch.tensor([0, n]))
+            out = self.forward(tokens, task, force_recompute=self.query_mask(tokens))
         return BlendPrefillOutput(out.logits, out.past_key_values, task.num_retrieved_tokens,
                                   out.recomputed.numel(), True)
 
