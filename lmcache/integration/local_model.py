@@ -121,11 +121,3 @@ def local_model_path(dtype: str = "float32") -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(dst)
-
-
-def model_fingerprint(path: str) -> str:
-    """The weights fingerprint recorded for a converted folder ('' if unknown)."""
-    try:
-        return str(json.loads((Path(path) / "lmcache_source.json").read_text())["fingerprint"])
-    except (OSError, ValueError, KeyError):
-        return ""
