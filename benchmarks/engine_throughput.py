@@ -4,8 +4,10 @@ For each KV shape, a vLLM-v1-style paged cache (per layer [2, num_blocks, block_
 head_size]) holds `--tokens` tokens in randomly placed blocks. Measured in one run:
 - copy: `dst.copy_(src)` of two pre-faulted contiguous buffers of the same byte count (baseline);
 - store (cold): the first `LMCacheEngine.store` into a freshly built engine (hashing, allocation,
-  connector gather, hot-tier insert), median over `--cold-reps` fresh engines;
-- retrieve: `LMCacheEngine.retrieve` of all tokens back into a paged cache, median over `--reps`.
+  connector gather, hot-tier insert);
+- retrieve: `LMCacheEngine.retrieve` of all tokens back into a paged cache.
+The three are measured back to back in each of `--reps` repetitions (a fresh engine each time), so
+machine drift hits them alike; the table shows medians.
 Prints GB/s and the ratio to the copy; writes JSON and a PNG under benchmarks/out/.
 
     python benchmarks/engine_throughput.py [--tokens 8192] [--block-size 16] [--no-native]
@@ -50,21 +52,6 @@ class Row:
     retrieve_ratio: float
 
 
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def plain_copy_time(nbytes: int, reps: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    return median_time(lambda: dst.copy_(src), reps)
-
-
 def paged_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_size: int,
                 fill: bool) -> list[torch.Tensor]:
     caches = [torch.empty(2, num_blocks, block_size, heads, head_size, dtype=torch.bfloat16)
@@ -95,29 +82,27 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
     slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
     tokens = torch.randint(0, 49152, (n,))
 
-    copy_s = plain_copy_time(nbytes, args.reps)
-
-    store_times = []
-    engine = None
-    for _ in range(args.cold_reps):
-        if engine is not None:
-            engine.close()
+    copy_src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    copy_dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    copy_times, store_times, retrieve_times = [], [], []
+    for _ in range(args.reps):  # interleaved, so all three see the same machine conditions
+        t0 = time.perf_counter()
+        copy_dst.copy_(copy_src)
+        copy_times.append(time.perf_counter() - t0)
         engine = build_engine(layers, heads, head_size, nbytes, not args.no_native)
         t0 = time.perf_counter()
-        engine.store(tokens, kvcaches=src_cache, slot_mapping=slots)
+        engine.store(tokens, kvcaches=src_cache, slot_mapping=slots)  # cold: first store
         store_times.append(time.perf_counter() - t0)
-    assert engine is not None and engine.stats.get("stored_tokens") == n
-    store_s = statistics.median(store_times)
-
-    def retrieve() -> None:
+        assert engine.stats.get("stored_tokens") == n
+        t0 = time.perf_counter()
         ret = engine.retrieve(tokens, kvcaches=dst_cache, slot_mapping=slots)
+        retrieve_times.append(time.perf_counter() - t0)
         assert bool(ret.all())
-
-    retrieve_s = median_time(retrieve, args.reps)
+        engine.close()
     hidden = heads * head_size
     for s, d in zip(src_cache, dst_cache, strict=True):  # the retrieved KV is the stored KV
         assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
-    engine.close()
+    copy_s, store_s, retrieve_s = (statistics.median(t) for t in (copy_times, store_times, retrieve_times))
     gb = nbytes / 1e9
     return Row(name, layers, heads, head_size, n, bs, nbytes, gb / copy_s, gb / store_s, gb / retrieve_s,
                copy_s / store_s, copy_s / retrieve_s)
@@ -148,8 +133,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per request (multiple of 256)")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--cold-reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions (medians)")
     parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy path")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help="comma-separated subset of " + ",".join(SHAPES))

@@ -8,8 +8,9 @@ hot); the first miss ends the prefix -> the connector copies KV into the engine 
 of the tokens retrieved.
 
 `error_handling`: with True, an unexpected error inside store/retrieve is logged and counted and
-the call returns as a miss (retrieve returns what was loaded before the error); with False it
-propagates. Bad input (mask shape, search_range names) always raises ValueError.
+the call returns as a miss (a failed retrieve reports nothing retrieved: the copy may have written
+any part of the range); with False it propagates. Bad input (mask shape, search_range names)
+always raises ValueError.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import GPUConnectorInterface
-from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MixedMemoryAllocator
+from lmcache.memory_management import (
+    MemoryAllocatorInterface,
+    MemoryFormat,
+    MemoryObj,
+    MixedMemoryAllocator,
+)
 from lmcache.observability import EngineStats
 from lmcache.storage_backend.leases import LeaseTable
 from lmcache.storage_backend.storage_manager import StorageManager
@@ -86,23 +92,28 @@ class LMCacheEngine:
     def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> None:
         sm = self.storage_manager
         dtype = self.metadata.kv_dtype
-        for start, end, key in chunks:
-            if sm.contains(key, LOCAL_TIERS):
-                self.stats.add("store_skipped_tokens", end - start)
-                continue
-            obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
-            if obj is None:
-                self.stats.add("store_dropped_tokens", chunks[-1][1] - start)
-                if not self._full_warned:
-                    self._full_warned = True
-                    logger.warning("CPU cache arena is full of KV in use; storing fewer chunks")
-                return
-            try:
-                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
+        todo: list[tuple[int, int, CacheEngineKey, MemoryObj]] = []
+        try:
+            for start, end, key in chunks:
+                if sm.contains(key, LOCAL_TIERS):
+                    self.stats.add("store_skipped_tokens", end - start)
+                    continue
+                obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
+                if obj is None:
+                    self.stats.add("store_dropped_tokens", chunks[-1][1] - start)
+                    if not self._full_warned:
+                        self._full_warned = True
+                        logger.warning("CPU cache arena is full of KV in use; storing fewer chunks")
+                    break
+                todo.append((start, end, key, obj))
+            self.gpu_connector.batched_from_gpu([t[3] for t in todo], [t[0] for t in todo],
+                                                [t[1] for t in todo], **kwargs)
+            for start, end, key, obj in todo:
                 sm.put(key, obj)
-            finally:
+                self.stats.add("stored_tokens", end - start)
+        finally:
+            for *_, obj in todo:
                 obj.ref_count_down()
-            self.stats.add("stored_tokens", end - start)
 
     # ---- retrieve -------------------------------------------------------------------------------
 
@@ -116,22 +127,27 @@ class LMCacheEngine:
         ret_mask = torch.zeros(tokens.shape[0], dtype=torch.bool)
         self.stats.add("retrieve_requests")
         self.stats.add("retrieve_requested_tokens", sum(e - s for s, e, _ in chunks))
+        found: list[tuple[int, int, MemoryObj]] = []
         try:
             for start, end, key in chunks:
                 obj = self.storage_manager.get(key)
                 if obj is None:
                     break
-                try:
-                    self.gpu_connector.to_gpu(obj, start, end, **kwargs)
-                finally:
-                    obj.ref_count_down()
+                found.append((start, end, obj))
+            self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
+                                              [f[1] for f in found], **kwargs)
+            for start, end, _ in found:
                 ret_mask[start:end] = True
-                self.stats.add("retrieve_hit_tokens", end - start)
+            self.stats.add("retrieve_hit_tokens", sum(end - start for start, end, _ in found))
         except Exception:
             if not self.config.error_handling:
                 raise
+            ret_mask[:] = False  # a failed copy may have written any part: nothing counts as loaded
             self.stats.add("errors")
-            logger.exception("retrieve failed; the rest of the prefix will be recomputed")
+            logger.exception("retrieve failed; the prefix will be recomputed")
+        finally:
+            for *_, obj in found:
+                obj.ref_count_down()
         self.stats.add_time("retrieve_s", time.perf_counter() - t0)
         return ret_mask
 

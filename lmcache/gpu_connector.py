@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,20 @@ class GPUConnectorInterface(abc.ABC):
     @abc.abstractmethod
     def get_shape(self, num_tokens: int) -> torch.Size:
         """Shape of the memory object holding `num_tokens` tokens."""
+
+    def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                         ends: Sequence[int], **kwargs: Any) -> None:
+        """`from_gpu` for several (object, start, end) at once; a connector may copy them in one
+        go. On an error, any of the objects may be incomplete."""
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                       ends: Sequence[int], **kwargs: Any) -> None:
+        """`to_gpu` for several (object, start, end) at once. On an error, any of the token
+        ranges may be partly written."""
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
 
 
 class KVBlobConnector(GPUConnectorInterface):
@@ -167,41 +182,57 @@ class VLLMPagedMemGPUConnector(KVBlobConnector):
         self._sources_cache = (ident, sources)
         return sources
 
-    def _slots(self, kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
-        slot_mapping = require_slot_mapping(kwargs)
-        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < end:
-            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} does not cover "
-                             f"tokens [{start}, {end})")
-        return slot_mapping[start:end]
-
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self._copy(memory_obj, start, end, kwargs, _GATHER)
+        self._copy([memory_obj], [start], [end], kwargs, _GATHER)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self._copy(memory_obj, start, end, kwargs, _SCATTER)
+        self._copy([memory_obj], [start], [end], kwargs, _SCATTER)
 
-    def _copy(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any],
-              direction: int) -> None:
-        blob = self.blob_of(memory_obj, start, end, set_fmt=direction == _GATHER)
+    def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                         ends: Sequence[int], **kwargs: Any) -> None:
+        self._copy(memory_objs, starts, ends, kwargs, _GATHER)
+
+    def batched_to_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
+                       ends: Sequence[int], **kwargs: Any) -> None:
+        self._copy(memory_objs, starts, ends, kwargs, _SCATTER)
+
+    def _copy(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int],
+              kwargs: dict[str, Any], direction: int) -> None:
+        if not memory_objs:
+            return
+        blobs = [self.blob_of(obj, start, end, set_fmt=direction == _GATHER)
+                 for obj, start, end in zip(memory_objs, starts, ends, strict=True)]
         src = self._sources(require_kvcaches(kwargs))
-        slots = self._slots(kwargs, start, end)
-        if src.dtype != blob.dtype:
-            raise ValueError(f"KV dtype {src.dtype} does not match memory object dtype {blob.dtype}")
-        if self._native is not None and src.native_ok and blob.device.type == "cpu" and blob.is_contiguous():
-            self._copy_native(src, slots, blob, direction)
+        slot_mapping = require_slot_mapping(kwargs)
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < max(ends):
+            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} does not cover "
+                             f"tokens [{min(starts)}, {max(ends)})")
+        if any(b.dtype != src.dtype for b in blobs):
+            raise ValueError(f"KV dtype {src.dtype} does not match memory object dtype {blobs[0].dtype}")
+        if self._native is not None and src.native_ok and all(
+                b.device.type == "cpu" and b.is_contiguous() for b in blobs):
+            self._copy_native(src, slot_mapping, blobs, starts, ends, direction)
         else:
-            self._copy_torch(src, slots, blob, direction)
+            for blob, start, end in zip(blobs, starts, ends, strict=True):
+                self._copy_torch(src, slot_mapping[start:end], blob, direction)
 
-    def _copy_native(self, src: _PagedSources, slots: torch.Tensor, blob: torch.Tensor,
-                     direction: int) -> None:
+    def _copy_native(self, src: _PagedSources, slot_mapping: torch.Tensor, blobs: list[torch.Tensor],
+                     starts: Sequence[int], ends: Sequence[int], direction: int) -> None:
         assert self._native is not None and src.ptrs is not None
+        consecutive = all(ends[i] == starts[i + 1] for i in range(len(starts) - 1))
+        if consecutive:
+            slots = slot_mapping[starts[0]: ends[-1]]
+        else:
+            slots = torch.cat([slot_mapping[a:b] for a, b in zip(starts, ends, strict=True)])
         slots = slots.to("cpu", torch.int64).contiguous()
-        n = slots.shape[0]
-        row_bytes = self.hidden_dim_size * blob.element_size()
+        offsets = torch.tensor([0, *itertools.accumulate(e - s for s, e in zip(starts, ends, strict=True))],
+                               dtype=torch.int64)
+        bufs = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64)
         rc = self._native.lmc_paged_copy(
             ctypes.c_void_p(src.ptrs.data_ptr()), len(src.tensors), src.num_slots,
-            ctypes.c_void_p(slots.data_ptr()), n, row_bytes, ctypes.c_void_p(blob.data_ptr()),
-            n * row_bytes, direction, torch.get_num_threads(),
+            ctypes.c_void_p(slots.data_ptr()), ctypes.c_void_p(offsets.data_ptr()),
+            ctypes.c_void_p(bufs.data_ptr()), len(blobs), self.hidden_dim_size * blobs[0].element_size(),
+            direction, torch.get_num_threads(),
         )
         if rc != 0:
             self._raise_bad_slots(slots, src.num_slots)

@@ -67,7 +67,7 @@ def load() -> ctypes.CDLL | None:
             return None
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.lmc_paged_copy.restype = cint
-        lib.lmc_paged_copy.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, cint, cint]
+        lib.lmc_paged_copy.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, cint, cint]
         lib.lmc_vec_packed_copy.restype = cint
         lib.lmc_vec_packed_copy.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, cint, cint]
         _lib = lib

@@ -17,34 +17,49 @@ static int threads_for(int64_t bytes, int nthreads) {
     return bytes >= PARALLEL_MIN_BYTES && nthreads > 1 ? nthreads : 1;
 }
 
-/* Paged caches where each source s (2 * n_layers of them) is [num_slots][row_bytes]: the slots are
- * cut into runs of consecutive ids and each run moves with one memcpy, so a block-aligned slot
- * mapping copies whole blocks (or more) at a time. Source s sits at buf + s * buf_src_stride. */
+/* Paged caches where each source s (2 * n_layers of them) is [num_slots][row_bytes]. A batch of
+ * chunks: chunk c covers slots[chunk_starts[c] .. chunk_starts[c+1]) and its blob (at
+ * chunk_bufs[c]) holds source s's rows at s * n_c * row_bytes. Within a chunk the slots are cut
+ * into runs of consecutive ids and each run moves with one memcpy, so a block-aligned slot mapping
+ * copies whole blocks (or more) at a time; the whole batch is one parallel region. */
 int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
-                   const int64_t *slots, int64_t n_tokens, int64_t row_bytes,
-                   char *buf, int64_t buf_src_stride, int direction, int nthreads) {
+                   const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
+                   int64_t n_chunks, int64_t row_bytes, int direction, int nthreads) {
+    int64_t n_tokens = chunk_starts[n_chunks];
     if (n_tokens <= 0) return 0;
     for (int64_t t = 0; t < n_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     int64_t *run_start = (int64_t *)malloc(sizeof(int64_t) * (n_tokens + 1));
-    if (!run_start) return -2;
+    int64_t *run_chunk = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
+    if (!run_start || !run_chunk) {
+        free(run_start);
+        free(run_chunk);
+        return -2;
+    }
     int64_t n_runs = 0;
-    for (int64_t t = 0; t < n_tokens; t++)
-        if (t == 0 || slots[t] != slots[t - 1] + 1) run_start[n_runs++] = t;
+    for (int64_t c = 0; c < n_chunks; c++)
+        for (int64_t t = chunk_starts[c]; t < chunk_starts[c + 1]; t++)
+            if (t == chunk_starts[c] || slots[t] != slots[t - 1] + 1) {
+                run_chunk[n_runs] = c;
+                run_start[n_runs++] = t;
+            }
     run_start[n_runs] = n_tokens;
 
     int64_t total = n_src * n_runs;
     int nt = threads_for(n_src * n_tokens * row_bytes, nthreads);
-    #pragma omp parallel for schedule(dynamic, 4) num_threads(nt) if (nt > 1)
+    #pragma omp parallel for schedule(dynamic, 16) num_threads(nt) if (nt > 1)
     for (int64_t w = 0; w < total; w++) {
-        int64_t s = w / n_runs, r = w % n_runs;
+        int64_t s = w / n_runs, r = w % n_runs, c = run_chunk[r];
         int64_t t0 = run_start[r], len = run_start[r + 1] - t0;
+        int64_t chunk_len = chunk_starts[c + 1] - chunk_starts[c];
         char *paged = (char *)(uintptr_t)paged_ptrs[s] + slots[t0] * row_bytes;
-        char *flat = buf + s * buf_src_stride + t0 * row_bytes;
+        char *flat = (char *)(uintptr_t)chunk_bufs[c]
+                     + (s * chunk_len + (t0 - chunk_starts[c])) * row_bytes;
         if (direction == 0) memcpy(flat, paged, len * row_bytes);
         else memcpy(paged, flat, len * row_bytes);
     }
     free(run_start);
+    free(run_chunk);
     return 0;
 }
 
