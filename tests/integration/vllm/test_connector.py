@@ -119,6 +119,34 @@ def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_di
         stop_llm(fresh)
 
 
+def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir):
+    """The canonical layout is shared: vLLM-CPU's chunks on disk serve an HF model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmcache.cache_engine import LMCacheEngineBuilder
+    from lmcache.config import LMCacheEngineConfig
+    from lmcache.integration.local_model import local_model_path
+    from lmcache.integration.transformers import PrefixCacheLM, create_hf_engine
+
+    path = local_model_path("float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(path)(PROMPTS["medium"], return_tensors="pt").input_ids
+    config = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.2, local_disk=disk_dir,
+                                               max_local_disk_size=1.0)
+    engine = create_hf_engine(model, config, instance_id="hf-reads-vllm")
+    try:
+        cached = PrefixCacheLM(model, engine).prefill(ids)
+        assert cached.num_cached_tokens >= 256 and cached.num_computed_tokens < ids.shape[1] - 255
+        with torch.no_grad():
+            full = model(ids).logits[0, -1]
+        got = cached.logits[0, -1]
+        assert int(got.argmax()) == int(full.argmax())
+        assert float((got - full).abs().max()) < 0.05  # vLLM's and HF's kernels differ in rounding only
+    finally:
+        LMCacheEngineBuilder.destroy("hf-reads-vllm")
+
+
 def test_bad_extra_config_fails_at_start_up_with_a_clear_error(capfd):
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
         start_llm(lmcache_transfer_config(chunk_size=100))
