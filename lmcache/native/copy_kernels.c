@@ -10,6 +10,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define PARALLEL_MIN_BYTES (4 << 20)
 
@@ -65,37 +68,115 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 
 /* vLLM-CPU's packed caches, "vec" ISA layout: layer l is [num_blocks][heads][2][bs * hs]; inside a
  * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j).
- * Slots < 0 are skipped when scattering (tokens the engine already has). elem is 2 or 4 bytes. */
-#define VEC_PACKED_COPY(T)                                                                          \
-    static void vec_packed_##T(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,    \
-                               const int64_t *slots, int64_t n, T *blob, int direction, int nt) {    \
-        int64_t row = H * hs;                                                                       \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)")   \
-        for (int64_t l = 0; l < L; l++) {                                                           \
-            for (int64_t h = 0; h < H; h++) {                                                       \
-                T *k_rows = blob + l * n * row + h * hs;                                            \
-                T *v_rows = blob + (L + l) * n * row + h * hs;                                      \
-                for (int64_t i = 0; i < n; i++) {                                                   \
-                    int64_t s = slots[i];                                                           \
-                    if (s < 0) continue;                                                            \
-                    T *slab = (T *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;                    \
-                    int64_t o = s % bs;                                                             \
-                    T *k = k_rows + i * row, *v = v_rows + i * row;                                 \
-                    T *pv = slab + bs * hs + o * hs;                                                \
-                    if (direction == 0) {                                                           \
-                        for (int64_t j = 0; j < hs; j++) k[j] = slab[j * bs + o];                   \
-                        memcpy(v, pv, hs * sizeof(T));                                              \
-                    } else {                                                                        \
-                        for (int64_t j = 0; j < hs; j++) slab[j * bs + o] = k[j];                   \
-                        memcpy(pv, v, hs * sizeof(T));                                              \
-                    }                                                                               \
-                }                                                                                   \
-            }                                                                                       \
+ * Slots < 0 are skipped when scattering (tokens the engine already has). elem is 2 or 4 bytes.
+ * For 2-byte KV, runs of 8 consecutive slots in one block move K with SSE2 8x8 transposes. */
+#define COPY_ONE_TOKEN(T, slab, bs, hs, o, k, v, direction)                                         \
+    do {                                                                                            \
+        T *pv_ = (slab) + (bs) * (hs) + (o) * (hs);                                                 \
+        if ((direction) == 0) {                                                                     \
+            for (int64_t j = 0; j < (hs); j++) (k)[j] = (slab)[j * (bs) + (o)];                     \
+            memcpy((v), pv_, (hs) * sizeof(T));                                                     \
+        } else {                                                                                    \
+            for (int64_t j = 0; j < (hs); j++) (slab)[j * (bs) + (o)] = (k)[j];                     \
+            memcpy(pv_, (v), (hs) * sizeof(T));                                                     \
         }                                                                                           \
-    }
+    } while (0)
 
-VEC_PACKED_COPY(uint16_t)
-VEC_PACKED_COPY(uint32_t)
+static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
+                                const int64_t *slots, int64_t n, uint32_t *blob, int direction,
+                                int nt) {
+    int64_t row = H * hs;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t l = 0; l < L; l++) {
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t i = 0; i < n; i++) {
+                int64_t s = slots[i];
+                if (s < 0) continue;
+                uint32_t *slab = (uint32_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
+                uint32_t *k = blob + (l * n + i) * row + h * hs;
+                uint32_t *v = blob + ((L + l) * n + i) * row + h * hs;
+                COPY_ONE_TOKEN(uint32_t, slab, bs, hs, s % bs, k, v, direction);
+            }
+        }
+    }
+}
+
+#if defined(__SSE2__)
+static inline void transpose8x8_u16(__m128i r[8]) {
+    __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+    __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+    __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    r[0] = _mm_unpacklo_epi64(b0, b4); r[1] = _mm_unpackhi_epi64(b0, b4);
+    r[2] = _mm_unpacklo_epi64(b1, b5); r[3] = _mm_unpackhi_epi64(b1, b5);
+    r[4] = _mm_unpacklo_epi64(b2, b6); r[5] = _mm_unpackhi_epi64(b2, b6);
+    r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+/* K of 8 tokens at block offsets o..o+7, rows k (stride row): through 8x8 tiles of dims. */
+static inline void k_tile_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, uint16_t *k,
+                              int64_t row, int direction) {
+    __m128i r[8];
+    for (int64_t j0 = 0; j0 < hs; j0 += 8) {
+        if (direction == 0) {
+            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(slab + (j0 + q) * bs + o));
+            transpose8x8_u16(r);
+            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(k + q * row + j0), r[q]);
+        } else {
+            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(k + q * row + j0));
+            transpose8x8_u16(r);
+            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(slab + (j0 + q) * bs + o), r[q]);
+        }
+    }
+}
+#endif
+
+static int eight_consecutive(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
+    if (i + 8 > n || slots[i] < 0 || slots[i] % bs + 8 > bs) return 0;
+    for (int q = 1; q < 8; q++)
+        if (slots[i + q] != slots[i] + q) return 0;
+    return 1;
+}
+
+static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
+                                const int64_t *slots, int64_t n, uint16_t *blob, int direction,
+                                int nt) {
+    int64_t row = H * hs;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t l = 0; l < L; l++) {
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t i = 0; i < n;) {
+                int64_t s = slots[i];
+                if (s < 0) {
+                    i++;
+                    continue;
+                }
+                uint16_t *slab = (uint16_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
+                uint16_t *k = blob + (l * n + i) * row + h * hs;
+                uint16_t *v = blob + ((L + l) * n + i) * row + h * hs;
+#if defined(__SSE2__)
+                if (hs % 8 == 0 && eight_consecutive(slots, i, n, bs)) {
+                    int64_t o = s % bs;
+                    k_tile_u16(slab, bs, hs, o, k, row, direction);
+                    for (int q = 0; q < 8; q++) {
+                        uint16_t *pv = slab + bs * hs + (o + q) * hs;
+                        if (direction == 0) memcpy(v + q * row, pv, hs * sizeof(uint16_t));
+                        else memcpy(pv, v + q * row, hs * sizeof(uint16_t));
+                    }
+                    i += 8;
+                    continue;
+                }
+#endif
+                COPY_ONE_TOKEN(uint16_t, slab, bs, hs, s % bs, k, v, direction);
+                i++;
+            }
+        }
+    }
+}
 
 int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
                         int64_t heads, int64_t head_size, int64_t block_size, int64_t elem,

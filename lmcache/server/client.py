@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from lmcache.backoff import Backoff
 from lmcache.server import protocol
 from lmcache.server.protocol import Op, Status
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class LMServerError(RuntimeError):
@@ -49,6 +51,45 @@ class LMCacheClient:
 
     def get(self, key: str) -> bytearray | None:
         return self.get_many([key])[0]
+
+    def get_into(self, key: str, read: Callable[[SocketStream, int], T]) -> T | None:
+        """GET that hands the value to `read(stream, length)` as it arrives on the socket (no
+        intermediate buffer); None if the key is missing. The connection is reused only if `read`
+        consumed the whole value without raising."""
+        request = protocol.pack_request(Op.GET, key.encode(), 0)
+        for attempt in range(2):
+            sock, reused = self._borrow()
+            try:
+                sock.sendall(request)
+                status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
+            except (ConnectionError, EOFError) as e:
+                sock.close()
+                if reused and attempt == 0:
+                    continue  # a stale pooled connection: retry once on a fresh one
+                raise ConnectionError(f"lm://{self.host}:{self.port}: {e}") from e
+            except BaseException:
+                sock.close()
+                raise
+            if status != Status.OK:
+                try:
+                    self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
+                except BaseException:
+                    sock.close()
+                    raise
+                self._give_back(sock)
+                return None
+            stream = SocketStream(sock, value_len)
+            try:
+                result = read(stream, value_len)
+            except BaseException:
+                sock.close()
+                raise
+            if stream.remaining:
+                sock.close()  # unread value bytes would desynchronise the next request
+            else:
+                self._give_back(sock)
+            return result
+        raise AssertionError("unreachable")
 
     def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Pipelined GETs: all requests are sent, then the answers read in order."""
@@ -105,11 +146,14 @@ class LMCacheClient:
     def _read_answer(self, sock: socket.socket) -> tuple[Status, bytearray]:
         status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
         value = _recv_exact(sock, value_len) if value_len else bytearray()
+        self._check_status(status, value)
+        return status, value
+
+    def _check_status(self, status: Status, value: bytearray) -> None:
         if status == Status.ERROR:
             raise LMServerError(value.decode(errors="replace"))
         if status == Status.UNAUTHORIZED:
             raise PermissionError(f"lm://{self.host}:{self.port} rejected the auth token")
-        return status, value
 
     def _borrow(self) -> tuple[socket.socket, bool]:
         with self._lock:
@@ -142,6 +186,25 @@ class LMCacheClient:
                 raise
         self.backoff.succeeded()
         return sock
+
+
+class SocketStream:
+    """The next `length` bytes of a connection, read on demand (`readinto`). A connection that
+    closes early raises ConnectionError: a transport fault, never a corrupt value."""
+
+    def __init__(self, sock: socket.socket, length: int) -> None:
+        self._sock = sock
+        self.remaining = length
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        want = min(len(buffer), self.remaining)
+        if want == 0:
+            return 0
+        got = self._sock.recv_into(buffer, want)
+        if got == 0:
+            raise ConnectionError("connection closed by the server in the middle of a value")
+        self.remaining -= got
+        return got
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

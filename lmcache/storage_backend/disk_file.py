@@ -8,10 +8,9 @@ One file per chunk, `<stem>.kvc`, holding
   (`<stem>.<pid>.<token><random>.tmp`), optionally fsyncs it (and the directory), then
   `os.replace`s it onto the final name: a reader sees no file or a complete one, whoever writes
   and however a writer dies. `is_stale_tmp` tells which temporary files a dead writer left.
-- `read_chunk` checks the key and the blob header, allocates, and (for a raw serde) reads the
-  payload straight into the new buffer in READ_PIECE pieces, hashing each piece while it is still
-  in cache. Anything that does not verify raises CorruptBlobError (ForeignSerdeError for an intact
-  file of another serde).
+- `read_chunk` checks the key, then `blob_stream.read_blob` reads the blob (for a raw serde the
+  payload goes straight into the new buffer, hashed piece by piece). Anything that does not verify
+  raises CorruptBlobError (ForeignSerdeError for an intact file of another serde).
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ import struct
 import time
 from collections.abc import Sequence
 
-from lmcache.memory_management import MemoryFormat, MemoryObj
+from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde import blob as blob_header
+from lmcache.storage_backend.serde.blob_stream import read_blob
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
 
 FILE_MAGIC = b"LMCK"
@@ -33,7 +33,6 @@ SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 MIN_FILE_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
 STALE_TMP_SECONDS = 600.0
-READ_PIECE = 1 << 20  # read + hash in pieces small enough to still be in L2 when hashed
 _PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's temporary files from a dead namesake's
 
 Buffer = bytes | memoryview
@@ -74,27 +73,7 @@ def read_chunk(f: io.FileIO, key_bytes: bytes, serde_id: int, deser: Deserialize
         raise CorruptBlobError("not an LMCache disk cache file (bad magic or key length)")
     if _read_exact(f, key_len) != key_bytes:
         raise CorruptBlobError("the file holds a different key")
-    head = _read_exact(f, blob_header.HEADER_SIZE)
-    header = blob_header.parse_header(head)
-    expected = _PREFIX.size + key_len + blob_header.HEADER_SIZE + header.payload_len
-    if file_size != expected:
-        raise CorruptBlobError(f"file has {file_size} bytes, its header describes {expected}")
-    if not (header.serde_id == serde_id and deser.raw_payload and header.dtype == deser.dtype):
-        return deser.from_bytes_to(head + f.readall(), allocate)
-    if header.shape.numel() * header.dtype.itemsize != header.payload_len:
-        raise CorruptBlobError(f"payload of {header.payload_len} bytes does not hold "
-                               f"{header.dtype} {tuple(header.shape)}")
-    obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)
-    if obj is None:
-        return None
-    try:
-        verifier = blob_header.PayloadVerifier(head, header)
-        _readinto_verified(f, obj.byte_array, verifier)
-        verifier.finish()
-    except BaseException:
-        obj.ref_count_down()
-        raise
-    return obj
+    return read_blob(f, file_size - _PREFIX.size - key_len, serde_id, deser, allocate)
 
 
 def is_stale_tmp(name: str, mtime: float) -> bool:
@@ -135,17 +114,6 @@ def _read_exact(f: io.FileIO, n: int) -> bytes:
     if data is None or len(data) != n:
         raise CorruptBlobError(f"file is truncated (wanted {n} more bytes)")
     return data
-
-
-def _readinto_verified(f: io.FileIO, buf: memoryview, verifier: blob_header.PayloadVerifier) -> None:
-    """Fill `buf` from `f` in READ_PIECE pieces, hashing each while it is still in cache."""
-    view = buf.cast("B") if buf.format != "B" else buf
-    while view:
-        n = f.readinto(view[:READ_PIECE])
-        if not n:
-            raise CorruptBlobError("file is truncated")
-        verifier.update(view[:n])
-        view = view[n:]
 
 
 def _fsync_dir(path: str) -> None:

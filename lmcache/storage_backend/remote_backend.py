@@ -28,6 +28,8 @@ from lmcache.storage_backend.connectors import RemoteConnector, create_connector
 from lmcache.storage_backend.connectors.base import Buffer
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
+from lmcache.storage_backend.serde.blob import SERDE_IDS
+from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
 
@@ -81,6 +83,8 @@ class RemoteBackend(LowerTierBackend):
             return default
         try:
             result = fn()
+        except CorruptBlobError:
+            raise  # the store answered; the value is bad (the caller deletes it)
         except Exception as e:  # noqa: BLE001 - any store failure is a miss
             domain.backoff.failed()
             domain.incidents.fail(e)
@@ -116,8 +120,22 @@ class RemoteBackend(LowerTierBackend):
         self._call(rk, lambda: self.connector.put(rk, parts), None)
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a
+        transport fault is a miss, a value that does not verify is deleted."""
         rk = self._remote_key(key)
-        return self._decode(rk, self._call(rk, lambda: self.connector.get(rk), None))
+        serde_id = SERDE_IDS[self.serde_name]
+
+        def read(stream: ReadStream, length: int) -> MemoryObj | None:
+            return read_blob(stream, length, serde_id, self.deserializer, self.allocate)
+
+        try:
+            return self._call(rk, lambda: self.connector.get_into(rk, read), None)
+        except ForeignSerdeError:
+            self.num_foreign += 1
+            return None
+        except CorruptBlobError as e:
+            self._drop_corrupt(rk, e)
+            return None
 
     def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """Objects for `keys` (None for misses): keys still being written come from memory, the
@@ -145,10 +163,13 @@ class RemoteBackend(LowerTierBackend):
             self.num_foreign += 1
             return None
         except CorruptBlobError as e:
-            self.num_corrupt += 1
-            logger.warning("deleting corrupt remote value %r: %s", remote_key, e)
-            self._call(remote_key, lambda: self.connector.delete(remote_key), False)
+            self._drop_corrupt(remote_key, e)
             return None
+
+    def _drop_corrupt(self, remote_key: str, error: CorruptBlobError) -> None:
+        self.num_corrupt += 1
+        logger.warning("deleting corrupt remote value %r: %s", remote_key, error)
+        self._call(remote_key, lambda: self.connector.delete(remote_key), False)
 
     def _close(self) -> None:
         self.connector.close()

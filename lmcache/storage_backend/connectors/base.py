@@ -8,14 +8,24 @@ of a cluster for `redis-cluster://`), so a fault only disables the keys that liv
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class RemoteConnector(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str) -> Buffer | None: ...
+
+    def get_into(self, key: str, read: Callable[[ReadStream, int], T]) -> T | None:
+        """`read(stream, length)` over the value of `key` (None if missing). A store that can
+        deliver the value as it arrives (without buffering it whole) overrides this."""
+        value = self.get(key)
+        return None if value is None else read(BufferStream(value), len(value))
 
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         """Several GETs in one round trip where the store allows it."""

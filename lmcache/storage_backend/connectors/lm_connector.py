@@ -7,12 +7,13 @@ The client's own reconnect backoff is kept short: the remote tier does the long 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lmcache.backoff import Backoff
 from lmcache.server.client import LMCacheClient
-from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector
+from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
 from lmcache.storage_backend.connectors.url import RemoteURL
+from lmcache.storage_backend.serde.blob_stream import ReadStream
 
 
 class LMConnector(RemoteConnector):
@@ -27,6 +28,9 @@ class LMConnector(RemoteConnector):
 
     def get(self, key: str) -> Buffer | None:
         return self.client.get(key)
+
+    def get_into(self, key: str, read: Callable[[ReadStream, int], T]) -> T | None:
+        return self.client.get_into(key, read)
 
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         return list(self.client.get_many(keys))

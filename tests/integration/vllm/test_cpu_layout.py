@@ -57,9 +57,10 @@ def test_connector_round_trips_what_vllm_wrote(isa, use_native, aligned):
         assert torch.equal(a, b)  # same packed bytes as vLLM's own kernel wrote
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_native", [True, False])
-def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them(use_native):
-    dtype, bs, nb, n = torch.float32, 32, 6, 64
+def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them(use_native, dtype):
+    bs, nb, n = 32, 6, 64
     layout = probe_packed_layout(H, D, bs, dtype, "vec")
     slots = torch.arange(n) + bs  # blocks 1 and 2
     caches, _, _ = written_cache(dtype, bs, nb, slots, "vec")
@@ -68,7 +69,7 @@ def test_to_gpu_skips_negative_slots_and_from_gpu_rejects_them(use_native):
     conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=slots)
     target = [torch.full_like(c, 7.0) for c in caches]
     skipped = slots.clone()
-    skipped[:40] = -1
+    skipped[:40] = -1  # a run of 8 consecutive slots starts at 40, a partial one at 56
     conn.to_gpu(obj, 0, n, kvcaches=target, slot_mapping=skipped)
     k_views = [layout.token_views(t)[0].reshape(-1, H, D) for t in target]
     for t_k, src in zip(k_views, caches):
