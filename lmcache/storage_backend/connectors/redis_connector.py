@@ -1,7 +1,8 @@
 """redis:// rediss:// valkey:// valkeys:// — one Redis/Valkey server through redis-py.
 
 `RedisClientConnector` holds the operations shared by every redis-py client (standalone,
-sentinel, cluster): GET, MGET for batches, SET with the optional `ttl`, EXISTS, DELETE. Clients are
+sentinel, cluster): GET, MGET for batches, SET with the optional `ttl`, EXISTS, DELETE. The
+standalone connector also reads GET replies straight into the arena (`resp.RespBulkReply`). Clients are
 built without redis-py's own retries (a dead server must cost one quick failure; the remote tier
 does the backing off) and with `remote_timeout` as connect and socket timeout.
 """
@@ -9,15 +10,17 @@ does the backing off) and with `remote_timeout` as connect and socket timeout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector
+from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
+from lmcache.storage_backend.connectors.resp import RespBulkReply
 from lmcache.storage_backend.connectors.url import RemoteURL
+from lmcache.storage_backend.serde.blob_stream import ReadStream
 
 REDIS_OPTIONS = frozenset({"ttl", "max_connections"})
 TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
@@ -92,6 +95,30 @@ class RedisConnector(RedisClientConnector):
         pool = redis.ConnectionPool(host=host, port=port, db=db_number(url, 0),
                                     max_connections=max_connections, **kwargs)
         self.client = redis.Redis(connection_pool=pool)
+
+    def get_into(self, key: str, read: Callable[[ReadStream, int], T]) -> T | None:
+        """GET whose value goes from the socket straight into `read` (no `bytes` in between),
+        on a connection borrowed from redis-py's pool; a reply that is not fully consumed, or
+        any error, drops the connection."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        sock = getattr(conn, "_sock", None)
+        if sock is None or str(conn.get_protocol() or 2) != "2":  # not the RESP2 socket we know
+            pool.release(conn)
+            return super().get_into(key, read)
+        try:
+            conn.send_command("GET", key)
+            reply = RespBulkReply(sock)
+            length = reply.header()
+            result = None if length is None else read(reply, length)
+            if length is not None:
+                reply.finish()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return result
 
     def close(self) -> None:
         self.client.close()

@@ -3,18 +3,13 @@
 A disk file and an lm:// socket both deliver a blob (header + payload) as a byte stream. For a
 raw serde (the payload is the tensor's bytes, `Deserializer.raw_payload`) `read_blob` parses the
 header, allocates the object, and reads the payload directly into it in pieces, hashing each piece
-while it is still in cache: one pass over the bytes, no intermediate buffer. A value that is
-already in memory (`BufferStream`, e.g. a redis-py reply) is hashed in one call and copied with
-torch's threaded copy. Other serdes (and
+while it is still in cache: one pass over the bytes, no intermediate buffer. Other serdes (and
 blobs written by another serde) are read whole and handed to `Deserializer.from_bytes_to`.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Protocol
-
-import torch
 
 from lmcache.memory_management import MemoryFormat, MemoryObj
 from lmcache.storage_backend.serde import blob as blob_header
@@ -40,13 +35,6 @@ class BufferStream:
         buffer[:n] = self._view[self._pos: self._pos + n]
         self._pos += n
         return n
-
-    def take(self, n: int) -> memoryview:
-        """The next `n` bytes, without copying them."""
-        if len(self._view) - self._pos < n:
-            raise CorruptBlobError("blob is truncated")
-        self._pos += n
-        return self._view[self._pos - n: self._pos]
 
 
 def read_exact(stream: ReadStream, n: int) -> bytearray:
@@ -94,19 +82,8 @@ def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deseriali
         return None
     try:
         verifier = blob_header.PayloadVerifier(head, header)
-        if isinstance(stream, BufferStream):  # already in memory: one hash, one (threaded) copy
-            payload = stream.take(header.payload_len)
-            verifier.update(payload)
-            verifier.finish()
-            target = obj.tensor
-            assert target is not None
-            with warnings.catch_warnings():  # a read-only source is fine: it is only read
-                warnings.simplefilter("ignore", UserWarning)
-                source = torch.frombuffer(payload, dtype=torch.uint8)
-            target.view(-1).view(torch.uint8).copy_(source)
-        else:
-            readinto_exact(stream, obj.byte_array, verifier)
-            verifier.finish()
+        readinto_exact(stream, obj.byte_array, verifier)
+        verifier.finish()
     except BaseException:
         obj.ref_count_down()
         raise
