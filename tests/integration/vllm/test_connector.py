@@ -119,6 +119,34 @@ def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_di
         stop_llm(fresh)
 
 
+def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, tmp_path):
+    """The lookup counts chunks whose files then fail verification at load time: vLLM is told the
+    blocks failed to load, recomputes them, and the request completes with the right output."""
+    import shutil
+    from pathlib import Path
+
+    from lmcache.storage_backend.disk_file import SUFFIX
+
+    corrupt_dir = tmp_path / "corrupt"
+    shutil.copytree(disk_dir, corrupt_dir)
+    files = sorted(Path(corrupt_dir).glob("*" + SUFFIX))
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0xFF  # inside the payload: only the checksum can tell
+        f.write_bytes(bytes(data))
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=str(corrupt_dir),
+                                       max_local_disk_size=1.0)
+    llm = start_llm(transfer, max_num_batched_tokens=MNBT)
+    try:
+        (out,) = greedy(llm, [PROMPTS["medium"]])
+        assert out.kv_transfer_params["lmcache_loaded_tokens"] > 0  # the lookup promised a hit
+        assert out.outputs[0].text == baseline["medium"]  # ... the load failed, vLLM recomputed
+        assert len(list(corrupt_dir.glob("*" + SUFFIX))) < len(files)  # the corrupt file read is gone
+    finally:
+        stop_llm(llm)
+
+
 def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir):
     """The canonical layout is shared: vLLM-CPU's chunks on disk serve an HF model."""
     import torch
