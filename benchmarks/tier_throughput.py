@@ -4,13 +4,19 @@
 KV_BLOB [2, 30, 256, 192], 5.9 MB each) are stored through each tier, then read back:
 - disk:   `LocalDiskBackend.get_blocking` (open, key + header check, read into an arena buffer,
           xxh3 verify) vs. `readinto` of each of the same files into its own pre-faulted buffer;
-- valkey: `RemoteBackend.get_blocking` over redis:// (GET, header + checksum, copy into an arena
-          buffer) vs. plain redis-py `GET`s of the same keys (bytes, nothing else);
+- valkey: `RemoteBackend.get_blocking` over redis:// (GET read into an arena buffer, header +
+          checksum) vs. plain redis-py `GET`s of the same keys (bytes, nothing else);
           plus the batched path (`batched_get_blocking`, one MGET) vs. raw `MGET`;
 - lm://:  the same against `lmcache server`, raw = `LMCacheClient.get` / `get_many`.
-Tier and raw runs alternate, `--reps` times each; the median is reported. Disk reads come from the
-page cache (files were just written), so they measure the read path, not the device. Valkey and
-the lm:// server run as local processes started by this script.
+The tier keeps every chunk it reads until the pass ends, in pre-faulted arena memory. The goal's
+`raw` baseline is the strictest plain read in the same situation: for disk, `readinto` of every
+file into its own pre-faulted buffer; for the remote stores (whose clients allocate each value
+themselves), GETs whose values are dropped at once, so one cache-hot buffer is reused (transport
+only). The `other` column shows the other way for context: disk reads into one reused (L3-resident)
+buffer, and remote GETs keeping every value (paying the page faults of fresh buffers). Batched MGET
+results are one list either way. Tier and raw runs alternate, `--reps` times each (medians).
+Disk reads come from the page cache (files were just written), so they measure the read path,
+not the device. Valkey and the lm:// server run as local processes started by this script.
 
     python benchmarks/tier_throughput.py [--chunks 32] [--reps 5]
 """
@@ -55,6 +61,9 @@ SHAPE = torch.Size([2, LAYERS, TOKENS, KV_HEADS * HEAD_SIZE])
 
 @dataclass
 class Row:
+    """`raw` is the goal's baseline, the strictest plain read that matches the tier's situation;
+    `other` is the other way of reading, shown for context (see the module docstring)."""
+
     tier: str
     path: str
     chunks: int
@@ -62,19 +71,21 @@ class Row:
     tier_gbps: float
     raw_gbps: float
     ratio: float
+    other_gbps: float
+    other_ratio: float
 
 
-def median_pair(tier_fn: Callable[[], None], raw_fn: Callable[[], None], reps: int) -> tuple[float, float]:
-    """Median seconds of `tier_fn` and `raw_fn`, run alternately (one warm-up each)."""
-    tier_fn()
-    raw_fn()
-    tier_t, raw_t = [], []
+def medians(fns: list[Callable[[], None]], reps: int) -> list[float]:
+    """Median seconds of each function, run in turn `reps` times (after one warm-up each)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        for fn, out in ((tier_fn, tier_t), (raw_fn, raw_t)):
+        for fn, out in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return statistics.median(tier_t), statistics.median(raw_t)
+    return [statistics.median(t) for t in times]
 
 
 def fill(backend: LowerTierBackend, allocator: MixedMemoryAllocator, keys: list[CacheEngineKey]) -> None:
@@ -98,9 +109,10 @@ def tier_reader(backend: LowerTierBackend, keys: list[CacheEngineKey], batched: 
     return read
 
 
-def row(tier: str, path: str, n: int, nbytes: int, t_tier: float, t_raw: float) -> Row:
-    tier_gbps, raw_gbps = n * nbytes / t_tier / 1e9, n * nbytes / t_raw / 1e9
-    return Row(tier, path, n, nbytes, round(tier_gbps, 3), round(raw_gbps, 3), round(tier_gbps / raw_gbps, 3))
+def row(tier: str, path: str, n: int, nbytes: int, t_tier: float, t_raw: float, t_other: float) -> Row:
+    gbps = [round(n * nbytes / t / 1e9, 3) for t in (t_tier, t_raw, t_other)]
+    return Row(tier, path, n, nbytes, gbps[0], gbps[1], round(gbps[0] / gbps[1], 3), gbps[2],
+               round(gbps[0] / gbps[2], 3))
 
 
 def bench_disk(config: LMCacheEngineConfig, meta: LMCacheEngineMetadata, alloc: MixedMemoryAllocator,
@@ -117,15 +129,17 @@ def bench_disk(config: LMCacheEngineConfig, meta: LMCacheEngineMetadata, alloc: 
         assert buf is not None
         views.append(buf.byte_array)
 
-    def raw() -> None:
-        for p, view in zip(paths, views):
+    def read_files(targets: list[memoryview]) -> None:
+        for p, view in zip(paths, targets):
             with open(p, "rb", buffering=0) as f:
                 n = f.readinto(view)
             assert n == size
 
-    t_tier, t_raw = median_pair(tier_reader(disk, keys, False), raw, reps)
+    one_buffer = views[:1] * len(paths)
+    t_tier, t_kept, t_reused = medians(
+        [tier_reader(disk, keys, False), lambda: read_files(views), lambda: read_files(one_buffer)], reps)
     disk.close()
-    return [row("disk", "per chunk", len(keys), size, t_tier, t_raw)]
+    return [row("disk", "per chunk", len(keys), size, t_tier, t_kept, t_reused)]
 
 
 def bench_remote(name: str, url: str, raw_get: Callable[[str], object], raw_mget: Callable[[list[str]], list],
@@ -137,17 +151,22 @@ def bench_remote(name: str, url: str, raw_get: Callable[[str], object], raw_mget
     rkeys = [k.to_string() for k in keys]
     size = len(raw_get(rkeys[0]))  # type: ignore[arg-type]
 
-    def raw() -> None:
+    def raw() -> None:  # each value dropped at once: the allocator reuses one cache-hot buffer
         for k in rkeys:
             assert raw_get(k) is not None
+
+    def raw_kept() -> None:
+        values = [raw_get(k) for k in rkeys]
+        assert all(v is not None for v in values)
 
     def raw_batched() -> None:
         assert all(v is not None for v in raw_mget(rkeys))
 
-    t1, r1 = median_pair(tier_reader(remote, keys, False), raw, reps)
-    t2, r2 = median_pair(tier_reader(remote, keys, True), raw_batched, reps)
+    per_chunk = medians([tier_reader(remote, keys, False), raw, raw_kept], reps)
+    t_batched, r_batched = medians([tier_reader(remote, keys, True), raw_batched], reps)
     remote.close()
-    return [row(name, "per chunk", len(keys), size, t1, r1), row(name, "batched", len(keys), size, t2, r2)]
+    return [row(name, "per chunk", len(keys), size, *per_chunk),
+            row(name, "batched", len(keys), size, t_batched, r_batched, r_batched)]
 
 
 def main() -> None:
@@ -182,10 +201,11 @@ def main() -> None:
         lm.stop()
 
     print(f"{'tier':8} {'path':10} {'chunks':>6} {'MB/chunk':>8} {'tier GB/s':>9} {'raw GB/s':>9} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'other GB/s':>10} {'ratio':>6}")
     for x in rows:
         print(f"{x.tier:8} {x.path:10} {x.chunks:6d} {x.chunk_bytes / 1e6:8.2f} {x.tier_gbps:9.2f} "
-              f"{x.raw_gbps:9.2f} {x.ratio:6.2f}")
+              f"{x.raw_gbps:9.2f} {x.ratio:6.2f} {x.other_gbps:10.2f} {x.other_ratio:6.2f}")
+    print("goal: tier >= 0.70x raw")
     OUT.mkdir(exist_ok=True)
     result = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
               "shape": list(SHAPE), "dtype": "bfloat16", "goal_ratio": 0.7, "rows": [asdict(x) for x in rows]}
