@@ -22,6 +22,7 @@ from lmcache.server.protocol import Op, Status
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
+X = TypeVar("X")
 
 
 class LMServerError(RuntimeError):
@@ -57,39 +58,28 @@ class LMCacheClient:
         intermediate buffer); None if the key is missing. The connection is reused only if `read`
         consumed the whole value without raising."""
         request = protocol.pack_request(Op.GET, key.encode(), 0)
-        for attempt in range(2):
-            sock, reused = self._borrow()
-            try:
-                sock.sendall(request)
-                status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
-            except (ConnectionError, EOFError) as e:
-                sock.close()
-                if reused and attempt == 0:
-                    continue  # a stale pooled connection: retry once on a fresh one
-                raise ConnectionError(f"lm://{self.host}:{self.port}: {e}") from e
-            except BaseException:
-                sock.close()
-                raise
+
+        def ask(sock: socket.socket) -> tuple[Status, int]:
+            sock.sendall(request)
+            return protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
+
+        sock, (status, value_len) = self._exchange(ask)
+        stream = SocketStream(sock, value_len)
+        try:
             if status != Status.OK:
-                try:
-                    self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
-                except BaseException:
-                    sock.close()
-                    raise
-                self._give_back(sock)
-                return None
-            stream = SocketStream(sock, value_len)
-            try:
-                result = read(stream, value_len)
-            except BaseException:
-                sock.close()
-                raise
-            if stream.remaining:
-                sock.close()  # unread value bytes would desynchronise the next request
+                self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
+                result = None
+                stream.remaining = 0
             else:
-                self._give_back(sock)
-            return result
-        raise AssertionError("unreachable")
+                result = read(stream, value_len)
+        except BaseException:
+            sock.close()
+            raise
+        if stream.remaining:
+            sock.close()  # unread value bytes would desynchronise the next request
+        else:
+            self._give_back(sock)
+        return result
 
     def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Pipelined GETs: all requests are sent, then the answers read in order."""
@@ -123,14 +113,26 @@ class LMCacheClient:
     def _call(self, requests: list[tuple[Op, str, Sequence[Buffer]]]) -> list[tuple[Status, bytearray]]:
         frames = [(protocol.pack_request(op, key.encode(), sum(memoryview(p).nbytes for p in parts)), parts)
                   for op, key, parts in requests]
+
+        def send_all(sock: socket.socket) -> list[tuple[Status, bytearray]]:
+            for head, parts in frames:
+                sock.sendall(head)
+                for part in parts:
+                    sock.sendall(part)
+            return [self._read_answer(sock) for _ in frames]
+
+        sock, answers = self._exchange(send_all)
+        self._give_back(sock)
+        return answers
+
+    def _exchange(self, exchange: Callable[[socket.socket], X]) -> tuple[socket.socket, X]:
+        """Run `exchange` on a pooled connection, once more on a fresh one if a reused connection
+        turns out stale. Returns the (still borrowed) socket and the result; on an error the socket
+        is closed."""
         for attempt in range(2):
             sock, reused = self._borrow()
             try:
-                for head, parts in frames:
-                    sock.sendall(head)
-                    for part in parts:
-                        sock.sendall(part)
-                answers = [self._read_answer(sock) for _ in frames]
+                return sock, exchange(sock)
             except (ConnectionError, EOFError) as e:
                 sock.close()
                 if reused and attempt == 0:
@@ -139,8 +141,6 @@ class LMCacheClient:
             except BaseException:
                 sock.close()
                 raise
-            self._give_back(sock)
-            return answers
         raise AssertionError("unreachable")
 
     def _read_answer(self, sock: socket.socket) -> tuple[Status, bytearray]:
