@@ -86,9 +86,14 @@ class LMCacheWorker:
                 self.save(plan)
 
     def load(self, plan: RequestPlan) -> int:
-        """Load `plan`'s prefix; what could not be loaded is reported as failed blocks."""
+        """Load `plan`'s prefix; what could not be loaded is reported as failed blocks (vLLM then
+        recomputes them). Never raises: a cache fault must not fail the request."""
         assert self.engine is not None
-        valid = load_plan(self.engine, self.kvcaches, plan, self.block_size)
+        try:
+            valid = load_plan(self.engine, self.kvcaches, plan, self.block_size)
+        except Exception:
+            logger.exception("request %s: loading its cached prefix failed", plan.req_id)
+            valid = plan.load_from
         if valid < plan.load_to:
             bs = self.block_size
             first = max(valid, plan.load_from) // bs
@@ -98,8 +103,12 @@ class LMCacheWorker:
         return valid
 
     def save(self, plan: RequestPlan) -> None:
+        """Store what `plan` says; a failure only means the KV is not cached (never raises)."""
         assert self.engine is not None
-        save_plan(self.engine, self.kvcaches, plan, self.block_size)
+        try:
+            save_plan(self.engine, self.kvcaches, plan, self.block_size)
+        except Exception:
+            logger.exception("request %s: storing its KV failed", plan.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.engine is not None:
