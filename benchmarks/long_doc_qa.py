@@ -171,7 +171,7 @@ def plot(results: list[ConfigResult], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("mean TTFT (s, log scale)")
     ax.set_title("Long-document QA on vLLM-CPU")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
