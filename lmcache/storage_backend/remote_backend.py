@@ -29,7 +29,7 @@ from lmcache.storage_backend.connectors.base import Buffer
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
+from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream, read_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
 
@@ -123,19 +123,8 @@ class RemoteBackend(LowerTierBackend):
         """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a
         transport fault is a miss, a value that does not verify is deleted."""
         rk = self._remote_key(key)
-        serde_id = SERDE_IDS[self.serde_name]
-
-        def read(stream: ReadStream, length: int) -> MemoryObj | None:
-            return read_blob(stream, length, serde_id, self.deserializer, self.allocate)
-
-        try:
-            return self._call(rk, lambda: self.connector.get_into(rk, read), None)
-        except ForeignSerdeError:
-            self.num_foreign += 1
-            return None
-        except CorruptBlobError as e:
-            self._drop_corrupt(rk, e)
-            return None
+        return self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, self._read_blob),
+                                                     None))
 
     def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """Objects for `keys` (None for misses): keys still being written come from memory, the
@@ -151,14 +140,18 @@ class RemoteBackend(LowerTierBackend):
             misses: list[Buffer | None] = [None] * len(rks)
             values = self._call(rks[0], partial(self.connector.get_many, rks), misses)
             for (i, rk), data in zip(group, values):
-                out[i] = self._decode(rk, data)
+                if data is not None:
+                    out[i] = self._verified(rk, partial(self._read_blob, BufferStream(data), len(data)))
         return out
 
-    def _decode(self, remote_key: str, data: Buffer | None) -> MemoryObj | None:
-        if data is None:
-            return None
+    def _read_blob(self, stream: ReadStream, length: int) -> MemoryObj | None:
+        return read_blob(stream, length, SERDE_IDS[self.serde_name], self.deserializer, self.allocate)
+
+    def _verified(self, remote_key: str, read: Callable[[], MemoryObj | None]) -> MemoryObj | None:
+        """`read()`; a value that does not verify is a miss (a corrupt one is deleted, one written
+        with another serde is kept)."""
         try:
-            return self.deserializer.from_bytes_to(data, self.allocate)
+            return read()
         except ForeignSerdeError:
             self.num_foreign += 1
             return None
