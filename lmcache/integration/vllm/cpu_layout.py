@@ -32,7 +32,7 @@ class PackedLayout:
     k_perm: torch.Tensor  # [bs * h * d] indices into one flattened block
     v_perm: torch.Tensor
 
-    @property
+    @functools.cached_property
     def is_vec(self) -> bool:
         """K dim-major and V token-major inside each (block, head) slab."""
         h, d, bs = self.num_kv_heads, self.head_size, self.block_size
