@@ -153,16 +153,19 @@ class LMCacheEngine:
 
     # ---- lookup / prefetch ----------------------------------------------------------------------
 
-    def lookup(self, tokens: torch.Tensor, search_range: list[str] | None = None, *,
+    def lookup(self, tokens: torch.Tensor, search_range: str | list[str] | None = None, *,
                extra_key: str | None = None, lease_id: str | None = None,
                lease_ttl: float = 60.0) -> int:
         """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
-        (a subset of "Hot", "LocalDiskBackend", "RemoteBackend"; None = all).
+        (one name, or a subset of "Hot" (alias "LocalCPUBackend"), "LocalDiskBackend",
+        "RemoteBackend"; None = all; ValueError for an unknown name). A chunk whose write to a
+        lower tier is still in flight counts (a prefetch or retrieve uses the object being
+        written).
 
         With `lease_id`, the hot chunks counted are pinned (not evicted) until `release(lease_id)`
         or `lease_ttl` seconds, and those found only in lower tiers start loading into the hot
         tier, so that a retrieve soon after finds what the lookup counted."""
-        StorageManager.check_search_range(search_range)
+        StorageManager.resolve_search_range(search_range)
         hit = 0
         found = []
         for _, end, key in self.token_database.process_tokens(tokens, extra_key=extra_key):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -24,6 +25,37 @@ import yaml
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
+DEFAULT_LEGACY_DISK_GB = 5.0
+
+
+class LegacyTiers(NamedTuple):
+    hot: bool
+    disk: bool
+    remote: bool
+
+
+# upstream's `from_legacy(backend=...)` names -> the tiers each one builds
+LEGACY_BACKENDS: dict[str, LegacyTiers] = {
+    "cpu": LegacyTiers(True, False, False),
+    "local_cpu": LegacyTiers(True, False, False),
+    "local_disk": LegacyTiers(False, True, False),
+    "local_cpu_disk": LegacyTiers(True, True, False),
+    "remote": LegacyTiers(False, False, True),
+    "local_cpu_remote": LegacyTiers(True, False, True),
+    "local_disk_remote": LegacyTiers(False, True, True),
+    "local_cpu_disk_remote": LegacyTiers(True, True, True),
+}
+
+
+def default_local_disk() -> str:
+    """Where a legacy ``local_disk`` backend keeps its files unless told otherwise:
+    ``$XDG_CACHE_HOME/lmcache/disk`` (``~/.cache/lmcache/disk``)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "lmcache", "disk")
+
+
+def _is_device(name: str) -> bool:
+    return re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None
 REMOTE_SCHEMES = ("lm", "redis", "rediss", "valkey", "valkeys", "redis-sentinel", "redis-cluster")
 SERDES = ("naive", "torch", "safe", "fast", "cachegen")
 CACHE_POLICIES = ("LRU", "LFU", "FIFO")
@@ -46,7 +78,11 @@ class LMCacheEngineConfig:
     it as a miss),
     `local_disk_serde` (the serde of disk files) and `local_disk_fsync` (fsync each disk file
     before it becomes visible: durable across power loss; without it a file torn by a crash is
-    still never served, because checksums catch it)."""
+    still never served, because checksums catch it).
+
+    One default differs from the seed on purpose: `remote_url` is None (no remote tier), not
+    ``'lm://localhost:65432'``, so the default engine needs no server that nobody started; set
+    `remote_url` (or ``LMCACHE_REMOTE_URL``) to use a remote store."""
 
     chunk_size: int = 256
     local_cpu: bool = True
@@ -76,6 +112,8 @@ class LMCacheEngineConfig:
             setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_types()[f.name]))
         if isinstance(self.local_disk, str) and self.local_disk.startswith("file://"):
             self.local_disk = self.local_disk[len("file://") :]
+        if isinstance(self.local_disk, str):
+            self.local_disk = os.path.expanduser(self.local_disk)
         self._validate()
 
     def _validate(self) -> None:
@@ -156,26 +194,60 @@ class LMCacheEngineConfig:
         error_handling: bool = False,
         local_device: str | None = None,
         max_local_cache_size: float | None = None,
+        local_disk: str | None = None,
     ) -> LMCacheEngineConfig:
-        """Seed 002's names. `backend` (or `local_device`): "cpu"/"cuda" -> hot tier,
-        "file://PATH" (or a bare path for `local_device`) -> disk tier, a remote URL -> remote
-        tier. `max_local_cache_size` (GB) sizes the tier that `local_device` names."""
-        kw: dict[str, Any] = {}
+        """Seed 002's and upstream's legacy names. `backend` (or `local_device`) is one of
+
+        - a name from `LEGACY_BACKENDS` (``cpu``, ``local_disk``, ``local_cpu_disk``, ``remote``,
+          ``local_cpu_remote``, ``local_disk_remote``, ``local_cpu_disk_remote``): exactly the
+          tiers it names. Its disk tier lives in `local_disk` (else ``$LMCACHE_LOCAL_DISK``, else
+          `default_local_disk()`), sized `max_local_disk_size` GB (else `DEFAULT_LEGACY_DISK_GB`);
+          its remote tier needs `remote_url` (a `remote_url` given to a name without a remote tier
+          is ignored, with a warning);
+        - a device, ``cuda[:N]`` (or ``cpu`` as `local_device`): the hot tier (sized
+          `max_local_cache_size` GB);
+        - a disk path, ``file://PATH`` (or a path with a ``/``): the hot tier plus a disk tier there
+          (sized `max_local_cache_size` or `max_local_disk_size` GB, else `DEFAULT_LEGACY_DISK_GB`);
+        - a remote URL (``lm://``, ``redis://``, ...): the hot tier plus that remote tier.
+
+        With a device, path or URL form, `remote_url` adds a remote tier. Anything else raises
+        ValueError listing the valid names (a typo never becomes a directory)."""
         device = local_device if local_device is not None else backend
-        if device in ("cpu", "cuda"):
-            kw["local_cpu"] = True
+        kw: dict[str, Any] = {"max_local_disk_size": max_local_disk_size}
+        named = LEGACY_BACKENDS.get(device) if local_device is None else None
+        if named is not None:
+            kw["local_cpu"] = named.hot
+            if max_local_cache_size is not None:
+                kw["max_local_cpu_size"] = max_local_cache_size
+            if named.disk:
+                env_disk = os.environ.get(ENV_PREFIX + "LOCAL_DISK")
+                kw["local_disk"] = local_disk or env_disk or default_local_disk()
+                kw["max_local_disk_size"] = max_local_disk_size or DEFAULT_LEGACY_DISK_GB
+            if named.remote:
+                if remote_url is None:
+                    raise ValueError(f"backend {device!r} names a remote tier: pass remote_url=")
+                kw["remote_url"] = remote_url
+            elif remote_url is not None:
+                logger.warning("backend %r has no remote tier; remote_url=%r is ignored", device, remote_url)
+        elif _is_device(device):
             if max_local_cache_size is not None:
                 kw["max_local_cpu_size"] = max_local_cache_size
         elif "://" in device and not device.startswith("file://"):
             kw["remote_url"] = device
-        else:
+        elif device.startswith("file://") or "/" in device:
             kw["local_disk"] = device
-            kw["max_local_disk_size"] = (
-                max_local_cache_size if max_local_cache_size is not None else max_local_disk_size
-            )
-        if remote_url is not None:
+            if max_local_cache_size is not None:
+                kw["max_local_disk_size"] = max_local_cache_size
+            if not kw["max_local_disk_size"]:
+                kw["max_local_disk_size"] = DEFAULT_LEGACY_DISK_GB
+        else:
+            names = "" if local_device is not None else f"one of {sorted(LEGACY_BACKENDS)}, "
+            raise ValueError(f"unknown legacy {'local_device' if local_device is not None else 'backend'} "
+                             f"{device!r}: use {names}a device ('cpu', 'cuda[:N]'), a disk path "
+                             "('file:///path' or a path with a '/') or a remote URL "
+                             "('lm://host:port', 'redis://host:port', ...)")
+        if named is None and remote_url is not None:
             kw.setdefault("remote_url", remote_url)
-        kw.setdefault("max_local_disk_size", max_local_disk_size)
         return LMCacheEngineConfig.from_defaults(
             chunk_size=chunk_size, remote_serde=remote_serde, save_decode_cache=save_decode_cache,
             enable_blending=enable_blending, blend_recompute_ratio=blend_recompute_ratio,
@@ -200,7 +272,11 @@ class LMCacheEngineMetadata:
     """What identifies whose KV this is. `kv_shape` = (num_layers, 2, chunk_size, num_kv_heads,
     head_size) of a full chunk. `fmt` names the serving engine ("vllm", "huggingface"); the memory
     layout the connector stores is `layout` ("kv_blob" is the canonical one every engine shares).
-    `model_fingerprint` distinguishes checkpoints that share a name (e.g. a hash of the weights)."""
+    `model_fingerprint` distinguishes checkpoints that share a name (e.g. a hash of the weights).
+    A `worker_id` outside ``[0, world_size)`` (upstream's helpers build such metadata) only names
+    the worker in the cache keys: it is accepted with one warning. `kv_dtype` may also be given
+    by name ("bfloat16"). ValueError for a `kv_shape` of the wrong rank, `world_size` < 1 or an
+    unknown dtype."""
 
     model_name: str
     world_size: int
@@ -215,8 +291,15 @@ class LMCacheEngineMetadata:
         self.kv_shape = tuple(int(x) for x in self.kv_shape)  # type: ignore[assignment]
         _check(len(self.kv_shape) == 5 and self.kv_shape[1] == 2 and min(self.kv_shape) > 0,
                "kv_shape", self.kv_shape, "must be (num_layers, 2, chunk_size, num_kv_heads, head_size)")
-        _check(0 <= self.worker_id < self.world_size, "worker_id", self.worker_id,
-               f"must be in [0, world_size={self.world_size})")
+        self.kv_dtype = _as_dtype(self.kv_dtype)
+        _check(isinstance(self.world_size, int) and self.world_size > 0, "world_size", self.world_size,
+               "must be an int > 0")
+        _check(isinstance(self.worker_id, int), "worker_id", self.worker_id, "must be an int")
+        odd = (self.worker_id, self.world_size)
+        if not 0 <= self.worker_id < self.world_size and odd not in _ODD_WORKERS:
+            _ODD_WORKERS.add(odd)
+            logger.warning("worker_id=%d is outside [0, world_size=%d): it only names this worker in "
+                           "the cache keys", self.worker_id, self.world_size)
 
     @property
     def num_layers(self) -> int:
@@ -228,6 +311,19 @@ class LMCacheEngineMetadata:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+_ODD_WORKERS: set[tuple[int, int]] = set()  # (worker_id, world_size) pairs already warned about
+
+
+def _as_dtype(dtype: Any) -> torch.dtype:
+    """A torch dtype, also from its name ("bfloat16", "torch.float16"); ValueError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise ValueError(f"invalid metadata value kv_dtype={dtype!r}: must be a torch.dtype (or its name)")
 
 
 def _check(ok: bool, name: str, value: Any, why: str) -> None:

@@ -7,11 +7,11 @@ works on CPU tensors too.
 
 - `VLLMNestedTupleGPUConnector`: ``kvcaches`` = per-layer ``(K, V)``, each ``[num_tokens, ...]``
   (token dimension 0, e.g. ``[num_tokens, hidden]`` or ``[num_tokens, num_heads, head_size]``).
-- `VLLMPagedMemGPUConnector`: ``kvcaches`` = per-layer ``(K, V)``, each ``[num_blocks,
-  block_size, num_heads, head_size]``; ``slot_mapping`` = slot of every token of the whole
-  sequence (slot = block_id * block_size + offset).
-- `VLLMPagedMemGPUConnectorV2`: the same, and also vLLM v1's per-layer ``[2, num_blocks,
-  block_size, num_heads, head_size]`` tensors; the slot mapping may start with -1 for a prefix the
+- `VLLMPagedMemGPUConnector` and `VLLMPagedMemGPUConnectorV2` (the same copies; V2 has the
+  seed's `use_gpu` argument): ``kvcaches`` = per-layer ``(K, V)``, each ``[num_blocks,
+  block_size, num_heads, head_size]``, or vLLM v1's per-layer ``[2, num_blocks, block_size,
+  num_heads, head_size]`` tensors; ``slot_mapping`` = slot of every token of the whole sequence
+  (slot = block_id * block_size + offset). The slot mapping may start with -1 for a prefix the
   engine already has, and ``[start, end)`` must not overlap that prefix.
 
 On CPU the paged copies go through a native kernel that moves each run of consecutive slots with
@@ -158,7 +158,8 @@ class _PagedSources:
 
 
 class VLLMPagedMemGPUConnector(KVBlobConnector):
-    """Paged per-layer ``(K, V)`` tuples of ``[num_blocks, block_size, num_heads, head_size]``."""
+    """Paged per-layer ``(K, V)`` tuples of ``[num_blocks, block_size, num_heads, head_size]``,
+    or per-layer ``[2, num_blocks, block_size, num_heads, head_size]`` tensors (vLLM v1)."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, *, use_native: bool = True) -> None:
         super().__init__(hidden_dim_size, num_layers)
@@ -169,8 +170,11 @@ class VLLMPagedMemGPUConnector(KVBlobConnector):
         """All K tensors then all V tensors."""
         if len(kvcaches) != self.num_layers:
             raise ValueError(f"kvcaches has {len(kvcaches)} layers, expected {self.num_layers}")
-        if not all(isinstance(layer, (tuple, list)) and len(layer) == 2 for layer in kvcaches):
-            raise ValueError("kvcaches must be a sequence of per-layer (K, V) tuples")
+        if not all((isinstance(layer, (tuple, list)) and len(layer) == 2)
+                   or (isinstance(layer, torch.Tensor) and layer.dim() >= 2 and layer.shape[0] == 2)
+                   for layer in kvcaches):
+            raise ValueError("kvcaches must be a sequence of per-layer (K, V) tuples or "
+                             "[2, num_blocks, block_size, ...] tensors")
         return [layer[0] for layer in kvcaches] + [layer[1] for layer in kvcaches]
 
     def _sources(self, kvcaches: Any) -> _PagedSources:
@@ -265,21 +269,13 @@ class VLLMPagedMemGPUConnector(KVBlobConnector):
 
 
 class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):
-    """`VLLMPagedMemGPUConnector` that also takes vLLM v1's per-layer ``[2, num_blocks,
-    block_size, num_heads, head_size]`` tensors. `use_gpu` is accepted for the seed's signature;
+    """`VLLMPagedMemGPUConnector` with the seed's signature. `use_gpu` is accepted for it;
     staging happens on the cache's device whenever the cache is not on the CPU."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, use_gpu: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(hidden_dim_size, num_layers, use_native=kwargs.pop("use_native", True))
         self.use_gpu = use_gpu
-
-    def _split(self, kvcaches: Any) -> list[torch.Tensor]:
-        if len(kvcaches) == self.num_layers and all(
-            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 2 for t in kvcaches
-        ):
-            return [t[0] for t in kvcaches] + [t[1] for t in kvcaches]
-        return super()._split(kvcaches)
 
 
 def _first_ptr(layer: Any) -> int:

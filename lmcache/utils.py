@@ -35,7 +35,7 @@ class CacheEngineKey:
         if len(parts) != 6:
             raise ValueError(f"malformed cache key {s!r}: expected 6 '@'-separated fields")
         fmt, model, ws, wid, chunk_hash, dtype = (unquote(p) for p in parts)
-        if not (ws.isdigit() and wid.isdigit()):
+        if not (ws.isdigit() and wid.removeprefix("-").isdigit()):
             raise ValueError(f"malformed cache key {s!r}: world size and worker id must be integers")
         return CacheEngineKey(fmt, model, int(ws), int(wid), chunk_hash, dtype)
 

@@ -2,7 +2,9 @@
 
 Ref-count contract: an allocator hands out an object with ref count 1, owned by the caller. Every
 holder that keeps it (a cache tier, an in-flight write) calls `ref_count_up`; every holder that is
-done calls `ref_count_down`; at zero the memory returns to its allocator and the object is invalid.
+done calls `ref_count_down`; at zero the memory returns to its allocator and the object is invalid:
+it exposes no memory any more (`tensor` is None, `byte_array` raises RuntimeError), because the
+allocator may already have handed the same bytes to another object.
 """
 
 from __future__ import annotations
@@ -71,12 +73,22 @@ class MemoryObj(abc.ABC):
     @property
     @abc.abstractmethod
     def tensor(self) -> torch.Tensor | None:
-        """The content as a tensor of `shape`/`dtype` (a view, no copy), or None."""
+        """The content as a tensor of `shape`/`dtype` (a view, no copy), or None (also once
+        freed)."""
 
     @property
     @abc.abstractmethod
     def byte_array(self) -> memoryview:
-        """The content as bytes (a view, no copy)."""
+        """The content as bytes (a view, no copy). RuntimeError once freed."""
+
+    def _check_live(self) -> None:
+        if not self.valid:
+            raise RuntimeError("this MemoryObj was freed (its ref count reached zero); its memory "
+                               "may belong to another object now")
+
+    @abc.abstractmethod
+    def _drop_memory(self) -> None:
+        """Called once the ref count reaches zero: drop the view of the memory."""
 
     def ref_count_up(self) -> None:
         with self._lock:
@@ -92,8 +104,10 @@ class MemoryObj(abc.ABC):
             release = self._metadata.ref_count == 0
             if release:
                 self.valid = False
-        if release and self._allocator is not None:
-            self._allocator.free(self)
+        if release:
+            if self._allocator is not None:
+                self._allocator.free(self)
+            self._drop_memory()
 
     def get_ref_count(self) -> int:
         return self._metadata.ref_count
@@ -117,14 +131,20 @@ class TensorMemoryObj(MemoryObj):
         return md.shape.numel() * md.dtype.itemsize
 
     @property
-    def tensor(self) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor | None:
+        if not self.valid:
+            return None
         md = self._metadata
         assert md.dtype is not None
         return self.raw_data[: self.get_size()].view(md.dtype).view(md.shape)
 
     @property
     def byte_array(self) -> memoryview:
+        self._check_live()
         return self.raw_data[: self.get_size()].cpu().numpy().data
+
+    def _drop_memory(self) -> None:
+        self.raw_data = self.raw_data[:0]
 
 
 class BytesBufferMemoryObj(MemoryObj):
@@ -151,4 +171,8 @@ class BytesBufferMemoryObj(MemoryObj):
 
     @property
     def byte_array(self) -> memoryview:
+        self._check_live()
         return memoryview(self.raw_bytes)
+
+    def _drop_memory(self) -> None:
+        self.raw_bytes = b""

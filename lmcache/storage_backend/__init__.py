@@ -13,6 +13,11 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryAllocatorInterface
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.storage_backend.remote_backend import RemoteBackend
+
+# the tier classes, in lookup order
+TIER_CLASSES: tuple[type[StorageBackendInterface], ...] = (LocalCPUBackend, LocalDiskBackend, RemoteBackend)
 
 
 def create_storage_backends(
@@ -27,11 +32,7 @@ def create_storage_backends(
     if config.local_cpu:
         backends["Hot"] = LocalCPUBackend(allocator, config.cache_policy)
     if config.local_disk is not None:
-        from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
-
         backends["LocalDiskBackend"] = LocalDiskBackend(config, metadata, allocate)
     if config.remote_url is not None:
-        from lmcache.storage_backend.remote_backend import RemoteBackend
-
         backends["RemoteBackend"] = RemoteBackend(config, metadata, allocate)
     return backends

@@ -24,6 +24,7 @@ from lmcache.utils import CacheEngineKey
 
 class StorageBackendInterface(abc.ABC):
     name: str = "StorageBackend"
+    aliases: tuple[str, ...] = ()  # other names `search_range` accepts for this tier
 
     @abc.abstractmethod
     def contains(self, key: CacheEngineKey) -> bool: ...

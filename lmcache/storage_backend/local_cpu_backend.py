@@ -20,6 +20,7 @@ from lmcache.utils import CacheEngineKey
 
 class LocalCPUBackend(StorageBackendInterface):
     name = "Hot"
+    aliases = ("LocalCPUBackend",)  # upstream's later name for it
 
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU") -> None:
         self.allocator = allocator

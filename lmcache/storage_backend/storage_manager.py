@@ -18,14 +18,15 @@ import torch
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.observability import IncidentLog
-from lmcache.storage_backend import create_storage_backends
+from lmcache.storage_backend import TIER_CLASSES, create_storage_backends
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("Hot", "LocalDiskBackend", "RemoteBackend")
+# every name a tier answers to (its `name` and `aliases`) -> its `name`
+TIER_NAMES = {n: cls.name for cls in TIER_CLASSES for n in (cls.name, *cls.aliases)}
 
 
 class StorageManager:
@@ -39,19 +40,22 @@ class StorageManager:
         self._incidents = {name: IncidentLog(logger, f"storage tier {name}") for name in self.backends}
 
     @staticmethod
-    def check_search_range(search_range: Iterable[str] | None) -> None:
+    def resolve_search_range(search_range: str | Iterable[str] | None) -> set[str] | None:
+        """The tier names (`name`, not alias) that `search_range` selects; None = every tier.
+        A string is one name. Raises ValueError for unknown names."""
         if search_range is None:
-            return
-        unknown = [n for n in search_range if n not in BACKEND_NAMES]
+            return None
+        names = [search_range] if isinstance(search_range, str) else list(search_range)
+        unknown = [n for n in names if n not in TIER_NAMES]
         if unknown:
             raise ValueError(f"unknown storage backend name(s) {unknown} in search_range; "
-                             f"valid names are {list(BACKEND_NAMES)}")
+                             f"valid names are {list(TIER_NAMES)}")
+        return {TIER_NAMES[n] for n in names}
 
-    def _selected(self, search_range: Iterable[str] | None) -> list[tuple[str, StorageBackendInterface]]:
-        if search_range is None:
-            return list(self.backends.items())
-        wanted = set(search_range)
-        return [(n, b) for n, b in self.backends.items() if n in wanted]
+    def _selected(self, search_range: str | Iterable[str] | None,
+                  ) -> list[tuple[str, StorageBackendInterface]]:
+        wanted = self.resolve_search_range(search_range)
+        return [(n, b) for n, b in self.backends.items() if wanted is None or n in wanted]
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
@@ -72,7 +76,7 @@ class StorageManager:
                 return obj
         return None
 
-    def contains(self, key: CacheEngineKey, search_range: Iterable[str] | None = None) -> bool:
+    def contains(self, key: CacheEngineKey, search_range: str | Iterable[str] | None = None) -> bool:
         for name, backend in self._selected(search_range):
             if self._guard(name, backend.contains, key) or self._guard(
                     name, backend.exists_in_put_tasks, key):
@@ -80,12 +84,16 @@ class StorageManager:
         return False
 
     def prefetch(self, key: CacheEngineKey) -> bool:
-        """Start loading `key` from the first lower tier that has it into the hot tier; True if
-        it is already hot or a load started."""
-        if self.hot is not None and self.hot.contains(key):
+        """Start loading `key` from the first lower tier that has it (or is still writing it) into
+        the hot tier; True if it is already hot or a load started. Without a hot tier there is
+        nowhere to load to: False."""
+        if self.hot is None:
+            return False
+        if self.hot.contains(key):
             return True
         for name, backend in self.backends.items():
-            if backend is self.hot or not self._guard(name, backend.contains, key):
+            if backend is self.hot or not (self._guard(name, backend.exists_in_put_tasks, key)
+                                           or self._guard(name, backend.contains, key)):
                 continue
             future = self._guard(name, backend.submit_prefetch_task, key)
             if future is None:

@@ -118,10 +118,75 @@ def test_from_legacy_maps_backends():
     assert legacy_disk.local_disk == "/tmp/kv2" and legacy_disk.max_local_disk_size == 4.0
 
 
-def test_metadata_validates_shape_and_worker():
+def test_metadata_rejects_what_cannot_work():
     import torch
 
     with pytest.raises(ValueError, match="kv_shape"):
         LMCacheEngineMetadata("m", 1, 0, "vllm", torch.bfloat16, (30, 3, 256, 3, 64))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="worker_id"):
-        LMCacheEngineMetadata("m", 2, 2, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))
+    with pytest.raises(ValueError, match="kv_shape"):
+        LMCacheEngineMetadata("m", 1, 0, "vllm", torch.bfloat16, (30, 2, 256, 3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size"):
+        LMCacheEngineMetadata("m", 0, 0, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))
+    with pytest.raises(ValueError, match="kv_dtype"):
+        LMCacheEngineMetadata("m", 1, 0, "vllm", "float33", (30, 2, 256, 3, 64))  # type: ignore[arg-type]
+    assert LMCacheEngineMetadata("m", 1, 0, "vllm", "bfloat16",  # type: ignore[arg-type]
+                                 (30, 2, 256, 3, 64)).kv_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("worker_id, world_size", [(123, 3), (-1, 1)])
+def test_metadata_accepts_an_out_of_range_worker_id_with_one_warning(worker_id, world_size, caplog,
+                                                                      monkeypatch):
+    import torch
+
+    monkeypatch.setattr("lmcache.config._ODD_WORKERS", set())
+    for _ in range(2):
+        md = LMCacheEngineMetadata("m", world_size, worker_id, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))
+        assert md.worker_id == worker_id
+    assert sum(f"worker_id={worker_id}" in r.message for r in caplog.records) == 1
+
+
+LEGACY_NAMES = ["cpu", "local_disk", "local_cpu_disk", "remote", "local_cpu_remote", "local_disk_remote",
+                "local_cpu_disk_remote"]
+
+
+@pytest.mark.parametrize("name", LEGACY_NAMES)
+def test_from_legacy_names_select_exactly_their_tiers(name, tmp_path):
+    url = "redis://127.0.0.1:6399"
+    c = LMCacheEngineConfig.from_legacy(backend=name, remote_url=url if "remote" in name else None,
+                                        local_disk=str(tmp_path / "d"))
+    assert c.local_cpu == ("cpu" in name)
+    assert (c.local_disk is not None) == ("disk" in name)
+    assert (c.remote_url == url) == ("remote" in name) and (c.remote_url is None) == ("remote" not in name)
+    if c.local_disk is not None:
+        assert c.local_disk == str(tmp_path / "d") and c.max_local_disk_size == 5.0
+
+
+def test_from_legacy_disk_directory_defaults_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.delenv("LMCACHE_LOCAL_DISK", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    c = LMCacheEngineConfig.from_legacy(backend="local_disk", max_local_disk_size=2)
+    assert c.local_disk == str(tmp_path / "xdg" / "lmcache" / "disk") and c.max_local_disk_size == 2.0
+    monkeypatch.setenv("LMCACHE_LOCAL_DISK", str(tmp_path / "env"))
+    assert LMCacheEngineConfig.from_legacy(backend="local_cpu_disk").local_disk == str(tmp_path / "env")
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "env").exists()  # config creates nothing
+
+
+@pytest.mark.parametrize("typo", ["local_dsk", "disk", "lokal_cpu", "mydir", ""])
+def test_from_legacy_rejects_unknown_names_and_creates_nothing(typo, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="local_cpu_disk_remote"):
+        LMCacheEngineConfig.from_legacy(backend=typo)
+    with pytest.raises(ValueError, match="local_device"):
+        LMCacheEngineConfig.from_legacy(local_device=typo or "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_legacy_remote_names_need_a_remote_url_and_others_ignore_it(caplog):
+    with pytest.raises(ValueError, match="remote_url"):
+        LMCacheEngineConfig.from_legacy(backend="local_cpu_remote")
+    c = LMCacheEngineConfig.from_legacy(backend="cpu", remote_url="lm://127.0.0.1:65432")
+    assert c.remote_url is None and "ignored" in caplog.text
+    # the device / path / URL forms still combine with remote_url, as before
+    assert LMCacheEngineConfig.from_legacy(backend="cuda", remote_url="lm://h:1").remote_url == "lm://h:1"
+    disk = LMCacheEngineConfig.from_legacy(backend="file:///tmp/kv")
+    assert disk.local_cpu and disk.local_disk == "/tmp/kv" and disk.max_local_disk_size == 5.0

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from lmcache.cache_engine import LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.utils import CacheEngineKey
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 
@@ -92,6 +93,35 @@ def test_lookup_search_range(engine):
     assert engine.lookup(tokens, []) == 0
     with pytest.raises(ValueError, match="Hott"):
         engine.lookup(tokens, ["Hott"])
+
+
+def test_lookup_takes_one_name_as_a_string_and_the_hot_tier_alias(engine):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (16,))
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    assert engine.lookup(tokens, "Hot") == 16
+    assert engine.lookup(tokens, "LocalCPUBackend") == 16
+    assert engine.lookup(tokens, ["LocalCPUBackend", "RemoteBackend"]) == 16
+    assert engine.lookup(tokens, "LocalDiskBackend") == 0 and engine.lookup(tokens, "RemoteBackend") == 0
+    with pytest.raises(ValueError, match="LocalCPUBackend") as err:
+        engine.lookup(tokens, "LocalGPUBackend")
+    assert "'H'" not in str(err.value)
+
+
+@pytest.mark.parametrize("worker_id, world_size", [(123, 3), (-1, 1)])
+def test_metadata_with_an_out_of_range_worker_stores_and_retrieves(worker_id, world_size):
+    config = LMCacheEngineConfig.from_defaults(chunk_size=8, max_local_cpu_size=(1 << 20) / (1 << 30))
+    metadata = LMCacheEngineMetadata("test-model", world_size, worker_id, "vllm", torch.bfloat16,
+                                     (2, 2, 8, 2, 4))
+    engine = LMCacheEngineBuilder.get_or_create("odd-worker", config, metadata,
+                                                VLLMPagedMemGPUConnectorV2(8, 2))
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (20,))
+    slots = kv.slots_for(20)
+    out, ret = store_retrieve(engine, kv, tokens, slots)
+    assert bool(ret.all()) and torch.equal(out.tokens_kv(slots), kv.tokens_kv(slots))
+    key = engine.token_database.process_tokens(tokens)[0][2]
+    assert key.worker_id == worker_id and CacheEngineKey.from_string(key.to_string()) == key
 
 
 def test_retrieve_with_bad_mask_raises(engine):

@@ -75,13 +75,23 @@ def test_native_and_torch_paths_agree_bit_for_bit():
     assert torch.equal(out[0], out[1])
 
 
-def test_v2_accepts_vllm_v1_per_layer_tensors():
-    conn = VLLMPagedMemGPUConnectorV2(HIDDEN, L)
-    kv = [torch.randn(2, NB, BS, H, D).to(torch.bfloat16) for _ in range(L)]
-    slots = scattered_slots(12)
-    obj = obj_for(conn, 12)
-    conn.from_gpu(obj, 0, 12, kvcaches=kv, slot_mapping=slots)
-    assert torch.equal(obj.tensor, expected_blob([(t[0], t[1]) for t in kv], slots))
+@pytest.mark.parametrize("use_native", [True, False])
+def test_both_paged_connectors_take_both_kv_forms_with_identical_results(use_native):
+    tuples = paged_tuples()
+    v1_tensors = [torch.stack([k, v]) for k, v in tuples]  # vLLM v1: [2, num_blocks, bs, H, D]
+    slots = scattered_slots(22, aligned=False)
+    expected = expected_blob(tuples, slots[3:19])
+    for cls in (VLLMPagedMemGPUConnector, VLLMPagedMemGPUConnectorV2):
+        conn = cls(HIDDEN, L, use_native=use_native)
+        for kv, empty in ((tuples, [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in tuples]),
+                          (v1_tensors, [torch.zeros_like(t) for t in v1_tensors])):
+            obj = obj_for(conn, 16)
+            conn.batched_from_gpu([obj], [3], [19], kvcaches=kv, slot_mapping=slots)
+            assert torch.equal(obj.tensor, expected), (cls.__name__, type(kv[0]))
+            conn.batched_to_gpu([obj], [3], [19], kvcaches=empty, slot_mapping=slots)
+            back = [(t[0], t[1]) for t in empty] if isinstance(empty[0], torch.Tensor) else empty
+            assert torch.equal(expected_blob(back, slots[3:19]), expected)
+            assert sum(int((t != 0).sum()) for layer in back for t in layer) == int((expected != 0).sum())
 
 
 def test_v2_rejects_a_range_overlapping_the_minus_one_prefix():

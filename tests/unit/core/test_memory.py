@@ -154,3 +154,43 @@ def test_buffer_allocator_and_bytes_objects():
     assert obj.get_memory_format() == MemoryFormat.BINARY_BUFFER and obj.tensor is None
     raw = BytesBufferMemoryObj(b"abc")
     assert bytes(raw.byte_array) == b"abc" and raw.get_size() == 3
+
+
+ALLOCATORS = {
+    "tensor": lambda: HostMemoryAllocator(16 * ALIGN),
+    "pinned": lambda: PinMemoryAllocator(16 * ALIGN),
+    "mixed": lambda: MixedMemoryAllocator(16 * ALIGN),
+    "bytes": BufferAllocator,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ALLOCATORS))
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 3 * ALIGN), st.booleans()), min_size=1,
+                    max_size=40),
+       seed=st.integers(0, 2**32))
+def test_a_freed_object_exposes_no_memory_whatever_the_allocate_free_order(kind, ops, seed):
+    a = ALLOCATORS[kind]()
+    rnd = random.Random(seed)
+    live, freed = [], []
+    for n, (is_alloc, size, binary) in enumerate(ops):
+        if is_alloc or not live:
+            fmt = MemoryFormat.BINARY_BUFFER if binary or kind == "bytes" else MemoryFormat.KV_BLOB
+            obj = a.allocate((size,), torch.uint8, fmt)
+            if obj is None:
+                continue
+            obj.byte_array[:] = bytes([n % 251]) * size  # a pattern only this object writes
+            live.append((obj, n % 251))
+        else:
+            obj, _ = live.pop(rnd.randrange(len(live)))
+            obj.ref_count_down()
+            freed.append(obj)
+        for obj in freed:
+            assert obj.tensor is None
+            with pytest.raises(RuntimeError, match="freed"):
+                obj.byte_array  # noqa: B018 - the access itself must raise
+        for obj, mark in live:  # a freed neighbour never handed out bytes that a live object owns
+            assert bytes(obj.byte_array) == bytes([mark]) * obj.get_size()
+            assert obj.tensor is None or bool((obj.tensor == mark).all())
+    for obj, _ in live:
+        obj.ref_count_down()
