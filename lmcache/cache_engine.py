@@ -19,12 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.gpu_connector import GPUConnectorInterface
+from lmcache.gpu_connector import CopyDone, GPUConnectorInterface
 from lmcache.memory_management import (
     MemoryAllocatorInterface,
     MemoryFormat,
@@ -40,6 +41,60 @@ from lmcache.utils import CacheEngineKey
 logger = logging.getLogger(__name__)
 
 LOCAL_TIERS = ("Hot", "LocalDiskBackend")
+CLOSE_TIMEOUT = 30.0
+
+
+class CopiesInFlight:
+    """The connector copies an engine has issued and not yet seen complete (see `CopyDone`), and
+    the keys they are storing (a second store of such a key skips it)."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition()
+        self._count = 0
+        self._keys: set[CacheEngineKey] = set()
+
+    def storing(self, key: CacheEngineKey) -> bool:
+        return key in self._keys
+
+    def start(self, keys: list[CacheEngineKey], then: CopyDone) -> InFlightCopy:
+        with self._idle:
+            self._count += 1
+            self._keys.update(keys)
+        return InFlightCopy(self, keys, then)
+
+    def _end(self, keys: list[CacheEngineKey]) -> None:
+        with self._idle:
+            self._count -= 1
+            self._keys.difference_update(keys)
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout)
+
+
+class InFlightCopy:
+    """One issued copy: call it (the connector's `on_done`) when it completes, or `abort()` it
+    if the connector raised before issuing it; exactly one of the two, once."""
+
+    def __init__(self, table: CopiesInFlight, keys: list[CacheEngineKey], then: CopyDone) -> None:
+        self._table, self._keys, self._then = table, keys, then
+
+    def __call__(self, error: BaseException | None) -> None:
+        try:
+            self._then(error)
+        finally:
+            self._table._end(self._keys)
+
+    def abort(self) -> None:
+        self._table._end(self._keys)
+
+
+def _release(objs: list[MemoryObj], error: BaseException | None) -> None:
+    for obj in objs:
+        obj.ref_count_down()
+    if error is not None:
+        logger.error("an asynchronous KV copy into the engine failed: %s", error)
 
 
 class LMCacheEngine:
@@ -66,6 +121,7 @@ class LMCacheEngine:
         hot = self.storage_manager.hot
         self._leases = LeaseTable(hot) if hot is not None else None
         self.stats = EngineStats()
+        self._copies = CopiesInFlight()
         self._closed = False
         self._full_warned = False
 
@@ -95,7 +151,7 @@ class LMCacheEngine:
         todo: list[tuple[int, int, CacheEngineKey, MemoryObj]] = []
         try:
             for start, end, key in chunks:
-                if sm.contains(key, LOCAL_TIERS):
+                if sm.contains(key, LOCAL_TIERS) or self._copies.storing(key):
                     self.stats.add("store_skipped_tokens", end - start)
                     continue
                 obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
@@ -106,14 +162,33 @@ class LMCacheEngine:
                         logger.warning("CPU cache arena is full of KV in use; storing fewer chunks")
                     break
                 todo.append((start, end, key, obj))
-            self.gpu_connector.batched_from_gpu([t[3] for t in todo], [t[0] for t in todo],
-                                                [t[1] for t in todo], **kwargs)
-            for start, end, key, obj in todo:
-                sm.put(key, obj)
-                self.stats.add("stored_tokens", end - start)
-        finally:
+            if not todo:
+                return
+            done = self._copies.start([t[2] for t in todo], partial(self._finish_store, todo))
+        except BaseException:
             for *_, obj in todo:
                 obj.ref_count_down()
+            raise
+        try:
+            self.gpu_connector.batched_from_gpu([t[3] for t in todo], [t[0] for t in todo],
+                                                [t[1] for t in todo], on_done=done, **kwargs)
+        except BaseException:
+            done.abort()
+            for *_, obj in todo:
+                obj.ref_count_down()
+            raise
+
+    def _finish_store(self, todo: list[tuple[int, int, CacheEngineKey, MemoryObj]],
+                      error: BaseException | None) -> None:
+        """The copy of `todo` has completed (or failed): the objects enter the tiers."""
+        for start, end, key, obj in todo:
+            if error is None:
+                self.storage_manager.put(key, obj)
+                self.stats.add("stored_tokens", end - start)
+            obj.ref_count_down()
+        if error is not None:
+            self.stats.add("errors")
+            logger.error("an asynchronous KV copy out of the engine failed; nothing was stored: %s", error)
 
     # ---- retrieve -------------------------------------------------------------------------------
 
@@ -121,33 +196,37 @@ class LMCacheEngine:
     def retrieve(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
                  extra_key: str | None = None, **kwargs: Any) -> torch.Tensor:
         """Load the longest cached prefix of `tokens` (from the first True of `mask`) into the
-        engine; return a CPU bool mask of the tokens retrieved."""
+        engine; return a CPU bool mask of the tokens retrieved. The copy may still be in flight on
+        the engine's device stream when this returns (ordered before the caller's later work)."""
         t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         ret_mask = torch.zeros(tokens.shape[0], dtype=torch.bool)
         self.stats.add("retrieve_requests")
         self.stats.add("retrieve_requested_tokens", sum(e - s for s, e, _ in chunks))
         found: list[tuple[int, int, MemoryObj]] = []
+        done: InFlightCopy | None = None
         try:
             for start, end, key in chunks:
                 obj = self.storage_manager.get(key)
                 if obj is None:
                     break
                 found.append((start, end, obj))
-            self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
-                                              [f[1] for f in found], **kwargs)
+            if found:
+                done = self._copies.start([], partial(_release, [f[2] for f in found]))
+                self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
+                                                  [f[1] for f in found], on_done=done, **kwargs)
             for start, end, _ in found:
                 ret_mask[start:end] = True
             self.stats.add("retrieve_hit_tokens", sum(end - start for start, end, _ in found))
         except Exception:
+            if done is not None:
+                done.abort()
+            _release([f[2] for f in found], None)
             if not self.config.error_handling:
                 raise
             ret_mask[:] = False  # a failed copy may have written any part: nothing counts as loaded
             self.stats.add("errors")
             logger.exception("retrieve failed; the prefix will be recomputed")
-        finally:
-            for *_, obj in found:
-                obj.ref_count_down()
         self.stats.add_time("retrieve_s", time.perf_counter() - t0)
         return ret_mask
 
@@ -196,6 +275,8 @@ class LMCacheEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if not self._copies.wait_idle(CLOSE_TIMEOUT):
+                logger.warning("KV copies still in flight after %.0f s; closing anyway", CLOSE_TIMEOUT)
             self.storage_manager.close()
             self.memory_allocator.close()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,15 @@ from lmcache import native
 from lmcache.memory_management import MemoryFormat, MemoryObj
 
 _GATHER, _SCATTER = 0, 1
+
+CopyDone = Callable[[BaseException | None], None]
+"""Called once a batched copy has completed (None) or failed after it was issued (the error)."""
+
+
+def finish(on_done: CopyDone | None) -> None:
+    """Report a synchronous copy as completed."""
+    if on_done is not None:
+        on_done(None)
 
 
 class GPUConnectorInterface(abc.ABC):
@@ -48,18 +57,24 @@ class GPUConnectorInterface(abc.ABC):
         """Shape of the memory object holding `num_tokens` tokens."""
 
     def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
-                         ends: Sequence[int], **kwargs: Any) -> None:
+                         ends: Sequence[int], *, on_done: CopyDone | None = None, **kwargs: Any) -> None:
         """`from_gpu` for several (object, start, end) at once; a connector may copy them in one
-        go. On an error, any of the objects may be incomplete."""
+        go. Returns once the copy is issued; `on_done(error)` runs exactly once, when the copy has
+        completed (a synchronous connector calls it before returning; an asynchronous one later,
+        possibly on another thread): until then the objects may be incomplete. If this raises,
+        nothing is in flight and `on_done` is not called (any object may be incomplete)."""
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, start, end, **kwargs)
+        finish(on_done)
 
     def batched_to_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
-                       ends: Sequence[int], **kwargs: Any) -> None:
-        """`to_gpu` for several (object, start, end) at once. On an error, any of the token
-        ranges may be partly written."""
+                       ends: Sequence[int], *, on_done: CopyDone | None = None, **kwargs: Any) -> None:
+        """`to_gpu` for several (object, start, end) at once, with `batched_from_gpu`'s contract:
+        the objects must stay valid until `on_done` ran. If this raises, any of the token ranges
+        may be partly written."""
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.to_gpu(obj, start, end, **kwargs)
+        finish(on_done)
 
 
 class KVBlobConnector(GPUConnectorInterface):
@@ -193,12 +208,14 @@ class VLLMPagedMemGPUConnector(KVBlobConnector):
         self._copy([memory_obj], [start], [end], kwargs, _SCATTER)
 
     def batched_from_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
-                         ends: Sequence[int], **kwargs: Any) -> None:
+                         ends: Sequence[int], *, on_done: CopyDone | None = None, **kwargs: Any) -> None:
         self._copy(memory_objs, starts, ends, kwargs, _GATHER)
+        finish(on_done)
 
     def batched_to_gpu(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int],
-                       ends: Sequence[int], **kwargs: Any) -> None:
+                       ends: Sequence[int], *, on_done: CopyDone | None = None, **kwargs: Any) -> None:
         self._copy(memory_objs, starts, ends, kwargs, _SCATTER)
+        finish(on_done)
 
     def _copy(self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int],
               kwargs: dict[str, Any], direction: int) -> None:
