@@ -1,11 +1,17 @@
 """`LMCacheEngine`: store, retrieve, look up and prefetch KV by token prefix.
 
-Store: tokens -> chunk keys -> skip chunks already cached -> a buffer per new chunk from the CPU
-arena (evicting if needed; if nothing can be freed, store fewer chunks) -> the connector copies
-the engine's KV in -> the storage manager keeps it (hot tier now, lower tiers asynchronously).
-Retrieve: tokens -> keys -> for each chunk in order, the first tier that has it (promoting to
-hot); the first miss ends the prefix -> the connector copies KV into the engine -> a CPU bool mask
-of the tokens retrieved.
+Everything works on whole requests: one storage-manager call per tier and one connector copy per
+store or retrieve, never a loop over chunks.
+
+Store: tokens -> chunk keys -> skip chunks a local tier already holds -> a buffer per new chunk
+from the CPU arena (evicting if needed; if nothing can be freed, store fewer chunks) -> one
+connector copy of all of them -> once the copy has completed, the storage manager keeps them (hot
+tier now, lower tiers asynchronously).
+Retrieve: tokens -> keys -> the storage manager's longest cached prefix (hot hits, loads in
+flight, one batched get per lower tier; promoted to hot) -> one connector copy into the engine ->
+a CPU bool mask of the tokens retrieved.
+Lookup: how many prefix tokens are cached (one batched existence check per tier); with a lease,
+every counted chunk is pinned in whichever tier holds it and the non-hot ones start loading.
 
 `error_handling`: with True, an unexpected error inside store/retrieve is logged and counted and
 the call returns as a miss (a failed retrieve reports nothing retrieved: the copy may have written
@@ -33,14 +39,12 @@ from lmcache.memory_management import (
     MixedMemoryAllocator,
 )
 from lmcache.observability import EngineStats
-from lmcache.storage_backend.leases import LeaseTable
 from lmcache.storage_backend.storage_manager import StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 
-LOCAL_TIERS = ("Hot", "LocalDiskBackend")
 CLOSE_TIMEOUT = 30.0
 
 
@@ -118,8 +122,6 @@ class LMCacheEngine:
         self.token_database = token_database
         self.gpu_connector = gpu_connector
         self.storage_manager = StorageManager(config, metadata, memory_allocator)
-        hot = self.storage_manager.hot
-        self._leases = LeaseTable(hot) if hot is not None else None
         self.stats = EngineStats()
         self._copies = CopiesInFlight()
         self._closed = False
@@ -149,9 +151,10 @@ class LMCacheEngine:
         sm = self.storage_manager
         dtype = self.metadata.kv_dtype
         todo: list[tuple[int, int, CacheEngineKey, MemoryObj]] = []
+        cached = sm.stored_locally([key for _, _, key in chunks])
         try:
-            for start, end, key in chunks:
-                if sm.contains(key, LOCAL_TIERS) or self._copies.storing(key):
+            for (start, end, key), hit in zip(chunks, cached, strict=True):
+                if hit or self._copies.storing(key):
                     self.stats.add("store_skipped_tokens", end - start)
                     continue
                 obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
@@ -206,11 +209,8 @@ class LMCacheEngine:
         found: list[tuple[int, int, MemoryObj]] = []
         done: InFlightCopy | None = None
         try:
-            for start, end, key in chunks:
-                obj = self.storage_manager.get(key)
-                if obj is None:
-                    break
-                found.append((start, end, obj))
+            objs = self.storage_manager.get_prefix([key for _, _, key in chunks])
+            found = [(start, end, obj) for (start, end, _), obj in zip(chunks, objs, strict=False)]
             if found:
                 done = self._copies.start([], partial(_release, [f[2] for f in found]))
                 self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
@@ -241,36 +241,28 @@ class LMCacheEngine:
         lower tier is still in flight counts (a prefetch or retrieve uses the object being
         written).
 
-        With `lease_id`, the hot chunks counted are pinned (not evicted) until `release(lease_id)`
-        or `lease_ttl` seconds, and those found only in lower tiers start loading into the hot
-        tier, so that a retrieve soon after finds what the lookup counted."""
-        StorageManager.resolve_search_range(search_range)
-        hit = 0
-        found = []
-        for _, end, key in self.token_database.process_tokens(tokens, extra_key=extra_key):
-            if not self.storage_manager.contains(key, search_range):
-                break
-            hit = end
-            found.append(key)
-        if lease_id is not None and self._leases is not None:
-            self._leases.acquire(lease_id, found, lease_ttl)
-            for key in found:
-                self.storage_manager.prefetch(key)
+        With `lease_id`, every chunk counted is pinned in whichever tier holds it (not evicted)
+        until `release(lease_id)` or `lease_ttl` seconds, and those not in the hot tier start
+        loading into it, so that a retrieve soon after finds what the lookup counted."""
+        chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
+        found = self.storage_manager.contains_prefix([key for _, _, key in chunks], search_range)
+        hit = chunks[found.hits - 1][1] if found.hits else 0
+        if lease_id is not None:
+            self.storage_manager.acquire_lease(lease_id, found.keys[: found.hits], lease_ttl)
+            self.storage_manager.prefetch(found)
         self.stats.add("lookup_requests")
         self.stats.add("lookup_hit_tokens", hit)
         return hit
 
     def release(self, lease_id: str) -> None:
         """End a lookup lease (see `lookup`); unknown ids are ignored."""
-        if self._leases is not None:
-            self._leases.release(lease_id)
+        self.storage_manager.release_lease(lease_id)
 
     def prefetch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
                  extra_key: str | None = None) -> None:
         """Start loading the cached prefix of `tokens` from lower tiers into the hot tier."""
-        for _, _, key in self.token_database.process_tokens(tokens, mask, extra_key=extra_key):
-            if not self.storage_manager.prefetch(key):
-                break
+        chunks = self.token_database.process_tokens(tokens, mask, extra_key=extra_key)
+        self.storage_manager.prefetch(self.storage_manager.contains_prefix([key for _, _, key in chunks]))
 
     def close(self) -> None:
         if not self._closed:

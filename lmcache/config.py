@@ -56,9 +56,6 @@ def default_local_disk() -> str:
 
 def _is_device(name: str) -> bool:
     return re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None
-REMOTE_SCHEMES = ("lm", "redis", "rediss", "valkey", "valkeys", "redis-sentinel", "redis-cluster")
-SERDES = ("naive", "torch", "safe", "fast", "cachegen")
-CACHE_POLICIES = ("LRU", "LFU", "FIFO")
 ENV_PREFIX = "LMCACHE_"
 # LMCACHE_* variables that are not config fields but are read elsewhere; never warned about.
 KNOWN_NON_FIELD_ENV = frozenset(
@@ -117,25 +114,31 @@ class LMCacheEngineConfig:
         self._validate()
 
     def _validate(self) -> None:
+        # valid names come from the registries (imported here: they import this module)
+        from lmcache.storage_backend.connectors import remote_schemes
+        from lmcache.storage_backend.evictor import POLICIES
+        from lmcache.storage_backend.serde import serde_names
+
+        schemes, serdes = remote_schemes(), serde_names()
         _check(self.chunk_size > 0, "chunk_size", self.chunk_size, "must be > 0")
         for name in ("max_local_cpu_size", "max_local_disk_size"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _check(self.local_disk != "", "local_disk", self.local_disk, "must be a path or None")
         if self.remote_url is not None:
             scheme = self.remote_url.split("://", 1)[0] if "://" in self.remote_url else ""
-            _check(scheme in REMOTE_SCHEMES, "remote_url", self.remote_url,
-                   f"scheme must be one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
-        _check(self.remote_serde is None or self.remote_serde in SERDES, "remote_serde",
-               self.remote_serde, f"must be one of {SERDES}")
-        _check(self.local_disk_serde in SERDES, "local_disk_serde", self.local_disk_serde,
-               f"must be one of {SERDES}")
+            _check(scheme in schemes, "remote_url", self.remote_url,
+                   f"scheme must be one of {', '.join(s + '://' for s in schemes)}")
+        _check(self.remote_serde is None or self.remote_serde in serdes, "remote_serde",
+               self.remote_serde, f"must be one of {serdes}")
+        _check(self.local_disk_serde in serdes, "local_disk_serde", self.local_disk_serde,
+               f"must be one of {serdes}")
         _check(0.0 <= self.blend_recompute_ratio <= 1.0, "blend_recompute_ratio",
                self.blend_recompute_ratio, "must be in [0, 1]")
         _check(self.blend_min_tokens >= 0, "blend_min_tokens", self.blend_min_tokens, "must be >= 0")
         _check(len(self.blend_check_layers) > 0 and min(self.blend_check_layers) >= 0,
                "blend_check_layers", self.blend_check_layers, "must be non-empty layer ids >= 0")
-        _check(self.cache_policy in CACHE_POLICIES, "cache_policy", self.cache_policy,
-               f"must be one of {CACHE_POLICIES}")
+        _check(self.cache_policy in POLICIES, "cache_policy", self.cache_policy,
+               f"must be one of {list(POLICIES)}")
         _check(self.remote_timeout > 0, "remote_timeout", self.remote_timeout, "must be > 0")
         _check(self.lookup_timeout > 0, "lookup_timeout", self.lookup_timeout, "must be > 0")
         for name in ("lookup_url", "distributed_url"):

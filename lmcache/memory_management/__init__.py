@@ -13,6 +13,7 @@ from lmcache.memory_management.memory_obj import (
     MemoryObj,
     MemoryObjMetadata,
     TensorMemoryObj,
+    release_all,
 )
 from lmcache.memory_management.tensor_allocator import (
     FreeBlock,
@@ -24,5 +25,5 @@ __all__ = [
     "BufferAllocator", "BytesBufferMemoryObj", "FreeBlock", "GPUMemoryAllocator",
     "HostMemoryAllocator", "MemoryAllocatorInterface", "MemoryFormat", "MemoryObj",
     "MemoryObjMetadata", "MixedMemoryAllocator", "PinMemoryAllocator", "TensorMemoryAllocator",
-    "TensorMemoryObj",
+    "TensorMemoryObj", "release_all",
 ]

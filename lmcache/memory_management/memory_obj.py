@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import enum
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,13 @@ class MemoryObj(abc.ABC):
 
     def get_ref_count(self) -> int:
         return self._metadata.ref_count
+
+
+def release_all(objs: Sequence[MemoryObj | None]) -> None:
+    """`ref_count_down` every object (None entries are skipped)."""
+    for obj in objs:
+        if obj is not None:
+            obj.ref_count_down()
 
 
 class TensorMemoryObj(MemoryObj):

@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from lmcache.backoff import Backoff
 from lmcache.server import protocol
@@ -55,31 +55,8 @@ class LMCacheClient:
 
     def get_into(self, key: str, read: Callable[[SocketStream, int], T]) -> T | None:
         """GET that hands the value to `read(stream, length)` as it arrives on the socket (no
-        intermediate buffer); None if the key is missing. The connection is reused only if `read`
-        consumed the whole value without raising."""
-        request = protocol.pack_request(Op.GET, key.encode(), 0)
-
-        def ask(sock: socket.socket) -> tuple[Status, int]:
-            sock.sendall(request)
-            return protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
-
-        sock, (status, value_len) = self._exchange(ask)
-        stream = SocketStream(sock, value_len)
-        try:
-            if status != Status.OK:
-                self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
-                result = None
-                stream.remaining = 0
-            else:
-                result = read(stream, value_len)
-        except BaseException:
-            sock.close()
-            raise
-        if stream.remaining:
-            sock.close()  # unread value bytes would desynchronise the next request
-        else:
-            self._give_back(sock)
-        return result
+        intermediate buffer); None if the key is missing. See `get_many_into`."""
+        return self.get_many_into([key], read)[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Pipelined GETs: all requests are sent, then the answers read in order."""
@@ -88,8 +65,40 @@ class LMCacheClient:
         answers = self._call([(Op.GET, k, ()) for k in keys])
         return [value if status == Status.OK else None for status, value in answers]
 
+    def get_many_into(self, keys: Sequence[str], read: Callable[[SocketStream, int], T]) -> list[T | None]:
+        """Pipelined GETs whose values go from the socket straight into `read(stream, length)`,
+        one after another (None for missing keys). `read` may leave part of a value unread (it is
+        skipped); if `read` raises, the connection is closed and the error propagates."""
+        if not keys:
+            return []
+        requests = b"".join(protocol.pack_request(Op.GET, k.encode(), 0) for k in keys)
+
+        def exchange(sock: socket.socket) -> list[T | None]:
+            sock.sendall(requests)
+            out: list[T | None] = []
+            for _ in keys:
+                status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
+                if status != Status.OK:
+                    self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
+                    out.append(None)
+                    continue
+                stream = SocketStream(sock, value_len)
+                out.append(read(stream, value_len))
+                stream.skip_rest()
+            return out
+
+        sock, answers = self._exchange(exchange)
+        self._give_back(sock)
+        return answers
+
     def exists(self, key: str) -> bool:
         return self._call([(Op.EXISTS, key, ())])[0][0] == Status.OK
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Pipelined EXISTS."""
+        if not keys:
+            return []
+        return [status == Status.OK for status, _ in self._call([(Op.EXISTS, k, ()) for k in keys])]
 
     def delete(self, key: str) -> bool:
         return self._call([(Op.DELETE, key, ())])[0][0] == Status.OK
@@ -98,7 +107,7 @@ class LMCacheClient:
         _, value = self._call([(Op.LIST, prefix, ())])[0]
         return [k.decode() for k in protocol.unpack_key_list(value)]
 
-    def health(self) -> dict[str, int]:
+    def health(self) -> dict[str, Any]:
         _, value = self._call([(Op.HEALTH, "", ())])[0]
         return json.loads(value)
 
@@ -205,6 +214,12 @@ class SocketStream:
             raise ConnectionError("connection closed by the server in the middle of a value")
         self.remaining -= got
         return got
+
+    def skip_rest(self) -> None:
+        """Read and drop what is left of the value."""
+        scratch = memoryview(bytearray(min(self.remaining, 1 << 20)))
+        while self.remaining:
+            self.readinto(scratch[: self.remaining])
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

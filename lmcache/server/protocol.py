@@ -12,7 +12,8 @@ Ops (key = a UTF-8 cache key of at most MAX_KEY_BYTES; only PUT carries a value)
     EXISTS  is key stored                              -> OK | NOT_FOUND
     DELETE  drop key                                   -> OK | NOT_FOUND
     LIST    keys starting with `key` (a prefix)        -> OK + (u16 length | key bytes)*
-    HEALTH  liveness and usage                         -> OK + JSON {"items", "bytes", "capacity"}
+    HEALTH  liveness and usage                         -> OK + JSON {"items", "bytes", "capacity",
+                                                          "ops": requests served by op name}
     AUTH    present the shared secret as `key`         -> OK | UNAUTHORIZED (then closed)
 A server started with a secret answers UNAUTHORIZED to anything before a successful AUTH and
 closes the connection. A malformed or oversize header gets an ERROR response (value = message)

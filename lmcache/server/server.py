@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+from collections import Counter
 
 from lmcache.server import protocol
 from lmcache.server.lru_store import LRUByteStore
@@ -32,6 +33,7 @@ class LMCacheServer:
         self.max_value_bytes = max_value_bytes
         self.frame_timeout = frame_timeout
         self.num_bad_frames = 0
+        self.op_counts: Counter[str] = Counter()  # requests served, by op (reported by HEALTH)
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -76,6 +78,7 @@ class LMCacheServer:
             writer.close()
 
     def dispatch(self, op: Op, key: bytes, value: bytes) -> tuple[Status, bytes]:
+        self.op_counts[op.name] += 1
         if op == Op.GET:
             found = self.store.get(key)
             return (Status.NOT_FOUND, b"") if found is None else (Status.OK, found)
@@ -88,7 +91,8 @@ class LMCacheServer:
         if op == Op.LIST:
             return Status.OK, protocol.pack_key_list(self.store.keys(key))
         if op == Op.HEALTH:
-            info = {"items": len(self.store), "bytes": self.store.used, "capacity": self.store.capacity}
+            info = {"items": len(self.store), "bytes": self.store.used, "capacity": self.store.capacity,
+                    "ops": dict(self.op_counts)}
             return Status.OK, json.dumps(info).encode()
         return Status.OK, b""  # AUTH on an authenticated (or open) connection
 

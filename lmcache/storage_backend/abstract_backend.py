@@ -1,14 +1,23 @@
-"""The interface every storage tier implements.
+"""The interface every storage tier implements, and what a tier class declares about itself.
+
+A tier class states, as class attributes, its `name` (what `search_range` and logs call it), its
+`aliases`, `lookup_order` (lower is asked first), `is_local` (on this machine: a store skips chunks
+a local tier already holds) and `may_fail` (a fault is a cache miss; the storage manager guards
+every call). `create(ctx)` builds it from the engine's config, or returns None when the config
+does not ask for it. Classes are registered with `registry.register_tier`.
 
 Primitives and when they are called (by the `StorageManager`):
-- `contains(key)`: lookups and store-time dedupe; must be cheap and never raise for a tier fault.
+- `contains(key)` / `batched_contains(keys)`: lookups and store-time dedupe; a key whose write is
+  still in flight counts as contained. Must be cheap; a batched call is one round trip at most.
 - `exists_in_put_tasks(key)`: whether a write of `key` is still in flight.
 - `submit_put_task(key, obj)`: store; the backend takes its own reference on `obj` for as long as
   it needs it (the hot tier keeps it; a lower tier drops it once written). Returns a Future for
   asynchronous tiers, None when the put completed (or was dropped) synchronously.
-- `submit_prefetch_task(key)`: start loading `key` so a later `get_blocking` is fast; returns a
-  Future resolving to the loaded object (or None), or None if there is nothing to prefetch.
-- `get_blocking(key)`: the object with one reference owned by the caller, or None on a miss.
+- `get_blocking(key)` / `batched_get(keys)`: objects with one reference each owned by the caller
+  (None for misses); a key still being written is served from memory. A batched get of a remote
+  tier is one round trip per failure domain; of the disk tier, concurrent reads.
+- `submit_prefetch_task(key)`: `get_blocking` on a load pool (seed 000's name); returns a Future
+  of the object (or None). The storage manager prefers its own batched, joinable loads.
 - `remove(key)`: drop `key`; True if it was there.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
 """
@@ -16,15 +25,44 @@ Primitives and when they are called (by the `StorageManager`):
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from lmcache.memory_management import MemoryObj
 from lmcache.utils import CacheEngineKey
 
+if TYPE_CHECKING:
+    from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+    from lmcache.memory_management import MemoryAllocatorInterface
+    from lmcache.storage_backend.leases import PinTable
+    from lmcache.storage_backend.serde.serde import AllocateFn
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier is built from. `allocate(shape, dtype, fmt)` hands out arena buffers, evicting
+    from the hot tier; `pins` says which keys a lookup lease protects from eviction."""
+
+    config: LMCacheEngineConfig
+    metadata: LMCacheEngineMetadata
+    allocator: MemoryAllocatorInterface
+    allocate: AllocateFn
+    pins: PinTable
+
 
 class StorageBackendInterface(abc.ABC):
-    name: str = "StorageBackend"
-    aliases: tuple[str, ...] = ()  # other names `search_range` accepts for this tier
+    name: ClassVar[str] = "StorageBackend"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    lookup_order: ClassVar[int] = 100
+    is_local: ClassVar[bool] = True
+    may_fail: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, ctx: TierContext) -> StorageBackendInterface | None:
+        """This tier for `ctx.config`, or None when the config does not enable it."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 
     @abc.abstractmethod
     def contains(self, key: CacheEngineKey) -> bool: ...
@@ -46,3 +84,9 @@ class StorageBackendInterface(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        return [self.contains(k) or self.exists_in_put_tasks(k) for k in keys]
+
+    def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        return [self.get_blocking(k) for k in keys]

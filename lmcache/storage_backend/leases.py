@@ -1,24 +1,61 @@
-"""Lookup leases: chunks counted by a lookup stay in the hot tier until they are loaded.
+"""Pins and lookup leases: chunks counted by a lookup stay cached until they are loaded.
 
 A serving engine asks "how many prefix tokens are cached?" well before it loads them; in between,
-eviction must not drop those chunks. `acquire(lease_id, keys, ttl)` pins the hot-tier keys under
-the lease (acquiring the same id again replaces its keys, so repeated lookups are idempotent);
-`release(lease_id)` unpins them; a lease not released within `ttl` seconds expires (checked on
-every call), so a lost release can never pin memory forever.
+eviction must not drop those chunks, in whichever tier they are.
+
+- `PinTable`: pin counts by key, shared by the tiers. A tier that evicts (the hot tier, the disk
+  tier) skips pinned keys. A pin is by key, not by copy: a chunk pinned while on disk only is
+  also protected once a prefetch has brought it into the hot tier. (A remote store's own eviction
+  cannot be stopped from here; a lease prefetches remote chunks into the hot tier, where the pin
+  holds.)
+- `LeaseTable`: `acquire(lease_id, keys, ttl)` pins `keys` under the lease (acquiring the same id
+  again replaces its keys, so repeated lookups are idempotent); `release(lease_id)` unpins them; a
+  lease not released within `ttl` seconds expires (checked on every call), so a lost release can
+  never pin memory forever.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Iterable
 
-from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.utils import CacheEngineKey
 
 
+class PinTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[CacheEngineKey] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def pin(self, keys: Iterable[CacheEngineKey]) -> None:
+        with self._lock:
+            self._counts.update(keys)
+
+    def unpin(self, keys: Iterable[CacheEngineKey]) -> None:
+        with self._lock:
+            for key in keys:
+                n = self._counts[key] - 1
+                if n > 0:
+                    self._counts[key] = n
+                else:
+                    del self._counts[key]
+
+    def is_pinned(self, key: CacheEngineKey) -> bool:
+        return key in self._counts
+
+    def pinned(self) -> list[CacheEngineKey]:
+        with self._lock:
+            return list(self._counts)
+
+
 class LeaseTable:
-    def __init__(self, hot: LocalCPUBackend, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
-        self._hot = hot
+    def __init__(self, pins: PinTable, clock: Callable[[], float] = time.monotonic) -> None:
+        self._pins = pins
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, tuple[float, list[CacheEngineKey]]] = {}
@@ -26,25 +63,27 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def acquire(self, lease_id: str, keys: list[CacheEngineKey], ttl: float) -> int:
-        """Pin those of `keys` that are hot; returns how many were pinned."""
+    def acquire(self, lease_id: str, keys: list[CacheEngineKey], ttl: float) -> None:
         with self._lock:
             self._expire_locked()
             self._release_locked(lease_id)
-            pinned = [k for k in keys if self._hot.pin(k)]
-            self._leases[lease_id] = (self._clock() + ttl, pinned)
-            return len(pinned)
+            self._pins.pin(keys)
+            self._leases[lease_id] = (self._clock() + ttl, list(keys))
 
     def release(self, lease_id: str) -> None:
         with self._lock:
             self._release_locked(lease_id)
             self._expire_locked()
 
+    def close(self) -> None:
+        with self._lock:
+            for lease_id in list(self._leases):
+                self._release_locked(lease_id)
+
     def _release_locked(self, lease_id: str) -> None:
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
-            for key in lease[1]:
-                self._hot.unpin(key)
+            self._pins.unpin(lease[1])
 
     def _expire_locked(self) -> None:
         now = self._clock()

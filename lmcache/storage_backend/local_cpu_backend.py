@@ -1,8 +1,9 @@
-"""`LocalCPUBackend`, the hot tier ("Hot"): memory objects kept in the engine's CPU arena.
+"""`LocalCPUBackend`, the hot tier ("Hot", alias "LocalCPUBackend"): memory objects kept in the
+engine's CPU arena.
 
 It owns eviction for that arena: `allocate` evicts in policy order (LRU by default) until the
-allocation fits, skipping objects somebody else still holds (ref count > 1) or that are pinned by a
-lookup lease, and returns None when nothing more can be freed. Puts are synchronous.
+allocation fits, skipping objects somebody else still holds (ref count > 1) or that a lookup
+lease pins (`PinTable`), and returns None when nothing more can be freed. Puts are synchronous.
 """
 
 from __future__ import annotations
@@ -13,22 +14,35 @@ from concurrent.futures import Future
 import torch
 
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
-from lmcache.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import CachePolicy, make_policy
+from lmcache.storage_backend.leases import PinTable
+from lmcache.storage_backend.registry import register_tier
 from lmcache.utils import CacheEngineKey
 
 
+@register_tier
 class LocalCPUBackend(StorageBackendInterface):
     name = "Hot"
     aliases = ("LocalCPUBackend",)  # upstream's later name for it
+    lookup_order = 0
+    is_local = True
+    may_fail = False
 
-    def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU") -> None:
+    def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",
+                 pins: PinTable | None = None) -> None:
         self.allocator = allocator
         self.policy: CachePolicy[CacheEngineKey] = make_policy(policy)
+        self.pins = pins if pins is not None else PinTable()
         self.lock = threading.RLock()
         self._objs: dict[CacheEngineKey, MemoryObj] = {}
-        self._pins: dict[CacheEngineKey, int] = {}
         self.num_evicted = 0
+
+    @classmethod
+    def create(cls, ctx: TierContext) -> LocalCPUBackend | None:
+        if not ctx.config.local_cpu:
+            return None
+        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins)
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -65,26 +79,9 @@ class LocalCPUBackend(StorageBackendInterface):
             obj = self._objs.pop(key, None)
             if obj is None:
                 return False
-            self._pins.pop(key, None)
             self.policy.on_remove(key)
         obj.ref_count_down()
         return True
-
-    def pin(self, key: CacheEngineKey) -> bool:
-        """Protect `key` from eviction until `unpin`; False if it is not here."""
-        with self.lock:
-            if key not in self._objs:
-                return False
-            self._pins[key] = self._pins.get(key, 0) + 1
-            return True
-
-    def unpin(self, key: CacheEngineKey) -> None:
-        with self.lock:
-            n = self._pins.get(key, 0)
-            if n <= 1:
-                self._pins.pop(key, None)
-            else:
-                self._pins[key] = n - 1
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
@@ -94,7 +91,7 @@ class LocalCPUBackend(StorageBackendInterface):
         with self.lock:
             for key in self.policy.candidates():
                 victim = self._objs[key]
-                if key in self._pins or victim.get_ref_count() > 1:
+                if self.pins.is_pinned(key) or victim.get_ref_count() > 1:
                     continue
                 self.remove(key)
                 self.num_evicted += 1
@@ -103,8 +100,13 @@ class LocalCPUBackend(StorageBackendInterface):
                     return obj
         return None
 
-    def close(self) -> None:
+    def clear(self) -> int:
+        """Drop every object (pinned ones too); returns how many there were."""
         with self.lock:
             keys = list(self._objs)
         for key in keys:
             self.remove(key)
+        return len(keys)
+
+    def close(self) -> None:
+        self.clear()

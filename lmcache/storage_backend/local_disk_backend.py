@@ -10,7 +10,9 @@ verified read are in `disk_file`. This module keeps the index:
   in-memory LRU index from file sizes and modification times; `contains` also finds files that
   other processes wrote since (one `stat`).
 - `max_local_disk_size` bounds the bytes this process knows of; room for a new file is made by
-  unlinking least recently used files (safe while another process still reads them).
+  unlinking least recently used files (safe while another process still reads them), never a
+  file whose key a lookup lease pins.
+- A batch of reads (`batched_get`) runs concurrently on the tier's load pool.
 - Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
   counted (`num_corrupt`) and the read is a miss. With a raw serde (`naive`, `fast`) the payload is
   read straight into the buffer from `allocate`, with no intermediate copy.
@@ -22,6 +24,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import xxhash
@@ -29,8 +32,11 @@ import xxhash
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend import disk_file
+from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
-from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
+from lmcache.storage_backend.leases import PinTable
+from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools, gather_all
+from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.serde import AllocateFn
@@ -39,11 +45,16 @@ from lmcache.utils import CacheEngineKey
 logger = logging.getLogger(__name__)
 
 
+@register_tier
 class LocalDiskBackend(LowerTierBackend):
     name = "LocalDiskBackend"
+    lookup_order = 10
+    is_local = True
+    may_fail = True
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 allocate: AllocateFn, pools: TierPools | None = None) -> None:
+                 allocate: AllocateFn, pools: TierPools | None = None,
+                 pins: PinTable | None = None) -> None:
         if config.local_disk is None:
             raise ValueError("LocalDiskBackend needs config.local_disk (a directory)")
         if config.max_local_disk_bytes <= 0:
@@ -55,6 +66,7 @@ class LocalDiskBackend(LowerTierBackend):
         self.fsync = config.local_disk_fsync
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self.pins = pins if pins is not None else PinTable()
         super().__init__(allocate, pools)
         self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> bytes, LRU first
         self._index_lock = threading.Lock()
@@ -64,6 +76,12 @@ class LocalDiskBackend(LowerTierBackend):
         self.num_evicted = 0
         self.num_too_large = 0
         self.load_disk()
+
+    @classmethod
+    def create(cls, ctx: TierContext) -> LocalDiskBackend | None:
+        if ctx.config.local_disk is None:
+            return None
+        return cls(ctx.config, ctx.metadata, ctx.allocate, pins=ctx.pins)
 
     # ---- naming ---------------------------------------------------------------------------------
 
@@ -109,12 +127,16 @@ class LocalDiskBackend(LowerTierBackend):
             self.used_bytes -= self._index.pop(stem, 0)
 
     def _take_victims(self, incoming: int, keep: str | None = None) -> list[str]:
-        """Under the index lock: drop LRU entries until `incoming` more bytes fit."""
-        victims = []
+        """Under the index lock: drop LRU entries (never `keep` or a pinned key's) until
+        `incoming` more bytes fit."""
+        victims: list[str] = []
+        pinned: set[str] | None = None
         for stem in list(self._index):
             if self.used_bytes + self._reserved_bytes + incoming <= self.max_bytes:
                 break
-            if stem == keep:
+            if pinned is None:
+                pinned = {self._stem(k) for k in self.pins.pinned()}
+            if stem == keep or stem in pinned:
                 continue
             self.used_bytes -= self._index.pop(stem)
             victims.append(stem)
@@ -203,6 +225,11 @@ class LocalDiskBackend(LowerTierBackend):
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
         return self.load_bytes_from_disk(key)
+
+    def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        if len(keys) <= 1:
+            return [self._read(k) for k in keys]
+        return gather_all([self._loads.submit(self._read, k) for k in keys])
 
     def async_load_bytes_from_disk(self, key: CacheEngineKey) -> Future:
         """`load_bytes_from_disk(key)` on the load pool."""

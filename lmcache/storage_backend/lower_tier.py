@@ -2,12 +2,13 @@
 
 A subclass supplies `_write(key, obj)` (store one object; runs on a put worker), `_read(key)` (a
 new object from `self.allocate` with one reference for the caller, or None), `contains` and
-`remove`, and optionally `_should_put(key)` (skip keys it already holds) and `_close()`.
-This class provides the rest of the backend interface:
+`remove`, and optionally `_read_many(keys)` (a batch in one request or concurrently; by default
+one `_read` after another), `_contains_many(keys)`, `_should_put(key)` (skip keys it already
+holds) and `_close()`. This class provides the rest of the backend interface:
 - puts go through an `AsyncPutQueue` (bounded, deduplicated, holds a reference until written);
-- `get_blocking` serves a key still being written from memory, otherwise `_read`s it;
-- `submit_prefetch_task` runs `get_blocking` on a small load pool (the storage manager promotes
-  the result into the hot tier); a key already being prefetched gets a Future resolving to None;
+- `get_blocking` / `batched_get` serve keys still being written from memory, and `_read` /
+  `_read_many` the rest; `batched_contains` counts keys being written as contained;
+- `submit_prefetch_task` runs `get_blocking` on a small load pool;
 - `close` flushes the queued writes (bounded wait), then stops the pools.
 """
 
@@ -15,14 +16,32 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lmcache.memory_management import MemoryObj
+from lmcache.memory_management import MemoryObj, release_all
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.async_put import AsyncPutQueue
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
+
+
+def gather_all(futures: Sequence[Future]) -> list[MemoryObj | None]:
+    """The results of reads running concurrently; if any raised, the others' objects are
+    released and the first error is raised."""
+    out: list[MemoryObj | None] = []
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            out.append(future.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after releasing the rest
+            error = error or e
+            out.append(None)
+    if error is not None:
+        release_all(out)
+        raise error
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,7 +64,6 @@ class LowerTierBackend(StorageBackendInterface):
                                   max_pending=pools.max_pending_puts)
         self._loads = ThreadPoolExecutor(pools.load_workers, thread_name_prefix=f"lmcache-{self.name}-load")
         self._lock = threading.Lock()
-        self._prefetching: set[CacheEngineKey] = set()
         self._closed = False
 
     @abc.abstractmethod
@@ -55,6 +73,12 @@ class LowerTierBackend(StorageBackendInterface):
     @abc.abstractmethod
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
         """`key`'s object in a buffer from `self.allocate` (reference owned by the caller), or None."""
+
+    def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        return [self._read(k) for k in keys]
+
+    def _contains_many(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        return [self.contains(k) for k in keys]
 
     def _should_put(self, key: CacheEngineKey) -> bool:
         return True
@@ -74,22 +98,32 @@ class LowerTierBackend(StorageBackendInterface):
         obj = self.puts.get_pending(key)
         return obj if obj is not None else self._read(key)
 
+    def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        out = [self.puts.get_pending(k) for k in keys]
+        todo = [i for i, obj in enumerate(out) if obj is None]
+        if todo:
+            try:
+                read = self._read_many([keys[i] for i in todo])
+            except BaseException:
+                release_all(out)
+                raise
+            for i, obj in zip(todo, read, strict=True):
+                out[i] = obj
+        return out
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        out = [self.puts.contains(k) for k in keys]
+        todo = [i for i, hit in enumerate(out) if not hit]
+        if todo:
+            for i, hit in zip(todo, self._contains_many([keys[i] for i in todo]), strict=True):
+                out[i] = hit
+        return out
+
     def submit_prefetch_task(self, key: CacheEngineKey) -> Future | None:
         with self._lock:
             if self._closed:
                 return None
-            if key in self._prefetching:
-                already: Future = Future()
-                already.set_result(None)
-                return already
-            self._prefetching.add(key)
-        future = self._loads.submit(self.get_blocking, key)
-        future.add_done_callback(lambda _f: self._prefetch_done(key))
-        return future
-
-    def _prefetch_done(self, key: CacheEngineKey) -> None:
-        with self._lock:
-            self._prefetching.discard(key)
+            return self._loads.submit(self.get_blocking, key)
 
     def close(self) -> None:
         with self._lock:

@@ -9,7 +9,9 @@ Failure is a miss: every call goes through `_call`, which answers a default (not
 stored) when the store fails, logs one warning per incident, and does not try the failing part
 again until a backoff delay has passed (`backoff` / `max_backoff` URL options). The failing part
 is the connector's `failure_domain` of the key: the whole server, or one node of a cluster.
-Writes skip keys the store already has (another engine may have stored them).
+Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain; the
+values of a batched get are read off the socket straight into arena buffers. A write is a plain
+SET (no EXISTS first: the value for a key never changes, so writing it again is harmless).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from typing import TypeVar
 
 from lmcache.backoff import Backoff
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryObj
+from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import IncidentLog
+from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
-from lmcache.storage_backend.connectors.base import Buffer
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
+from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream, read_blob
+from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
 
@@ -43,8 +46,12 @@ class _Domain:
         self.incidents = IncidentLog(logger, f"remote store {name}")
 
 
+@register_tier
 class RemoteBackend(LowerTierBackend):
     name = "RemoteBackend"
+    lookup_order = 20
+    is_local = False
+    may_fail = True
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, allocate: AllocateFn,
                  pools: TierPools | None = None, connector: RemoteConnector | None = None) -> None:
@@ -62,6 +69,12 @@ class RemoteBackend(LowerTierBackend):
         self.num_corrupt = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
         self.num_skipped = 0  # calls not made because the store was backing off
+
+    @classmethod
+    def create(cls, ctx: TierContext) -> RemoteBackend | None:
+        if ctx.config.remote_url is None:
+            return None
+        return cls(ctx.config, ctx.metadata, ctx.allocate)
 
     def _remote_key(self, key: CacheEngineKey) -> str:
         ns = self.url.namespace
@@ -114,8 +127,6 @@ class RemoteBackend(LowerTierBackend):
         if tensor is None:
             raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
         rk = self._remote_key(key)
-        if self._call(rk, lambda: self.connector.exists(rk), True):
-            return  # already there (or the store is failing: then the put is skipped)
         parts = self.serializer.to_parts(tensor)
         self._call(rk, lambda: self.connector.put(rk, parts), None)
 
@@ -126,22 +137,47 @@ class RemoteBackend(LowerTierBackend):
         return self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, self._read_blob),
                                                      None))
 
-    def batched_get_blocking(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Objects for `keys` (None for misses): keys still being written come from memory, the
-        rest with one batched request per failure domain."""
-        out: list[MemoryObj | None] = [self.puts.get_pending(k) for k in keys]
-        by_domain: dict[int, list[tuple[int, str]]] = {}
+    def _by_domain(self, keys: Sequence[CacheEngineKey]) -> list[list[tuple[int, str]]]:
+        """(index, remote key) of `keys`, grouped by failure domain."""
+        groups: dict[int, list[tuple[int, str]]] = {}
         for i, key in enumerate(keys):
-            if out[i] is None:
-                rk = self._remote_key(key)
-                by_domain.setdefault(id(self._domain(rk)), []).append((i, rk))
-        for group in by_domain.values():
+            rk = self._remote_key(key)
+            groups.setdefault(id(self._domain(rk)), []).append((i, rk))
+        return list(groups.values())
+
+    def _contains_many(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        out = [False] * len(keys)
+        for group in self._by_domain(keys):
             rks = [rk for _, rk in group]
-            misses: list[Buffer | None] = [None] * len(rks)
-            values = self._call(rks[0], partial(self.connector.get_many, rks), misses)
-            for (i, rk), data in zip(group, values):
-                if data is not None:
-                    out[i] = self._verified(rk, partial(self._read_blob, BufferStream(data), len(data)))
+            hits = self._call(rks[0], partial(self.connector.exists_many, rks), [False] * len(rks))
+            for (i, _), hit in zip(group, hits, strict=True):
+                out[i] = hit
+        return out
+
+    def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """One pipelined request per failure domain; values stream into arena buffers."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        made: list[MemoryObj] = []  # every object read, also by an attempt that failed later
+
+        def read(stream: ReadStream, length: int) -> MemoryObj | BlobError | None:
+            try:
+                obj = self._read_blob(stream, length)
+            except (CorruptBlobError, ForeignSerdeError) as e:
+                return e
+            if obj is not None:
+                made.append(obj)
+            return obj
+
+        try:
+            for group in self._by_domain(keys):
+                rks = [rk for _, rk in group]
+                misses: list[MemoryObj | BlobError | None] = [None] * len(rks)
+                values = self._call(rks[0], partial(self.connector.get_many_into, rks, read), misses)
+                for (i, rk), value in zip(group, values, strict=True):
+                    out[i] = self._verified(rk, partial(_unwrap, value))
+        finally:
+            kept = {id(obj) for obj in out if obj is not None}
+            release_all([obj for obj in made if id(obj) not in kept])
         return out
 
     def _read_blob(self, stream: ReadStream, length: int) -> MemoryObj | None:
@@ -166,3 +202,12 @@ class RemoteBackend(LowerTierBackend):
 
     def _close(self) -> None:
         self.connector.close()
+
+
+BlobError = CorruptBlobError | ForeignSerdeError
+
+
+def _unwrap(value: MemoryObj | BlobError | None) -> MemoryObj | None:
+    if isinstance(value, (CorruptBlobError, ForeignSerdeError)):
+        raise value
+    return value

@@ -1,43 +1,96 @@
-"""`StorageManager`: one face over the tiers, in order hot -> local disk -> remote.
+"""`StorageManager`: one face over the tiers, working on whole prefixes, never chunk by chunk.
+
+The tiers come from the registry (`registry.create_tiers`), in lookup order: the hot tier (CPU
+memory), then the lower tiers (disk, remote, ...). Every call into a tier that `may_fail` is
+guarded: its failure is a miss, logged once per incident.
 
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
-- `put`: the hot tier keeps the object synchronously; lower tiers get it asynchronously.
-- `get`: the first tier that has the key answers; a lower-tier hit is promoted to the hot tier.
-- `contains` / `prefetch`: existence checks and early loads, optionally limited to some tiers.
-A lower tier that raises is a miss (logged once per incident), never an error for the caller.
+- `put(key, obj)`: the hot tier keeps the object synchronously; lower tiers get it asynchronously.
+- `stored_locally(keys)`: which keys a local tier holds (or is writing): a store skips them.
+- `contains_prefix(keys, search_range)`: how many leading keys are cached, and in which tier each
+  one is (a `PrefixLookup`): one batched existence check per tier, for the keys the tiers before
+  it did not have; keys being loaded into the hot tier count.
+- `get_prefix(keys)`: the objects of the longest cached prefix: hot hits, then loads already in
+  flight are joined, then one batched get per lower tier for the keys still missing; lower-tier
+  hits are promoted to the hot tier.
+- `prefetch(lookup)`: start loading the non-hot chunks of a lookup's prefix into the hot tier,
+  one batched get per tier from the tier the lookup found each chunk in (no second existence
+  check). A `get_prefix` of a key being loaded waits for that load instead of reading it again.
+- `acquire_lease(lease_id, keys, ttl)` / `release_lease(lease_id)`: pin keys in every tier (see
+  `leases`) until they are loaded or the lease ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from concurrent.futures import Future
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
+from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
 from lmcache.observability import IncidentLog
-from lmcache.storage_backend import TIER_CLASSES, create_storage_backends
-from lmcache.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.storage_backend.registry import create_tiers, tier_names
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+LOAD_WORKERS = 4
 
-# every name a tier answers to (its `name` and `aliases`) -> its `name`
-TIER_NAMES = {n: cls.name for cls in TIER_CLASSES for n in (cls.name, *cls.aliases)}
+
+@dataclass
+class PrefixLookup:
+    """The answer of `contains_prefix`: `keys` asked about; `tiers[i]` holds `keys[i]` for each
+    key of the cached prefix (so `hits == len(tiers)`)."""
+
+    keys: list[CacheEngineKey]
+    tiers: list[StorageBackendInterface] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        return len(self.tiers)
+
+
+class _Load:
+    """A load of one key into the hot tier; `join` waits for it and hands out a reference."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.obj: MemoryObj | None = None
+        self.waiters = 0
+
+    def join(self) -> MemoryObj | None:
+        self.done.wait()
+        return self.obj  # `finish` took a reference for every waiter
 
 
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  allocator: MemoryAllocatorInterface) -> None:
         self.allocator = allocator
-        self.backends: dict[str, StorageBackendInterface] = create_storage_backends(
-            config, metadata, allocator, self.allocate)
-        hot = self.backends.get("Hot")
-        self.hot: LocalCPUBackend | None = hot if isinstance(hot, LocalCPUBackend) else None
-        self._incidents = {name: IncidentLog(logger, f"storage tier {name}") for name in self.backends}
+        self.pins = PinTable()
+        self.leases = LeaseTable(self.pins)
+        self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins))
+        hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
+        self.hot: LocalCPUBackend | None = hot[0] if hot else None
+        self.lower = [t for t in self.tiers if t is not self.hot]
+        self._incidents = {t.name: IncidentLog(logger, f"storage tier {t.name}") for t in self.tiers}
+        self._lock = threading.Lock()
+        self._loading: dict[CacheEngineKey, _Load] = {}
+        self._loads = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="lmcache-prefetch")
+        self._closed = False
+
+    @property
+    def backends(self) -> dict[str, StorageBackendInterface]:
+        """The tiers by name, in lookup order."""
+        return {t.name: t for t in self.tiers}
 
     @staticmethod
     def resolve_search_range(search_range: str | Iterable[str] | None) -> set[str] | None:
@@ -46,16 +99,14 @@ class StorageManager:
         if search_range is None:
             return None
         names = [search_range] if isinstance(search_range, str) else list(search_range)
-        unknown = [n for n in names if n not in TIER_NAMES]
+        known = tier_names()
+        unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"unknown storage backend name(s) {unknown} in search_range; "
-                             f"valid names are {list(TIER_NAMES)}")
-        return {TIER_NAMES[n] for n in names}
+                             f"valid names are {list(known)}")
+        return {known[n] for n in names}
 
-    def _selected(self, search_range: str | Iterable[str] | None,
-                  ) -> list[tuple[str, StorageBackendInterface]]:
-        wanted = self.resolve_search_range(search_range)
-        return [(n, b) for n, b in self.backends.items() if wanted is None or n in wanted]
+    # ---- store ------------------------------------------------------------------------------------
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
@@ -64,75 +115,179 @@ class StorageManager:
         return self.allocator.allocate(shape, dtype, fmt)
 
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        for name, backend in self.backends.items():
-            self._guard(name, backend.submit_put_task, key, memory_obj)
+        for tier in self.tiers:
+            self._guard(tier, tier.submit_put_task, None, key, memory_obj)
 
-    def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        for name, backend in self.backends.items():
-            obj = self._guard(name, backend.get_blocking, key)
-            if obj is not None:
-                if self.hot is not None and backend is not self.hot:
+    def stored_locally(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Whether a local tier holds (or is writing) each key."""
+        out = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, hit in enumerate(out) if not hit]
+            if not todo or not tier.is_local:
+                continue
+            hits = self._guard(tier, tier.batched_contains, None, [keys[i] for i in todo])
+            for i, hit in zip(todo, hits or (), strict=False):
+                out[i] = hit
+        return out
+
+    # ---- lookup -----------------------------------------------------------------------------------
+
+    def contains_prefix(self, keys: Sequence[CacheEngineKey],
+                        search_range: str | Iterable[str] | None = None) -> PrefixLookup:
+        wanted = self.resolve_search_range(search_range)
+        found: list[StorageBackendInterface | None] = [None] * len(keys)
+        if self.hot is not None and (wanted is None or self.hot.name in wanted):
+            with self._lock:  # a key being loaded into the hot tier is as good as hot
+                loading = set(self._loading)
+            for i, key in enumerate(keys):
+                if self.hot.contains(key) or key in loading:
+                    found[i] = self.hot
+        for tier in self.lower:
+            todo = [i for i, t in enumerate(found) if t is None]
+            if not todo:
+                break
+            if wanted is not None and tier.name not in wanted:
+                continue
+            hits = self._guard(tier, tier.batched_contains, None, [keys[i] for i in todo])
+            for i, hit in zip(todo, hits or (), strict=False):
+                if hit:
+                    found[i] = tier
+        lookup = PrefixLookup(list(keys))
+        for holder in found:
+            if holder is None:
+                break
+            lookup.tiers.append(holder)
+        return lookup
+
+    # ---- retrieve ---------------------------------------------------------------------------------
+
+    def get_prefix(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+        """Objects (one reference each, owned by the caller) for the longest cached prefix of
+        `keys`."""
+        n = len(keys)
+        objs: list[MemoryObj | None] = [None] * n
+        try:
+            if self.hot is not None:
+                for i, key in enumerate(keys):
+                    objs[i] = self.hot.get_blocking(key)
+            joined: dict[int, _Load] = {}
+            with self._lock:
+                for i, key in enumerate(keys):
+                    load = self._loading.get(key) if objs[i] is None else None
+                    if load is not None:
+                        load.waiters += 1
+                        joined[i] = load
+            self._read_lower(keys, objs, [i for i in range(n) if objs[i] is None and i not in joined])
+            for i, load in joined.items():
+                objs[i] = load.join()
+            self._read_lower(keys, objs, [i for i in joined if objs[i] is None])  # a failed load
+        except BaseException:
+            release_all(objs)
+            raise
+        cut = next((i for i, obj in enumerate(objs) if obj is None), n)
+        release_all(objs[cut:])
+        return [obj for obj in objs[:cut] if obj is not None]
+
+    def _read_lower(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj | None],
+                    todo: list[int]) -> None:
+        """Fill `objs[i]` for `i` in `todo` from the lower tiers, one batched get per tier;
+        hits are promoted to the hot tier."""
+        for tier in self.lower:
+            if not todo:
+                return
+            got = self._guard(tier, tier.batched_get, None, [keys[i] for i in todo])
+            for i, obj in zip(todo, got or (), strict=False):
+                objs[i] = obj
+                if obj is not None and self.hot is not None:
+                    self.hot.submit_put_task(keys[i], obj)
+            todo = [i for i in todo if objs[i] is None]
+
+    # ---- prefetch ---------------------------------------------------------------------------------
+
+    def prefetch(self, lookup: PrefixLookup) -> int:
+        """Start loading the prefix chunks of `lookup` that are not hot into the hot tier, one
+        batched get per tier; returns how many loads started (none without a hot tier)."""
+        if self.hot is None:
+            return 0
+        batches: dict[int, tuple[StorageBackendInterface, list[CacheEngineKey], list[_Load]]] = {}
+        with self._lock:
+            if self._closed:
+                return 0
+            for key, tier in zip(lookup.keys, lookup.tiers):
+                if tier is self.hot or key in self._loading or self.hot.contains(key):
+                    continue
+                load = self._loading[key] = _Load()
+                batch = batches.setdefault(id(tier), (tier, [], []))
+                batch[1].append(key)
+                batch[2].append(load)
+        for tier, keys, loads in batches.values():
+            self._loads.submit(self._load_batch, tier, keys, loads)
+        return sum(len(b[1]) for b in batches.values())
+
+    def _load_batch(self, tier: StorageBackendInterface, keys: list[CacheEngineKey],
+                    loads: list[_Load]) -> None:
+        got: list[MemoryObj | None] = [None] * len(keys)
+        try:
+            got = self._guard(tier, tier.batched_get, None, keys) or got
+            for key, obj in zip(keys, got, strict=True):
+                if obj is not None and self.hot is not None:
                     self.hot.submit_put_task(key, obj)
-                return obj
-        return None
+        finally:
+            with self._lock:
+                for key, load, obj in zip(keys, loads, got, strict=True):
+                    del self._loading[key]
+                    if obj is not None:
+                        for _ in range(load.waiters):
+                            obj.ref_count_up()
+                    load.obj = obj
+                    load.done.set()
+            release_all(got)
+
+    # ---- leases -----------------------------------------------------------------------------------
+
+    def acquire_lease(self, lease_id: str, keys: list[CacheEngineKey], ttl: float) -> None:
+        self.leases.acquire(lease_id, keys, ttl)
+
+    def release_lease(self, lease_id: str) -> None:
+        self.leases.release(lease_id)
+
+    # ---- single keys (seed 000's per-key API) -------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, search_range: str | Iterable[str] | None = None) -> bool:
-        for name, backend in self._selected(search_range):
-            if self._guard(name, backend.contains, key) or self._guard(
-                    name, backend.exists_in_put_tasks, key):
-                return True
-        return False
+        return self.contains_prefix([key], search_range).hits == 1
 
-    def prefetch(self, key: CacheEngineKey) -> bool:
-        """Start loading `key` from the first lower tier that has it (or is still writing it) into
-        the hot tier; True if it is already hot or a load started. Without a hot tier there is
-        nowhere to load to: False."""
-        if self.hot is None:
-            return False
-        if self.hot.contains(key):
-            return True
-        for name, backend in self.backends.items():
-            if backend is self.hot or not (self._guard(name, backend.exists_in_put_tasks, key)
-                                           or self._guard(name, backend.contains, key)):
-                continue
-            future = self._guard(name, backend.submit_prefetch_task, key)
-            if future is None:
-                return False
-            future.add_done_callback(lambda f, k=key: self._promote(k, f))
-            return True
-        return False
-
-    def _promote(self, key: CacheEngineKey, future: Future) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        obj = future.result()
-        if obj is None:
-            return
-        if self.hot is not None:
-            self.hot.submit_put_task(key, obj)
-        obj.ref_count_down()
+    def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        objs = self.get_prefix([key])
+        return objs[0] if objs else None
 
     def remove(self, key: CacheEngineKey) -> bool:
         removed = False
-        for name, backend in self.backends.items():
-            removed = bool(self._guard(name, backend.remove, key)) or removed
+        for tier in self.tiers:
+            removed = bool(self._guard(tier, tier.remove, False, key)) or removed
         return removed
 
-    def _guard(self, name: str, fn, *args):  # type: ignore[no-untyped-def]
-        """Call a tier; a lower tier's failure becomes a miss (None) logged once per incident."""
-        if name == "Hot":
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _guard(self, tier: StorageBackendInterface, fn: Callable[..., T], default: Any, *args: Any) -> T:
+        """Call into a tier; the failure of one that `may_fail` is `default` (a miss), logged
+        once per incident."""
+        if not tier.may_fail:
             return fn(*args)
         try:
             result = fn(*args)
         except Exception as e:  # noqa: BLE001 - any tier fault is a miss
-            self._incidents[name].fail(e)
-            return None
-        self._incidents[name].recover()
+            self._incidents[tier.name].fail(e)
+            return default
+        self._incidents[tier.name].recover()
         return result
 
     def close(self) -> None:
-        for name, backend in reversed(list(self.backends.items())):
+        with self._lock:
+            self._closed = True
+        self._loads.shutdown(wait=True)
+        self.leases.close()
+        for tier in reversed(self.tiers):
             try:
-                backend.close()
+                tier.close()
             except Exception:
-                logger.exception("closing storage tier %s failed", name)
+                logger.exception("closing storage tier %s failed", tier.name)

@@ -228,3 +228,80 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
             except OSError:
                 pass
             s.close()
+
+
+class LatencyProxy:
+    """Relays loopback TCP to 127.0.0.1:`target_port` with `rtt` seconds of added round-trip time
+    (each direction holds every piece back rtt / 2 after it arrived) and no bandwidth limit, so a
+    pipelined batch pays one round trip and a request-by-request exchange pays one per request."""
+
+    def __init__(self, target_port: int, rtt: float = 0.002) -> None:
+        self.target_port = target_port
+        self.delay = rtt / 2
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._stop = False
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sockets += [client, upstream]
+            self._relay(client, upstream)
+            self._relay(upstream, client)
+
+    def _relay(self, src: socket.socket, dst: socket.socket) -> None:
+        import queue
+
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                while data := src.recv(1 << 18):
+                    pieces.put((time.monotonic() + self.delay, data))
+            except OSError:
+                pass
+            pieces.put((0.0, b""))
+
+        def write() -> None:
+            try:
+                while True:
+                    due, data = pieces.get()
+                    if not data:
+                        break
+                    wait = due - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=write, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+        for s in self._sockets:
+            s.close()

@@ -19,6 +19,10 @@ _REGISTRY = {
 }
 
 
+def remote_schemes() -> list[str]:
+    return list(_REGISTRY)
+
+
 def create_connector(url: RemoteURL | str, timeout: float) -> RemoteConnector:
     """A connector for `url`; raises ValueError for an unknown scheme or bad options. Does not
     contact the store (an unreachable store shows up as failing calls, i.e. misses)."""
@@ -32,4 +36,4 @@ def create_connector(url: RemoteURL | str, timeout: float) -> RemoteConnector:
     return cls(parsed, timeout)
 
 
-__all__ = ["RemoteConnector", "RemoteURL", "create_connector", "parse_remote_url"]
+__all__ = ["RemoteConnector", "RemoteURL", "create_connector", "parse_remote_url", "remote_schemes"]

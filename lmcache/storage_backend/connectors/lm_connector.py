@@ -35,6 +35,12 @@ class LMConnector(RemoteConnector):
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         return list(self.client.get_many(keys))
 
+    def get_many_into(self, keys: Sequence[str], read: Callable[[ReadStream, int], T]) -> list[T | None]:
+        return self.client.get_many_into(keys, read)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.client.exists_many(keys)
+
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
         self.client.put(key, parts)
 

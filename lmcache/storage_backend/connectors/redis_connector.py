@@ -2,7 +2,8 @@
 
 `RedisClientConnector` holds the operations shared by every redis-py client (standalone,
 sentinel, cluster): GET, MGET for batches, SET with the optional `ttl`, EXISTS, DELETE. The
-standalone connector also reads GET replies straight into the arena (`resp.RespBulkReply`). Clients are
+standalone connector also reads GET replies, single or pipelined, straight into the arena
+(`resp.RespBulkReply`); EXISTS batches are pipelined. Clients are
 built without redis-py's own retries (a dead server must cost one quick failure; the remote tier
 does the backing off) and with `remote_timeout` as connect and socket timeout.
 """
@@ -73,6 +74,14 @@ class RedisClientConnector(RemoteConnector):
     def exists(self, key: str) -> bool:
         return bool(self.client.exists(key))
 
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(n) for n in pipe.execute()]
+
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
 
@@ -97,28 +106,39 @@ class RedisConnector(RedisClientConnector):
         self.client = redis.Redis(connection_pool=pool)
 
     def get_into(self, key: str, read: Callable[[ReadStream, int], T]) -> T | None:
-        """GET whose value goes from the socket straight into `read` (no `bytes` in between),
-        on a connection borrowed from redis-py's pool; a reply that is not fully consumed, or
-        any error, drops the connection."""
+        return self.get_many_into([key], read)[0]
+
+    def get_many_into(self, keys: Sequence[str], read: Callable[[ReadStream, int], T]) -> list[T | None]:
+        """Pipelined GETs whose values go from the socket straight into `read` (no `bytes` in
+        between), on a connection borrowed from redis-py's pool; any error drops the
+        connection."""
+        if not keys:
+            return []
         pool = self.client.connection_pool
         conn = pool.get_connection()
         sock = getattr(conn, "_sock", None)
-        if sock is None or str(conn.get_protocol() or 2) != "2":  # not the RESP2 socket we know
+        if sock is None or str(conn.get_protocol() or 2) not in ("2", "3"):  # not a RESP socket we know
             pool.release(conn)
-            return super().get_into(key, read)
+            return super().get_many_into(keys, read)
         try:
-            conn.send_command("GET", key)
+            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
             reply = RespBulkReply(sock)
-            length = reply.header()
-            result = None if length is None else read(reply, length)
-            if length is not None:
+            out: list[T | None] = []
+            for _ in keys:
+                length = reply.header()
+                if length is None:
+                    out.append(None)
+                    continue
+                out.append(read(reply, length))
+                reply.skip_rest()
                 reply.finish()
+            reply.check_drained()
         except BaseException:
             conn.disconnect()
             raise
         finally:
             pool.release(conn)
-        return result
+        return out
 
     def close(self) -> None:
         self.client.close()

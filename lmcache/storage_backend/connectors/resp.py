@@ -1,11 +1,18 @@
-"""Reading one RESP2 bulk-string reply (a GET's answer) straight from a Redis/Valkey socket.
+"""Reading RESP2/RESP3 bulk-string replies (GET answers) straight from a Redis/Valkey socket.
 
 redis-py parses a reply into a new `bytes` object, which the remote tier would then copy into the
-arena. `RespBulkReply` lets the value land in the arena directly: `header()` parses ``$<n>\\r\\n``
-(None for a nil reply; an error reply raises `ResponseError`), `readinto` then delivers exactly the
-`n` value bytes (a `ReadStream`), and `finish()` consumes the trailing ``\\r\\n`` so that the
-connection can be reused. Anything unexpected, or a connection closed early, raises
-ConnectionError: the caller must then drop the connection.
+arena. `RespBulkReply` lets values land in the arena directly, for one GET or for a pipeline of
+them answered back to back:
+
+- `header()` parses the next ``$<n>\\r\\n`` (None for a nil reply, RESP2's ``$-1`` or RESP3's
+  ``_``; a simple error reply raises `ResponseError`);
+- `readinto` then delivers exactly the `n` value bytes (a `ReadStream`), `skip_rest()` drops what
+  the caller did not read, and `finish()` consumes the trailing ``\\r\\n``;
+- bytes received past the current reply are kept for the next one; after the last expected
+  reply, `check_drained()` makes sure none are left.
+
+Anything unexpected, or a connection closed early, raises ConnectionError: the caller must then
+drop the connection.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ MAX_HEADER = 64
 class RespBulkReply:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._pending = bytearray()  # bytes received past the header line
+        self._pending = bytearray()  # bytes received but not consumed yet
         self.remaining = 0
 
     def _recv_more(self, n: int = MAX_HEADER) -> None:
@@ -38,6 +45,8 @@ class RespBulkReply:
         del self._pending[: end + 2]
         if line[:1] == b"-":
             raise ResponseError(line[1:].decode(errors="replace"))
+        if line == b"_":
+            return None
         if line[:1] != b"$" or not line[1:].lstrip(b"-").isdigit():
             raise ConnectionError(f"unexpected reply {line[:20]!r} (expected a bulk string)")
         length = int(line[1:])
@@ -61,11 +70,20 @@ class RespBulkReply:
         self.remaining -= n
         return n
 
+    def skip_rest(self) -> None:
+        scratch = memoryview(bytearray(min(self.remaining, 1 << 20)))
+        while self.remaining:
+            self.readinto(scratch[: self.remaining])
+
     def finish(self) -> None:
         if self.remaining:
             raise ConnectionError(f"{self.remaining} value bytes left unread")
         while len(self._pending) < 2:
             self._recv_more(2 - len(self._pending))  # never read past this reply
-        if self._pending[:2] != b"\r\n" or len(self._pending) > 2:
+        if self._pending[:2] != b"\r\n":
             raise ConnectionError("malformed reply: bad value terminator")
-        self._pending.clear()
+        del self._pending[:2]
+
+    def check_drained(self) -> None:
+        if self._pending:
+            raise ConnectionError(f"{len(self._pending)} unexpected bytes after the last reply")

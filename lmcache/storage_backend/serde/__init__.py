@@ -28,6 +28,10 @@ _REGISTRY = {
 }
 
 
+def serde_names() -> list[str]:
+    return list(_REGISTRY)
+
+
 def _load(ref: str) -> type:
     module_name, cls_name = ref.split(":")
     return getattr(importlib.import_module(f"{__name__}.{module_name}"), cls_name)
@@ -45,5 +49,5 @@ def create_serde(name: str, config: LMCacheEngineConfig,
 
 __all__ = [
     "CorruptBlobError", "Deserializer", "ForeignSerdeError", "DeserializerDebugWrapper", "Serializer",
-    "SerializerDebugWrapper", "create_serde",
+    "SerializerDebugWrapper", "create_serde", "serde_names",
 ]

@@ -93,7 +93,7 @@ def test_chunks_round_trip_through_every_scheme(store_url, tier):
     writer.put(*range(6))
     assert all(reader.backend.contains(key(i)) for i in range(6)) and not reader.backend.contains(key(99))
     assert all(reader.hit(i) for i in range(6)) and not reader.hit(99)
-    batch = reader.backend.batched_get_blocking([key(i) for i in (0, 99, 5)])
+    batch = reader.backend.batched_get([key(i) for i in (0, 99, 5)])
     assert batch[1] is None
     assert torch.equal(batch[0].tensor, data(0)) and torch.equal(batch[2].tensor, data(5))
 
@@ -185,7 +185,7 @@ def test_a_dead_cluster_node_loses_only_its_share_of_the_keys(cluster, tier, cap
         for _ in range(2):
             hits = {i: t.hit(i) for i in ids}
     assert hits == {i: node_of[i] != 1 for i in ids}
-    batch = t.backend.batched_get_blocking([key(i) for i in ids])
+    batch = t.backend.batched_get([key(i) for i in ids])
     assert [b is not None for b in batch] == [node_of[i] != 1 for i in ids]
     warnings = [r for r in caplog.records if MISS_WARNING in r.message]
     assert len(warnings) == 1 and str(cluster[1].port) in warnings[0].message

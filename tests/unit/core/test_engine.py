@@ -290,22 +290,20 @@ def test_lookup_lease_pins_counted_chunks_until_released():
 
 
 def test_leases_expire_and_repeated_acquire_replaces():
-    from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
-    from lmcache.storage_backend.leases import LeaseTable
-    from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.storage_backend.leases import LeaseTable, PinTable
     from lmcache.utils import CacheEngineKey
 
-    hot = LocalCPUBackend(TensorMemoryAllocator(torch.zeros(4096, dtype=torch.uint8)))
+    pins = PinTable()
     keys = [CacheEngineKey("kv_blob", "m", 1, 0, str(i), "uint8") for i in range(2)]
-    for k in keys:
-        obj = hot.allocate(torch.Size([512]), torch.uint8, MemoryFormat.KV_BLOB)
-        hot.submit_put_task(k, obj)
-        obj.ref_count_down()
     now = [0.0]
-    leases = LeaseTable(hot, clock=lambda: now[0])
-    assert leases.acquire("r", keys, ttl=5) == 2
-    assert leases.acquire("r", keys, ttl=5) == 2  # idempotent: pins are replaced, not stacked
-    assert hot._pins == {keys[0]: 1, keys[1]: 1}
+    leases = LeaseTable(pins, clock=lambda: now[0])
+    leases.acquire("r", keys, ttl=5)
+    leases.acquire("r", keys, ttl=5)  # idempotent: pins are replaced, not stacked
+    assert pins.pinned() == keys and pins._counts == {keys[0]: 1, keys[1]: 1}
+    leases.acquire("s", keys[:1], ttl=50)
+    assert pins._counts == {keys[0]: 2, keys[1]: 1}
     now[0] = 6.0
     leases.acquire("other", [], ttl=5)  # any call expires old leases
-    assert hot._pins == {} and len(leases) == 1
+    assert pins._counts == {keys[0]: 1} and len(leases) == 2
+    leases.release("s")
+    assert len(pins) == 0

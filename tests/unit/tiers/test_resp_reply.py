@@ -1,7 +1,6 @@
 """`RespBulkReply` over a real socket pair: values, nil, errors and malformed replies."""
 
 import socket
-import threading
 
 import pytest
 from redis.exceptions import ResponseError
@@ -11,14 +10,12 @@ from lmcache.storage_backend.serde.blob_stream import read_exact
 
 
 def reply_from(data: bytes, pieces: int = 1) -> tuple[RespBulkReply, socket.socket]:
+    """A reader over a socket whose peer sent `data` in `pieces` writes (all of it fits in the
+    socket buffer, so the writes complete before the reader starts)."""
     a, b = socket.socketpair()
     step = max(1, len(data) // pieces)
-
-    def send():
-        for i in range(0, len(data), step):
-            b.sendall(data[i:i + step])
-
-    threading.Thread(target=send, daemon=True).start()
+    for i in range(0, len(data), step):
+        b.sendall(data[i:i + step])
     return RespBulkReply(a), b
 
 
@@ -33,8 +30,39 @@ def test_value_is_delivered_exactly_and_the_terminator_consumed(pieces):
     peer.close()
 
 
-def test_nil_reply_is_none():
-    reply, peer = reply_from(b"$-1\r\n")
+@pytest.mark.parametrize("pieces", [1, 7, 200])
+def test_pipelined_replies_are_read_back_to_back(pieces):
+    values = [b"a" * 3, None, bytes(range(200)) * 30, b"", b"tail"]
+    wire = b"".join(b"$-1\r\n" if v is None else b"$%d\r\n" % len(v) + v + b"\r\n" for v in values)
+    reply, peer = reply_from(wire, pieces)
+    for i, v in enumerate(values):
+        n = reply.header()
+        if v is None:
+            assert n is None
+            continue
+        assert n == len(v)
+        if i == 2:  # read a part, skip the rest
+            assert bytes(read_exact(reply, 10)) == v[:10]
+            reply.skip_rest()
+        else:
+            assert bytes(read_exact(reply, n)) == v
+        reply.finish()
+    reply.check_drained()
+    peer.close()
+
+
+def test_bytes_after_the_last_expected_reply_are_an_error():
+    reply, peer = reply_from(b"$1\r\nx\r\n$1\r\ny\r\n")
+    assert reply.header() == 1 and bytes(read_exact(reply, 1)) == b"x"
+    reply.finish()
+    with pytest.raises(ConnectionError, match="unexpected bytes"):
+        reply.check_drained()
+    peer.close()
+
+
+@pytest.mark.parametrize("nil", [b"$-1\r\n", b"_\r\n"])  # RESP2, RESP3
+def test_nil_reply_is_none(nil):
+    reply, peer = reply_from(nil)
     assert reply.header() is None
     peer.close()
 

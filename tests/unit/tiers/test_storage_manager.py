@@ -1,0 +1,128 @@
+"""`StorageManager` at prefix level over the hot and disk tiers, and the tier registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache.config import LMCacheEngineConfig
+from lmcache.memory_management import MixedMemoryAllocator
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.storage_backend.registry import register_tier, tier_classes, tier_names
+from lmcache.storage_backend.remote_backend import RemoteBackend
+from lmcache.storage_backend.storage_manager import StorageManager
+
+
+@pytest.fixture
+def manager(disk_config, meta):
+    alloc = MixedMemoryAllocator(1 << 20)
+    sm = StorageManager(disk_config(), meta, alloc)
+    yield sm
+    sm.close()
+    assert alloc.used_bytes == 0  # every reference handed out came back
+
+
+def store(sm, keys, make_obj, seeds):
+    for k, seed in zip(keys, seeds):
+        obj = make_obj(seed)
+        sm.put(k, obj)
+        obj.ref_count_down()
+    sm.backends["LocalDiskBackend"].puts.flush(5)
+
+
+def test_registry_lists_the_tiers_in_lookup_order_with_their_properties():
+    assert tier_classes() == [LocalCPUBackend, LocalDiskBackend, RemoteBackend]
+    assert tier_names() == {"Hot": "Hot", "LocalCPUBackend": "Hot", "LocalDiskBackend": "LocalDiskBackend",
+                            "RemoteBackend": "RemoteBackend"}
+    assert [(c.is_local, c.may_fail) for c in tier_classes()] == [(True, False), (True, True), (False, True)]
+
+
+def test_a_second_tier_with_a_taken_name_is_refused():
+    class Impostor(LocalDiskBackend):
+        name = "LocalCPUBackend"  # the hot tier's alias
+
+    with pytest.raises(ValueError, match="taken"):
+        register_tier(Impostor)
+    assert tier_classes() == [LocalCPUBackend, LocalDiskBackend, RemoteBackend]
+
+
+def test_config_values_come_from_the_registries():
+    from lmcache.storage_backend.connectors import remote_schemes
+    from lmcache.storage_backend.serde import serde_names
+
+    with pytest.raises(ValueError) as err:
+        LMCacheEngineConfig.from_defaults(remote_url="nope://h:1")
+    assert all(f"{s}://" in str(err.value) for s in remote_schemes())
+    with pytest.raises(ValueError) as err:
+        LMCacheEngineConfig.from_defaults(remote_serde="zip")
+    assert all(s in str(err.value) for s in serde_names())
+
+
+def test_contains_prefix_says_which_tier_holds_each_chunk(manager, key, make_obj):
+    keys = [key(i) for i in range(5)]
+    store(manager, keys[:4], make_obj, range(4))
+    manager.hot.remove(keys[1])
+    manager.hot.remove(keys[2])
+    found = manager.contains_prefix(keys)
+    disk = manager.backends["LocalDiskBackend"]
+    assert found.hits == 4 and found.tiers == [manager.hot, disk, disk, manager.hot]
+    assert manager.contains_prefix(keys, "Hot").hits == 1
+    assert manager.contains_prefix(keys, ["LocalDiskBackend"]).hits == 4
+    assert manager.contains_prefix(keys[1:], "LocalCPUBackend").hits == 0
+
+
+def test_get_prefix_mixes_tiers_promotes_and_stops_at_the_first_gap(manager, key, make_obj):
+    keys = [key(i) for i in range(6)]
+    store(manager, keys[:3] + keys[4:], make_obj, [0, 1, 2, 4, 5])  # chunk 3 is missing
+    manager.hot.remove(keys[1])
+    manager.hot.remove(keys[5])
+    objs = manager.get_prefix(keys)
+    assert len(objs) == 3  # 0 (hot), 1 (disk), 2 (hot); 3 is a gap; 4 and 5 are not handed out
+    expected = [make_obj(i) for i in range(3)]
+    assert all(torch.equal(o.tensor, e.tensor) for o, e in zip(objs, expected))
+    assert manager.hot.contains(keys[1])  # promoted
+    for obj in objs + expected:
+        obj.ref_count_down()
+
+
+def test_prefetch_loads_what_a_lookup_found_and_a_get_joins_it(manager, key, make_obj):
+    keys = [key(i) for i in range(4)]
+    store(manager, keys, make_obj, range(4))
+    manager.hot.clear()
+    found = manager.contains_prefix(keys)
+    assert manager.prefetch(found) == 4
+    assert manager.prefetch(manager.contains_prefix(keys)) == 0  # already loading or hot
+    objs = manager.get_prefix(keys)
+    assert len(objs) == 4 and all(manager.hot.contains(k) for k in keys)
+    for obj in objs:
+        obj.ref_count_down()
+
+
+def test_without_a_hot_tier_prefetch_has_nowhere_to_load(disk_config, meta, key, make_obj):
+    alloc = MixedMemoryAllocator(1 << 20)
+    sm = StorageManager(disk_config(local_cpu=False), meta, alloc)
+    assert sm.hot is None and [t.name for t in sm.tiers] == ["LocalDiskBackend"]
+    store(sm, [key(0)], make_obj, [0])
+    assert sm.prefetch(sm.contains_prefix([key(0)])) == 0
+    (obj,) = sm.get_prefix([key(0)])
+    obj.ref_count_down()
+    sm.close()
+
+
+def test_stored_locally_asks_only_local_tiers(disk_config, meta, key, make_obj):
+    sm = StorageManager(disk_config(remote_url="redis://127.0.0.1:1?backoff=10"), meta,
+                        MixedMemoryAllocator(1 << 20))
+    remote = sm.backends["RemoteBackend"]
+    asked = []
+    remote.batched_contains = lambda keys: asked.append(keys) or [True] * len(keys)  # type: ignore[method-assign]
+    store(sm, [key(0)], make_obj, [0])
+    assert sm.stored_locally([key(0), key(1)]) == [True, False] and asked == []
+    sm.close()
+
+
+def test_the_interface_declares_safe_defaults():
+    assert StorageBackendInterface.may_fail and StorageBackendInterface.is_local
+    with pytest.raises(NotImplementedError):
+        StorageBackendInterface.create(None)  # type: ignore[arg-type]
