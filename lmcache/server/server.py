@@ -1,40 +1,67 @@
-"""The lm:// cache server: asyncio, one coroutine per connection, frames from `protocol`.
+"""lm:// servers: asyncio, one coroutine per connection, frames from `protocol`.
+
+`FrameServer` holds the protocol (limits, authentication, per-op counts for HEALTH) and leaves
+answering requests to subclasses: `LMCacheServer`, the shared cache server, and the engines' own
+read-only peer servers (`lmcache.p2p.peer_server`). `ServerThread` runs one inside another process.
 
 `lmcache server --host 127.0.0.1 --port 65432 [--max-size-gb N] [--auth-token T]` runs
-`serve()`. Limits: keys of at most `protocol.MAX_KEY_BYTES`, values of at most `max_value_bytes`
-(a larger frame gets an ERROR and its connection is closed), `capacity_bytes` in total (least
-recently used entries are evicted). Once a frame has started, its remaining bytes must arrive
-within `frame_timeout` seconds (a stalled sender is disconnected). With `auth_token`, every
-connection must AUTH first. SIGTERM / SIGINT close the listener and all connections and return.
+`serve()` with an `LMCacheServer`. Limits: keys of at most `protocol.MAX_KEY_BYTES`, values of at
+most `max_value_bytes` (a larger frame gets an ERROR and its connection is closed),
+`capacity_bytes` in total (least recently used entries are evicted). Once a frame has started, its
+remaining bytes must arrive within `frame_timeout` seconds (a stalled sender is disconnected).
+With `auth_token`, every connection must AUTH first. SIGTERM / SIGINT close the listener and all
+connections and return.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hmac
 import json
 import logging
 import signal
+import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from lmcache.server import protocol
 from lmcache.server.lru_store import LRUByteStore
 from lmcache.server.protocol import Op, ProtocolError, Status
 
 logger = logging.getLogger(__name__)
+Buffer = bytes | bytearray | memoryview
 
 
-class LMCacheServer:
-    def __init__(self, capacity_bytes: int, *, auth_token: str | None = None,
-                 max_value_bytes: int = protocol.DEFAULT_MAX_VALUE_BYTES,
-                 frame_timeout: float = 30.0) -> None:
-        self.store = LRUByteStore(capacity_bytes)
+class Reply(NamedTuple):
+    """An answer: `status`, the value as `parts` (sent in order), and `release`, called once the
+    parts have been handed to the transport (e.g. to drop a reference on the memory they view)."""
+
+    status: Status
+    parts: Sequence[Buffer] = ()
+    release: Callable[[], None] | None = None
+
+
+class FrameServer(abc.ABC):
+    """Serves lm:// frames (one coroutine per connection); subclasses answer requests in
+    `dispatch` and describe themselves in `info` (HEALTH adds the requests served by op)."""
+
+    def __init__(self, *, auth_token: str | None = None,
+                 max_value_bytes: int = protocol.DEFAULT_MAX_VALUE_BYTES, frame_timeout: float = 30.0,
+                 ) -> None:
         self.auth_token = auth_token.encode() if auth_token else None
         self.max_value_bytes = max_value_bytes
         self.frame_timeout = frame_timeout
         self.num_bad_frames = 0
         self.op_counts: Counter[str] = Counter()  # requests served, by op (reported by HEALTH)
         self._writers: set[asyncio.StreamWriter] = set()
+
+    @abc.abstractmethod
+    def dispatch(self, op: Op, key: bytes, value: bytes) -> Reply: ...
+
+    def info(self) -> dict[str, Any]:
+        return {}
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
@@ -60,10 +87,16 @@ class LMCacheServer:
                     if not authed:
                         return
                     continue
-                status, out = self.dispatch(op, key, value)
-                writer.write(protocol.pack_response(status, len(out)))
-                if out:
-                    writer.write(out)
+                self.op_counts[op.name] += 1
+                reply = self._answer(op, key, value)
+                try:
+                    writer.write(protocol.pack_response(reply.status, sum(memoryview(p).nbytes
+                                                                          for p in reply.parts)))
+                    for part in reply.parts:
+                        writer.write(part)  # sent now, or copied into the transport's buffer
+                finally:
+                    if reply.release is not None:
+                        reply.release()
                 await writer.drain()
         except ProtocolError as e:
             self.num_bad_frames += 1
@@ -77,28 +110,43 @@ class LMCacheServer:
             self._writers.discard(writer)
             writer.close()
 
-    def dispatch(self, op: Op, key: bytes, value: bytes) -> tuple[Status, bytes]:
-        self.op_counts[op.name] += 1
-        if op == Op.GET:
-            found = self.store.get(key)
-            return (Status.NOT_FOUND, b"") if found is None else (Status.OK, found)
-        if op == Op.PUT:
-            return (Status.OK if self.store.put(key, value) else Status.TOO_LARGE), b""
-        if op == Op.EXISTS:
-            return (Status.OK if self.store.contains(key) else Status.NOT_FOUND), b""
-        if op == Op.DELETE:
-            return (Status.OK if self.store.delete(key) else Status.NOT_FOUND), b""
-        if op == Op.LIST:
-            return Status.OK, protocol.pack_key_list(self.store.keys(key))
+    def _answer(self, op: Op, key: bytes, value: bytes) -> Reply:
         if op == Op.HEALTH:
-            info = {"items": len(self.store), "bytes": self.store.used, "capacity": self.store.capacity,
-                    "ops": dict(self.op_counts)}
-            return Status.OK, json.dumps(info).encode()
-        return Status.OK, b""  # AUTH on an authenticated (or open) connection
+            return Reply(Status.OK, [json.dumps({**self.info(), "ops": dict(self.op_counts)}).encode()])
+        if op == Op.AUTH:
+            return Reply(Status.OK)  # on an authenticated (or open) connection
+        return self.dispatch(op, key, value)
 
     def close_connections(self) -> None:
         for writer in list(self._writers):
             writer.close()
+
+
+class LMCacheServer(FrameServer):
+    """The shared cache server: an LRU byte store of `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int, *, auth_token: str | None = None,
+                 max_value_bytes: int = protocol.DEFAULT_MAX_VALUE_BYTES,
+                 frame_timeout: float = 30.0) -> None:
+        super().__init__(auth_token=auth_token, max_value_bytes=max_value_bytes, frame_timeout=frame_timeout)
+        self.store = LRUByteStore(capacity_bytes)
+
+    def info(self) -> dict[str, Any]:
+        return {"items": len(self.store), "bytes": self.store.used, "capacity": self.store.capacity}
+
+    def dispatch(self, op: Op, key: bytes, value: bytes) -> Reply:
+        if op == Op.GET:
+            found = self.store.get(key)
+            return Reply(Status.NOT_FOUND) if found is None else Reply(Status.OK, [found])
+        if op == Op.PUT:
+            return Reply(Status.OK if self.store.put(key, value) else Status.TOO_LARGE)
+        if op == Op.EXISTS:
+            return Reply(Status.OK if self.store.contains(key) else Status.NOT_FOUND)
+        if op == Op.DELETE:
+            return Reply(Status.OK if self.store.delete(key) else Status.NOT_FOUND)
+        if op == Op.LIST:
+            return Reply(Status.OK, [protocol.pack_key_list(self.store.keys(key))])
+        raise ProtocolError(f"unexpected op {op.name}")
 
 
 async def serve(host: str, port: int, server: LMCacheServer) -> None:
@@ -116,3 +164,46 @@ async def serve(host: str, port: int, server: LMCacheServer) -> None:
         server.close_connections()
         await listener.wait_closed()
     logger.info("lmcache server on %s:%s stopped", bound[0], bound[1])
+
+
+class ServerThread:
+    """Runs a `FrameServer` on its own event loop in a daemon thread (for servers that live
+    inside another process, e.g. an engine's peer server). `port` is the bound port."""
+
+    def __init__(self, server: FrameServer, host: str, port: int) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._listener: asyncio.Server | None = None
+        self.host = host
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True,
+                                        name=f"lmcache-{type(server).__name__}")
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            start = asyncio.start_server(self.server.handle, host, port)
+            self._listener = self._loop.run_until_complete(start)
+            self.port = self._listener.sockets[0].getsockname()[1]
+        except BaseException as e:  # noqa: BLE001 - reported to the starting thread
+            self._error = e
+            self._started.set()
+            self._loop.close()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._listener.close()
+        self.server.close_connections()
+        self._loop.run_until_complete(self._listener.wait_closed())
+        self._loop.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)

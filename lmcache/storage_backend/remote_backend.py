@@ -17,17 +17,15 @@ SET (no EXISTS first: the value for a key never changes, so writing it again is 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-from lmcache.backoff import Backoff
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj, release_all
-from lmcache.observability import IncidentLog
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
+from lmcache.storage_backend.failure_domains import FailureDomains
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
@@ -38,12 +36,6 @@ from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class _Domain:
-    def __init__(self, name: str, initial: float, maximum: float) -> None:
-        self.backoff = Backoff(initial, maximum)
-        self.incidents = IncidentLog(logger, f"remote store {name}")
 
 
 @register_tier
@@ -58,17 +50,15 @@ class RemoteBackend(LowerTierBackend):
         if config.remote_url is None:
             raise ValueError("RemoteBackend needs config.remote_url")
         self.url = parse_remote_url(config.remote_url)
-        self._backoff_range = (self.url.float_option("backoff", 0.5),
-                               self.url.float_option("max_backoff", 30.0))
+        self._domains = FailureDomains(self._domain_label, self.url.float_option("backoff", 0.5),
+                                       self.url.float_option("max_backoff", 30.0),
+                                       passthrough=(CorruptBlobError,))
         self.connector = connector or create_connector(self.url, config.remote_timeout)
         super().__init__(allocate, pools)
         self.serde_name = config.remote_serde or "naive"
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
-        self._domains: dict[str, _Domain] = {}
-        self._domains_lock = threading.Lock()
         self.num_corrupt = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
-        self.num_skipped = 0  # calls not made because the store was backing off
 
     @classmethod
     def create(cls, ctx: TierContext) -> RemoteBackend | None:
@@ -80,37 +70,23 @@ class RemoteBackend(LowerTierBackend):
         ns = self.url.namespace
         return f"{ns}:{key.to_string()}" if ns else key.to_string()
 
-    def _domain(self, remote_key: str) -> _Domain:
-        name = self.connector.failure_domain(remote_key)
-        with self._domains_lock:
-            domain = self._domains.get(name)
-            if domain is None:
-                label = self.url.url if name == "*" else f"{self.url.url} node {name}"
-                domain = self._domains[name] = _Domain(label, *self._backoff_range)
-            return domain
+    def _domain_label(self, name: str) -> str:
+        return f"remote store {self.url.url}" + ("" if name == "*" else f" node {name}")
 
     def _call(self, remote_key: str, fn: Callable[[], T], default: T) -> T:
-        domain = self._domain(remote_key)
-        if not domain.backoff.ready():
-            self.num_skipped += 1
-            return default
-        try:
-            result = fn()
-        except CorruptBlobError:
-            raise  # the store answered; the value is bad (the caller deletes it)
-        except Exception as e:  # noqa: BLE001 - any store failure is a miss
-            domain.backoff.failed()
-            domain.incidents.fail(e)
-            return default
-        if domain.backoff.failing:
-            domain.backoff.succeeded()
-            domain.incidents.recover()
-        return result
+        """`fn()` against `remote_key`'s failure domain (see `FailureDomains`); a CorruptBlobError
+        means the store answered with a bad value and is raised (the caller deletes it)."""
+        return self._domains.call(self.connector.failure_domain(remote_key), fn, default)
+
+    @property
+    def num_skipped(self) -> int:
+        """Calls not made because the store was backing off."""
+        return self._domains.num_skipped
 
     @property
     def available(self) -> bool:
         """False while some part of the store is failing (being backed off from)."""
-        return not any(d.backoff.failing for d in list(self._domains.values()))
+        return not self._domains.failing()
 
     # ---- interface ------------------------------------------------------------------------------
 
@@ -139,10 +115,10 @@ class RemoteBackend(LowerTierBackend):
 
     def _by_domain(self, keys: Sequence[CacheEngineKey]) -> list[list[tuple[int, str]]]:
         """(index, remote key) of `keys`, grouped by failure domain."""
-        groups: dict[int, list[tuple[int, str]]] = {}
+        groups: dict[str, list[tuple[int, str]]] = {}
         for i, key in enumerate(keys):
             rk = self._remote_key(key)
-            groups.setdefault(id(self._domain(rk)), []).append((i, rk))
+            groups.setdefault(self.connector.failure_domain(rk), []).append((i, rk))
         return list(groups.values())
 
     def _contains_many(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
