@@ -78,20 +78,34 @@ class CopiesInFlight:
 
 
 class InFlightCopy:
-    """One issued copy: call it (the connector's `on_done`) when it completes, or `abort()` it
-    if the connector raised before issuing it; exactly one of the two, once."""
+    """One issued copy: called (as the connector's `on_done`) when it completes, or `abort()`ed
+    if the connector raised instead. Only the first of those counts (a connector that reported
+    completion and then raised anyway cannot make the engine release memory twice)."""
 
     def __init__(self, table: CopiesInFlight, keys: list[CacheEngineKey], then: CopyDone) -> None:
         self._table, self._keys, self._then = table, keys, then
+        self._lock = threading.Lock()
+        self._ended = False
+
+    def _claim(self) -> bool:
+        with self._lock:
+            ended, self._ended = self._ended, True
+        return not ended
 
     def __call__(self, error: BaseException | None) -> None:
+        if not self._claim():
+            return
         try:
             self._then(error)
         finally:
             self._table._end(self._keys)
 
-    def abort(self) -> None:
+    def abort(self) -> bool:
+        """End the copy without running `then`; False if it had completed already."""
+        if not self._claim():
+            return False
         self._table._end(self._keys)
+        return True
 
 
 def _release(objs: list[MemoryObj], error: BaseException | None) -> None:
@@ -113,9 +127,6 @@ class LMCacheEngine:
         if metadata.kv_shape[2] != config.chunk_size:
             raise ValueError(f"metadata.kv_shape chunk size {metadata.kv_shape[2]} differs from "
                              f"config.chunk_size={config.chunk_size}")
-        if config.enable_p2p:
-            raise ValueError("enable_p2p=True: peer-to-peer KV sharing is not available in this "
-                             "version of lmcache; set enable_p2p=False")
         self.config = config
         self.metadata = metadata
         self.memory_allocator = memory_allocator
@@ -176,9 +187,9 @@ class LMCacheEngine:
             self.gpu_connector.batched_from_gpu([t[3] for t in todo], [t[0] for t in todo],
                                                 [t[1] for t in todo], on_done=done, **kwargs)
         except BaseException:
-            done.abort()
-            for *_, obj in todo:
-                obj.ref_count_down()
+            if done.abort():
+                for *_, obj in todo:
+                    obj.ref_count_down()
             raise
 
     def _finish_store(self, todo: list[tuple[int, int, CacheEngineKey, MemoryObj]],
@@ -219,9 +230,8 @@ class LMCacheEngine:
                 ret_mask[start:end] = True
             self.stats.add("retrieve_hit_tokens", sum(end - start for start, end, _ in found))
         except Exception:
-            if done is not None:
-                done.abort()
-            _release([f[2] for f in found], None)
+            if done is None or done.abort():
+                _release([f[2] for f in found], None)
             if not self.config.error_handling:
                 raise
             ret_mask[:] = False  # a failed copy may have written any part: nothing counts as loaded

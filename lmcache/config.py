@@ -73,9 +73,18 @@ class LMCacheEngineConfig:
     separating blended segments), `remote_timeout` (seconds per remote operation),
     `lookup_timeout` (seconds a serving engine's scheduler waits for a cache lookup before treating
     it as a miss),
-    `local_disk_serde` (the serde of disk files) and `local_disk_fsync` (fsync each disk file
+    `local_disk_serde` (the serde of disk files), `local_disk_fsync` (fsync each disk file
     before it becomes visible: durable across power loss; without it a file torn by a crash is
-    still never served, because checksums catch it).
+    still never served, because checksums catch it), `p2p_ttl` (seconds an instance's peer
+    registrations outlive its last heartbeat), `controller_url` (``host:port`` of the engine's
+    HTTP controller; None = no controller) and `clear_hot_on_reset` (a serving engine's cache
+    reset, e.g. vLLM's ``/reset_prefix_cache``, also empties the hot tier).
+
+    Peer-to-peer sharing (`enable_p2p`): `lookup_url` is the Valkey/Redis where instances register
+    which chunks they hold, in `remote_url`'s redis-family forms (``redis://``, ``valkey://``,
+    ``rediss://``, ``redis-sentinel://``, ``redis-cluster://``; a bare ``host:port`` means
+    ``redis://host:port``); `distributed_url` is ``host:port`` of this instance's read-only chunk
+    server (port 0 = any free port).
 
     One default differs from the seed on purpose: `remote_url` is None (no remote tier), not
     ``'lm://localhost:65432'``, so the default engine needs no server that nobody started; set
@@ -103,6 +112,9 @@ class LMCacheEngineConfig:
     lookup_timeout: float = 1.0
     local_disk_serde: str = "naive"
     local_disk_fsync: bool = False
+    p2p_ttl: float = 10.0
+    controller_url: str | None = None
+    clear_hot_on_reset: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -112,10 +124,12 @@ class LMCacheEngineConfig:
         if isinstance(self.local_disk, str):
             self.local_disk = os.path.expanduser(self.local_disk)
         self._validate()
+        if self.lookup_url is not None:
+            self.lookup_url = _as_url(self.lookup_url)
 
     def _validate(self) -> None:
         # valid names come from the registries (imported here: they import this module)
-        from lmcache.storage_backend.connectors import remote_schemes
+        from lmcache.storage_backend.connectors import parse_remote_url, remote_schemes
         from lmcache.storage_backend.evictor import POLICIES
         from lmcache.storage_backend.serde import serde_names
 
@@ -141,12 +155,21 @@ class LMCacheEngineConfig:
                f"must be one of {list(POLICIES)}")
         _check(self.remote_timeout > 0, "remote_timeout", self.remote_timeout, "must be > 0")
         _check(self.lookup_timeout > 0, "lookup_timeout", self.lookup_timeout, "must be > 0")
-        for name in ("lookup_url", "distributed_url"):
+        if self.lookup_url is not None:
+            try:
+                scheme = parse_remote_url(_as_url(self.lookup_url)).scheme
+            except ValueError:
+                scheme = ""
+            _check(scheme in schemes and scheme != "lm", "lookup_url", self.lookup_url,
+                   "must be a Valkey/Redis URL (redis://, valkey://, rediss://, redis-sentinel://, "
+                   "redis-cluster://) or 'host:port'")
+        for name, lowest in (("distributed_url", 0), ("controller_url", 0)):
             url = getattr(self, name)
             if url is not None:
                 host, _, port = url.rpartition(":")
-                _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, name, url,
-                       "must be 'host:port'")
+                _check(bool(host) and port.isdigit() and lowest <= int(port) < 65536, name, url,
+                       "must be 'host:port' (port 0 = any free port)")
+        _check(self.p2p_ttl > 0, "p2p_ttl", self.p2p_ttl, "must be > 0")
         if self.enable_p2p:
             _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
                    True, "needs lookup_url and distributed_url")
@@ -314,6 +337,11 @@ class LMCacheEngineMetadata:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+def _as_url(lookup_url: str) -> str:
+    """A bare 'host:port' lookup_url means redis://host:port."""
+    return lookup_url if "://" in lookup_url else "redis://" + lookup_url
+
 
 _ODD_WORKERS: set[tuple[int, int]] = set()  # (worker_id, world_size) pairs already warned about
 

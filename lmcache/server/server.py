@@ -45,7 +45,10 @@ class Reply(NamedTuple):
 
 class FrameServer(abc.ABC):
     """Serves lm:// frames (one coroutine per connection); subclasses answer requests in
-    `dispatch` and describe themselves in `info` (HEALTH adds the requests served by op)."""
+    `dispatch` and describe themselves in `info` (HEALTH adds the requests served by op). With
+    `blocking_dispatch`, `dispatch` runs on a worker thread (it may do I/O) instead of the loop."""
+
+    blocking_dispatch = False
 
     def __init__(self, *, auth_token: str | None = None,
                  max_value_bytes: int = protocol.DEFAULT_MAX_VALUE_BYTES, frame_timeout: float = 30.0,
@@ -88,7 +91,7 @@ class FrameServer(abc.ABC):
                         return
                     continue
                 self.op_counts[op.name] += 1
-                reply = self._answer(op, key, value)
+                reply = await self._answer(op, key, value)
                 try:
                     writer.write(protocol.pack_response(reply.status, sum(memoryview(p).nbytes
                                                                           for p in reply.parts)))
@@ -110,11 +113,13 @@ class FrameServer(abc.ABC):
             self._writers.discard(writer)
             writer.close()
 
-    def _answer(self, op: Op, key: bytes, value: bytes) -> Reply:
+    async def _answer(self, op: Op, key: bytes, value: bytes) -> Reply:
         if op == Op.HEALTH:
             return Reply(Status.OK, [json.dumps({**self.info(), "ops": dict(self.op_counts)}).encode()])
         if op == Op.AUTH:
             return Reply(Status.OK)  # on an authenticated (or open) connection
+        if self.blocking_dispatch:
+            return await asyncio.get_running_loop().run_in_executor(None, self.dispatch, op, key, value)
         return self.dispatch(op, key, value)
 
     def close_connections(self) -> None:

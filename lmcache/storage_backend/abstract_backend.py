@@ -19,13 +19,15 @@ Primitives and when they are called (by the `StorageManager`):
 - `submit_prefetch_task(key)`: `get_blocking` on a load pool (seed 000's name); returns a Future
   of the object (or None). The storage manager prefers its own batched, joinable loads.
 - `remove(key)`: drop `key`; True if it was there.
+- `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
+  `removed` (for tiers that publish what this instance holds, e.g. to peers). Default: nothing.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -40,16 +42,30 @@ if TYPE_CHECKING:
     from lmcache.storage_backend.serde.serde import AllocateFn
 
 
+def _nothing(keys: list[CacheEngineKey]) -> None:
+    pass
+
+
+def _no_read(key: CacheEngineKey) -> MemoryObj | None:
+    return None
+
+
 @dataclass(frozen=True)
 class TierContext:
     """What a tier is built from. `allocate(shape, dtype, fmt)` hands out arena buffers, evicting
-    from the hot tier; `pins` says which keys a lookup lease protects from eviction."""
+    from the hot tier; `pins` says which keys a lookup lease protects from eviction. A tier that
+    drops keys calls `on_removed(keys)`; `read_local(key)` reads a chunk from the local tiers (one
+    reference for the caller; None if none holds it) and `has_local(key)` says whether one holds
+    it."""
 
     config: LMCacheEngineConfig
     metadata: LMCacheEngineMetadata
     allocator: MemoryAllocatorInterface
     allocate: AllocateFn
     pins: PinTable
+    on_removed: Callable[[list[CacheEngineKey]], None] = _nothing
+    read_local: Callable[[CacheEngineKey], MemoryObj | None] = _no_read
+    has_local: Callable[[CacheEngineKey], bool] = lambda key: False
 
 
 class StorageBackendInterface(abc.ABC):
@@ -90,3 +106,7 @@ class StorageBackendInterface(abc.ABC):
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get_blocking(k) for k in keys]
+
+    def local_keys_changed(self, added: Sequence[CacheEngineKey],  # noqa: B027 - optional hook
+                           removed: Sequence[CacheEngineKey]) -> None:
+        pass

@@ -1,6 +1,6 @@
-"""The disk tier's file format, its atomic write and its verified read.
+"""The disk tier's files: their atomic write and verified read.
 
-One file per chunk, `<stem>.kvc`, holding
+One file per chunk, `<stem>.kvc`, holding a keyed blob (`serde.keyed_blob`):
 
     b"LMCK" | u32 key length | key (UTF-8) | blob (serde header with checksum + payload)
 
@@ -8,39 +8,29 @@ One file per chunk, `<stem>.kvc`, holding
   (`<stem>.<pid>.<token><random>.tmp`), optionally fsyncs it (and the directory), then
   `os.replace`s it onto the final name: a reader sees no file or a complete one, whoever writes
   and however a writer dies. `is_stale_tmp` tells which temporary files a dead writer left.
-- `read_chunk` checks the key, then `blob_stream.read_blob` reads the blob (for a raw serde the
-  payload goes straight into the new buffer, hashed piece by piece). Anything that does not verify
-  raises CorruptBlobError (ForeignSerdeError for an intact file of another serde).
+- `read_chunk` checks the key, then reads the blob (for a raw serde the payload goes straight into
+  the new buffer, hashed piece by piece). Anything that does not verify raises CorruptBlobError
+  (ForeignSerdeError for an intact file of another serde).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import struct
 import time
 from collections.abc import Sequence
 
 from lmcache.memory_management import MemoryObj
-from lmcache.storage_backend.serde import blob as blob_header
-from lmcache.storage_backend.serde.blob_stream import read_blob
-from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
+from lmcache.storage_backend.serde import keyed_blob
+from lmcache.storage_backend.serde.serde import AllocateFn, Deserializer
 
-FILE_MAGIC = b"LMCK"
-_PREFIX = struct.Struct("<4sI")
-MAX_KEY_BYTES = 4096
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
-MIN_FILE_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
+MIN_FILE_SIZE = keyed_blob.MIN_SIZE
 STALE_TMP_SECONDS = 600.0
 _PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's temporary files from a dead namesake's
 
 Buffer = bytes | memoryview
-
-
-def file_parts(key_bytes: bytes, blob_parts: Sequence[Buffer]) -> list[Buffer]:
-    """The pieces of a chunk file, in order (the blob parts are not copied)."""
-    return [_PREFIX.pack(FILE_MAGIC, len(key_bytes)), key_bytes, *blob_parts]
 
 
 def write_atomic(directory: str, stem: str, parts: Sequence[Buffer], fsync: bool) -> None:
@@ -68,12 +58,7 @@ def read_chunk(f: io.FileIO, key_bytes: bytes, serde_id: int, deser: Deserialize
     """The chunk in `f` (an unbuffered file positioned at 0) in a buffer from `allocate`, or None
     if `allocate` has no room. Raises CorruptBlobError if the file does not verify."""
     file_size = os.fstat(f.fileno()).st_size
-    magic, key_len = _PREFIX.unpack(_read_exact(f, _PREFIX.size))
-    if magic != FILE_MAGIC or key_len > MAX_KEY_BYTES:
-        raise CorruptBlobError("not an LMCache disk cache file (bad magic or key length)")
-    if _read_exact(f, key_len) != key_bytes:
-        raise CorruptBlobError("the file holds a different key")
-    return read_blob(f, file_size - _PREFIX.size - key_len, serde_id, deser, allocate)
+    return keyed_blob.read_keyed_blob(f, file_size, key_bytes, serde_id, deser, allocate)
 
 
 def is_stale_tmp(name: str, mtime: float) -> bool:
@@ -107,13 +92,6 @@ def _write_all(fd: int, data: Buffer) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
-
-
-def _read_exact(f: io.FileIO, n: int) -> bytes:
-    data = f.read(n)
-    if data is None or len(data) != n:
-        raise CorruptBlobError(f"file is truncated (wanted {n} more bytes)")
-    return data
 
 
 def _fsync_dir(path: str) -> None:

@@ -64,6 +64,12 @@ class FailureDomains:
             domain.incidents.recover()
         return result
 
+    def ready(self, name: str) -> bool:
+        """Whether domain `name` may be tried now (not within a backoff delay)."""
+        with self._lock:
+            domain = self._domains.get(name)
+        return domain is None or domain.backoff.ready()
+
     def failing(self, name: str | None = None) -> bool:
         """Whether domain `name` (any domain, for None) is failing (being backed off from)."""
         with self._lock:

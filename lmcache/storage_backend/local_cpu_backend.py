@@ -9,6 +9,7 @@ lease pins (`PinTable`), and returns None when nothing more can be freed. Puts a
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -30,8 +31,10 @@ class LocalCPUBackend(StorageBackendInterface):
     may_fail = False
 
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",
-                 pins: PinTable | None = None) -> None:
+                 pins: PinTable | None = None,
+                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None) -> None:
         self.allocator = allocator
+        self.on_removed = on_removed
         self.policy: CachePolicy[CacheEngineKey] = make_policy(policy)
         self.pins = pins if pins is not None else PinTable()
         self.lock = threading.RLock()
@@ -42,7 +45,7 @@ class LocalCPUBackend(StorageBackendInterface):
     def create(cls, ctx: TierContext) -> LocalCPUBackend | None:
         if not ctx.config.local_cpu:
             return None
-        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins)
+        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.on_removed)
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -81,6 +84,8 @@ class LocalCPUBackend(StorageBackendInterface):
                 return False
             self.policy.on_remove(key)
         obj.ref_count_down()
+        if self.on_removed is not None:
+            self.on_removed([key])
         return True
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,

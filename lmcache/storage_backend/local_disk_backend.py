@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import xxhash
@@ -37,7 +37,7 @@ from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools, gather_all
 from lmcache.storage_backend.registry import register_tier
-from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
+from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
@@ -54,7 +54,8 @@ class LocalDiskBackend(LowerTierBackend):
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  allocate: AllocateFn, pools: TierPools | None = None,
-                 pins: PinTable | None = None) -> None:
+                 pins: PinTable | None = None,
+                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None) -> None:
         if config.local_disk is None:
             raise ValueError("LocalDiskBackend needs config.local_disk (a directory)")
         if config.max_local_disk_bytes <= 0:
@@ -67,8 +68,10 @@ class LocalDiskBackend(LowerTierBackend):
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
         self.pins = pins if pins is not None else PinTable()
+        self.on_removed = on_removed
         super().__init__(allocate, pools)
         self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> bytes, LRU first
+        self._keys: dict[str, CacheEngineKey] = {}  # file stem -> key, for the keys this process saw
         self._index_lock = threading.Lock()
         self.used_bytes = 0
         self._reserved_bytes = 0
@@ -81,7 +84,7 @@ class LocalDiskBackend(LowerTierBackend):
     def create(cls, ctx: TierContext) -> LocalDiskBackend | None:
         if ctx.config.local_disk is None:
             return None
-        return cls(ctx.config, ctx.metadata, ctx.allocate, pins=ctx.pins)
+        return cls(ctx.config, ctx.metadata, ctx.allocate, pins=ctx.pins, on_removed=ctx.on_removed)
 
     # ---- naming ---------------------------------------------------------------------------------
 
@@ -91,6 +94,17 @@ class LocalDiskBackend(LowerTierBackend):
 
     def _key_to_path(self, key: CacheEngineKey) -> str:
         return os.path.join(self.path, self._stem(key) + SUFFIX)
+
+    def _seen(self, key: CacheEngineKey) -> str:
+        """`key`'s stem, remembering the key (so that dropping its file can be reported)."""
+        stem = self._stem(key)
+        self._keys[stem] = key
+        return stem
+
+    def _dropped(self, stems: list[str]) -> None:
+        keys = [k for k in (self._keys.pop(s, None) for s in stems) if k is not None]
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     # ---- index ----------------------------------------------------------------------------------
 
@@ -103,12 +117,12 @@ class LocalDiskBackend(LowerTierBackend):
             size = os.stat(os.path.join(self.path, stem + SUFFIX)).st_size
         except FileNotFoundError:
             return False
-        self._insert_stem(stem, size)
+        self._insert_stem(self._seen(key), size)
         return True
 
     def insert_key(self, key: CacheEngineKey, size: int) -> None:
         """Record that `key`'s file (of `size` bytes) is on disk."""
-        self._insert_stem(self._stem(key), size)
+        self._insert_stem(self._seen(key), size)
 
     def _insert_stem(self, stem: str, size: int) -> None:
         with self._index_lock:
@@ -125,6 +139,7 @@ class LocalDiskBackend(LowerTierBackend):
     def _forget(self, stem: str) -> None:
         with self._index_lock:
             self.used_bytes -= self._index.pop(stem, 0)
+        self._dropped([stem])
 
     def _take_victims(self, incoming: int, keep: str | None = None) -> list[str]:
         """Under the index lock: drop LRU entries (never `keep` or a pinned key's) until
@@ -149,9 +164,10 @@ class LocalDiskBackend(LowerTierBackend):
                 os.unlink(os.path.join(self.path, stem + SUFFIX))
             except FileNotFoundError:
                 pass
+        self._dropped(stems)
 
     def remove(self, key: CacheEngineKey) -> bool:
-        stem = self._stem(key)
+        stem = self._seen(key)
         self._forget(stem)
         try:
             os.unlink(os.path.join(self.path, stem + SUFFIX))
@@ -199,11 +215,11 @@ class LocalDiskBackend(LowerTierBackend):
         tensor = memory_obj.tensor
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
-        parts = disk_file.file_parts(key.to_string().encode(), self.serializer.to_parts(tensor))
+        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor))
         size = sum(len(p) for p in parts)
         if not self._reserve(size):
             return
-        stem = self._stem(key)
+        stem = self._seen(key)
         try:
             disk_file.write_atomic(self.path, stem, parts, self.fsync)
         finally:
@@ -259,5 +275,6 @@ class LocalDiskBackend(LowerTierBackend):
             unlink_quietly(path)
             return None
         if obj is not None:
+            self._seen(key)
             self._touch(stem)
         return obj

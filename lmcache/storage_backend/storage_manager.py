@@ -77,7 +77,14 @@ class StorageManager:
         self.allocator = allocator
         self.pins = PinTable()
         self.leases = LeaseTable(self.pins)
-        self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins))
+        self.tiers: list[StorageBackendInterface] = []
+        self._listeners: list[StorageBackendInterface] = []
+        self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins,
+                                              self._removed_locally, self.read_local,
+                                              lambda key: self.stored_locally([key])[0]))
+        # tiers that publish what this instance holds (see `local_keys_changed`)
+        self._listeners = [t for t in self.tiers if type(t).local_keys_changed
+                           is not StorageBackendInterface.local_keys_changed]
         hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
         self.hot: LocalCPUBackend | None = hot[0] if hot else None
         self.lower = [t for t in self.tiers if t is not self.hot]
@@ -117,6 +124,38 @@ class StorageManager:
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         for tier in self.tiers:
             self._guard(tier, tier.submit_put_task, None, key, memory_obj)
+        self._changed([key], [])
+
+    def _promote(self, keys: list[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
+        """Lower-tier hits enter the hot tier."""
+        if self.hot is None:
+            return
+        added = []
+        for key, obj in zip(keys, objs, strict=True):
+            if obj is not None:
+                self.hot.submit_put_task(key, obj)
+                added.append(key)
+        self._changed(added, [])
+
+    def _removed_locally(self, keys: list[CacheEngineKey]) -> None:
+        """A local tier dropped `keys`: those no local tier holds any more are gone."""
+        if self._listeners:
+            held = self.stored_locally(keys)
+            self._changed([], [k for k, h in zip(keys, held, strict=True) if not h])
+
+    def _changed(self, added: list[CacheEngineKey], removed: list[CacheEngineKey]) -> None:
+        if added or removed:
+            for tier in self._listeners:
+                self._guard(tier, tier.local_keys_changed, None, added, removed)
+
+    def read_local(self, key: CacheEngineKey) -> MemoryObj | None:
+        """`key`'s chunk from the first local tier that has it (one reference for the caller)."""
+        for tier in self.tiers:
+            if tier.is_local:
+                obj = self._guard(tier, tier.get_blocking, None, key)
+                if obj is not None:
+                    return obj
+        return None
 
     def stored_locally(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Whether a local tier holds (or is writing) each key."""
@@ -195,11 +234,11 @@ class StorageManager:
         for tier in self.lower:
             if not todo:
                 return
-            got = self._guard(tier, tier.batched_get, None, [keys[i] for i in todo])
-            for i, obj in zip(todo, got or (), strict=False):
+            asked = [keys[i] for i in todo]
+            got = self._guard(tier, tier.batched_get, None, asked) or [None] * len(todo)
+            for i, obj in zip(todo, got, strict=True):
                 objs[i] = obj
-                if obj is not None and self.hot is not None:
-                    self.hot.submit_put_task(keys[i], obj)
+            self._promote(asked, got)
             todo = [i for i in todo if objs[i] is None]
 
     # ---- prefetch ---------------------------------------------------------------------------------
@@ -229,9 +268,7 @@ class StorageManager:
         got: list[MemoryObj | None] = [None] * len(keys)
         try:
             got = self._guard(tier, tier.batched_get, None, keys) or got
-            for key, obj in zip(keys, got, strict=True):
-                if obj is not None and self.hot is not None:
-                    self.hot.submit_put_task(key, obj)
+            self._promote(keys, got)
         finally:
             with self._lock:
                 for key, load, obj in zip(keys, loads, got, strict=True):

@@ -186,6 +186,8 @@ def test_concurrent_store_and_retrieve_from_four_threads():
 
 
 class ExplodingConnector(VLLMPagedMemGPUConnectorV2):
+    """Copies one chunk, reports the copy complete, then raises (breaking the on_done contract)."""
+
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
         super().batched_to_gpu(memory_objs[:1], starts[:1], ends[:1], **kwargs)
         raise RuntimeError("injected copy failure")
@@ -205,6 +207,9 @@ def test_error_handling_turns_unexpected_errors_into_misses():
         else:
             with pytest.raises(RuntimeError, match="injected"):
                 engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)
+        assert engine._copies.wait_idle(0)  # nothing left counted in flight
+        hot = engine.storage_manager.hot
+        assert [hot._objs[k].get_ref_count() for k in hot._objs] == [1, 1, 1]  # released once
         engine.memory_allocator.check_integrity()
         engine.close()
 
@@ -250,9 +255,9 @@ def test_engine_start_up_errors_are_clear():
     with pytest.raises(ValueError, match="chunk size"):
         small = LMCacheEngineConfig.from_defaults(chunk_size=128, max_local_cpu_size=0.001)
         LMCacheEngineBuilder.get_or_create("x", small, metadata(), conn)
-    p2p = LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="h:1", distributed_url="h:2",
-                                            max_local_cpu_size=0.001)
-    with pytest.raises(ValueError, match="not available"):
+    p2p = LMCacheEngineConfig.from_defaults(enable_p2p=True, lookup_url="h:1",  # 192.0.2.1: not ours
+                                            distributed_url="192.0.2.1:0", max_local_cpu_size=0.001)
+    with pytest.raises(ValueError, match=r"distributed_url '192\.0\.2\.1:0': cannot serve peers"):
         LMCacheEngineBuilder.get_or_create("y", p2p, metadata(), conn)
     with pytest.raises(ValueError, match="must be > 0"):
         LMCacheEngineBuilder.get_or_create("z", LMCacheEngineConfig.from_defaults(max_local_cpu_size=0),
