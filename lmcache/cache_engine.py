@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.controller import Controller
 from lmcache.gpu_connector import CopyDone, GPUConnectorInterface
 from lmcache.memory_management import (
     MemoryAllocatorInterface,
@@ -137,6 +138,19 @@ class LMCacheEngine:
         self._copies = CopiesInFlight()
         self._closed = False
         self._full_warned = False
+        self.controller: Controller | None = None
+        if config.controller_url is not None:
+            self.controller = self._start_controller(config.controller_url)
+
+    def _start_controller(self, url: str) -> Controller:
+        """The HTTP controller at `url` (tensor-parallel rank r listens on port + r)."""
+        host, _, port = url.rpartition(":")
+        port_no = int(port) + max(self.metadata.worker_id, 0) if int(port) else 0
+        try:
+            return Controller(self, host, port_no)
+        except OSError as e:
+            self.storage_manager.close()
+            raise ValueError(f"controller_url {url!r}: cannot listen on {host}:{port_no}: {e}") from e
 
     # ---- store ----------------------------------------------------------------------------------
 
@@ -277,6 +291,8 @@ class LMCacheEngine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.controller is not None:
+                self.controller.close()
             if not self._copies.wait_idle(CLOSE_TIMEOUT):
                 logger.warning("KV copies still in flight after %.0f s; closing anyway", CLOSE_TIMEOUT)
             self.storage_manager.close()

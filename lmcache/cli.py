@@ -31,6 +31,78 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _controller_call(args: argparse.Namespace) -> int:
+    """One request to an engine's controller; prints the JSON answer (exit 1 on an error)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = args.url or os.environ.get("LMCACHE_CONTROLLER_URL")
+    if not url:
+        raise SystemExit("give --url HOST:PORT (or set LMCACHE_CONTROLLER_URL): the engine's controller_url")
+    base = url if "://" in url else f"http://{url}"
+    body = _request_body(args)
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{base.rstrip('/')}/{args.command}", data=data,
+                                     method="GET" if data is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            print(json.dumps(json.loads(response.read()), indent=2))
+            return 0
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"cannot reach the controller at {base}: {e}", file=sys.stderr)
+    return 1
+
+
+def _request_body(args: argparse.Namespace) -> dict | None:
+    if args.command in ("health", "stats"):
+        return None
+    if args.command == "clear":
+        return {"tier": args.tier}
+    if args.command == "unpin" and args.lease:
+        return {"lease": args.lease}
+    body: dict = {}
+    if args.text is not None:
+        body["text"] = args.text
+    if args.tokens is not None:
+        body["tokens"] = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+    if args.extra_key is not None:
+        body["extra_key"] = args.extra_key
+    if getattr(args, "ttl", None) is not None:
+        body["ttl"] = args.ttl
+    return body
+
+
+def _add_controller_commands(sub: argparse._SubParsersAction) -> None:
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=summary)
+        p.add_argument("--url", help="the engine's controller, HOST:PORT (default: $LMCACHE_CONTROLLER_URL)")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+        p.set_defaults(func=_controller_call)
+        return p
+
+    def prompt(p: argparse.ArgumentParser, required: bool = True) -> None:
+        which = p.add_mutually_exclusive_group(required=required)
+        which.add_argument("--text", help="the prompt as text (tokenized by the engine's tokenizer)")
+        which.add_argument("--tokens", help="the prompt as comma-separated token ids")
+        p.add_argument("--extra-key", help="the request's extra key (e.g. vLLM's cache_salt)")
+
+    command("health", "is the engine's cache working (per tier)")
+    command("stats", "the engine's and tiers' counters")
+    prompt(command("lookup", "how much of a prompt is cached, in which tier and on which peers"))
+    clear = command("clear", "empty a local tier")
+    clear.add_argument("--tier", required=True, choices=("hot", "disk", "all"))
+    pin = command("pin", "keep a prompt's cached prefix cached (until unpinned or --ttl)")
+    prompt(pin)
+    pin.add_argument("--ttl", type=float, help="seconds the pin lasts (default 3600)")
+    unpin = command("unpin", "end a pin (by prompt or by --lease)")
+    prompt(unpin, required=False)
+    unpin.add_argument("--lease", help="the lease id `lmcache pin` printed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache", description="LMCache command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", default=None,
                    help="shared secret clients must present (default: $LMCACHE_AUTH_TOKEN, else none)")
     s.set_defaults(func=_server)
+    _add_controller_commands(sub)
     return parser
 
 

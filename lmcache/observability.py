@@ -50,6 +50,10 @@ class IncidentLog:
         else:
             self._logger.debug("%s still failing: %s", self._what, error)
 
+    @property
+    def failing(self) -> bool:
+        return self._failing
+
     def recover(self) -> None:
         if self._failing:
             self._failing = False

@@ -190,6 +190,10 @@ class LookupService:
             logger.debug("could not drop dead peers %s: %s", dead, e)
         self._peers = [p for p in self._peers if p not in dead]
 
+    @property
+    def healthy(self) -> bool:
+        return not self._incidents.failing
+
     def close(self) -> None:
         """Stop the heartbeat and withdraw this instance's registrations (best effort)."""
         with self._cond:

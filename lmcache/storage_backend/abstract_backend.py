@@ -19,6 +19,9 @@ Primitives and when they are called (by the `StorageManager`):
 - `submit_prefetch_task(key)`: `get_blocking` on a load pool (seed 000's name); returns a Future
   of the object (or None). The storage manager prefers its own batched, joinable loads.
 - `remove(key)`: drop `key`; True if it was there.
+- `clear()`: drop everything this tier holds (local tiers; an operator's request); the count.
+- `healthy()`: False while the tier is failing (e.g. its store is unreachable).
+- `stats()`: the tier's counters and gauges by name (for operators and metrics).
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed` (for tiers that publish what this instance holds, e.g. to peers). Default: nothing.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
@@ -106,6 +109,15 @@ class StorageBackendInterface(abc.ABC):
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get_blocking(k) for k in keys]
+
+    def clear(self) -> int:
+        raise NotImplementedError(f"the {self.name} tier cannot be cleared from here")
+
+    def healthy(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def local_keys_changed(self, added: Sequence[CacheEngineKey],  # noqa: B027 - optional hook
                            removed: Sequence[CacheEngineKey]) -> None:

@@ -105,6 +105,11 @@ class LocalCPUBackend(StorageBackendInterface):
                     return obj
         return None
 
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            used = sum(obj.metadata.phy_size for obj in self._objs.values())
+            return {"chunks": len(self._objs), "bytes_used": used, "evicted": self.num_evicted}
+
     def clear(self) -> int:
         """Drop every object (pinned ones too); returns how many there were."""
         with self.lock:

@@ -166,6 +166,22 @@ class LocalDiskBackend(LowerTierBackend):
                 pass
         self._dropped(stems)
 
+    def stats(self) -> dict[str, float]:
+        with self._index_lock:
+            index = {"files": len(self._index), "bytes_used": self.used_bytes}
+        return {**super().stats(), **index, "evicted": self.num_evicted, "corrupt": self.num_corrupt,
+                "too_large": self.num_too_large}
+
+    def clear(self) -> int:
+        """Finish the writes in flight, then delete every chunk file this tier indexes."""
+        self.puts.flush(self.close_timeout)
+        with self._index_lock:
+            stems = list(self._index)
+            self._index.clear()
+            self.used_bytes = 0
+        self._unlink_all(stems)
+        return len(stems)
+
     def remove(self, key: CacheEngineKey) -> bool:
         stem = self._seen(key)
         self._forget(stem)

@@ -125,6 +125,10 @@ class LowerTierBackend(StorageBackendInterface):
                 return None
             return self._loads.submit(self.get_blocking, key)
 
+    def stats(self) -> dict[str, float]:
+        return {"puts_written": self.puts.num_written, "puts_failed": self.puts.num_failed,
+                "puts_dropped": self.puts.num_dropped, "puts_pending": len(self.puts)}
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -188,6 +188,13 @@ class PeerBackend(StorageBackendInterface):
                     backoff=Backoff(initial=0.05, maximum=1.0))
             return client
 
+    def healthy(self) -> bool:
+        return self.lookup.healthy
+
+    def stats(self) -> dict[str, float]:
+        return {"rejected": self.num_rejected, "skipped": self._peers.num_skipped,
+                "registrations_dropped": self.lookup.num_dropped}
+
     def close(self) -> None:
         self.lookup.close()
         self.server.close()

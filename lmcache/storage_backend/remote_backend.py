@@ -83,6 +83,13 @@ class RemoteBackend(LowerTierBackend):
         """Calls not made because the store was backing off."""
         return self._domains.num_skipped
 
+    def healthy(self) -> bool:
+        return self.available
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "corrupt": self.num_corrupt, "foreign": self.num_foreign,
+                "skipped": self.num_skipped}
+
     @property
     def available(self) -> bool:
         """False while some part of the store is failing (being backed off from)."""

@@ -288,6 +288,27 @@ class StorageManager:
     def release_lease(self, lease_id: str) -> None:
         self.leases.release(lease_id)
 
+    # ---- operations -----------------------------------------------------------------------------
+
+    CLEARABLE = ("hot", "disk", "all")
+
+    def clear(self, which: str) -> dict[str, int]:
+        """Empty local tiers: "hot" (CPU memory), "disk" (the other local tiers) or "all" (every
+        local tier); shared and peer tiers are never cleared from here. Chunks per tier."""
+        if which not in self.CLEARABLE:
+            raise ValueError(f"cannot clear {which!r}: choose one of {list(self.CLEARABLE)}")
+        chosen = [t for t in self.tiers
+                  if t.is_local and (which == "all" or (t is self.hot) == (which == "hot"))]
+        return {t.name: t.clear() for t in chosen}
+
+    def health(self) -> dict[str, bool]:
+        """Whether each tier works (False while its store fails)."""
+        return {t.name: bool(self._guard(t, t.healthy, False)) for t in self.tiers}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Each tier's counters and gauges."""
+        return {t.name: dict(self._guard(t, t.stats, {})) for t in self.tiers}
+
     # ---- single keys (seed 000's per-key API) -------------------------------------------------------
 
     def contains(self, key: CacheEngineKey, search_range: str | Iterable[str] | None = None) -> bool:

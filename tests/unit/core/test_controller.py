@@ -1,0 +1,146 @@
+"""The engine's HTTP controller over real HTTP on loopback, and the `lmcache` commands that wrap it."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from lmcache import cli
+from tests.helpers.paged_kv import PagedKV, build_engine
+
+CHUNK = 8
+CHUNK_BYTES = 2 * 2 * CHUNK * 8 * 2
+
+
+@pytest.fixture
+def served(tmp_path):
+    engine = build_engine(CHUNK, cpu_bytes=6 * CHUNK_BYTES, controller_url="127.0.0.1:0",
+                          local_disk=str(tmp_path), max_local_disk_size=0.01)
+    engine.controller.tokenize = lambda text: [ord(c) for c in text]
+    yield engine, f"http://127.0.0.1:{engine.controller.port}"
+    engine.close()
+
+
+def call(base: str, path: str, body=None, method: str | None = None, raw: bytes | None = None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    method = method or ("GET" if data is None else "POST")
+    request = urllib.request.Request(base + path, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def store(engine, tokens, kv=None):
+    kv = kv or PagedKV(num_blocks=128)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(tokens.shape[0]))
+    engine.storage_manager.backends["LocalDiskBackend"].puts.flush(5)
+    return kv
+
+
+def test_health_and_stats(served):
+    engine, base = served
+    store(engine, torch.arange(24))
+    assert call(base, "/health") == (200, {"status": "ok", "tiers": {"Hot": True, "LocalDiskBackend": True}})
+    status, stats = call(base, "/stats")
+    assert status == 200 and stats["engine"]["stored_tokens"] == 24
+    assert stats["tiers"]["Hot"]["chunks"] == 3 and stats["tiers"]["LocalDiskBackend"]["files"] == 3
+
+
+def test_lookup_by_tokens_and_by_text_per_tier(served):
+    engine, base = served
+    text = "a prompt of thirty-two chars...."
+    ids = torch.tensor([ord(c) for c in text])
+    store(engine, ids[:24])
+    engine.storage_manager.hot.remove(next(iter(engine.storage_manager.hot._objs)))  # chunk 0: disk only
+    expected = {"tokens": 32, "cached_tokens": 24, "tiers": {"Hot": 0, "LocalDiskBackend": 24}, "peers": {}}
+    assert call(base, "/lookup", {"text": text}) == (200, expected)
+    assert call(base, "/lookup", {"tokens": ids.tolist()}) == (200, expected)
+    assert call(base, "/lookup", {"tokens": ids.tolist(), "extra_key": "salt"})[1]["cached_tokens"] == 0
+    engine.controller.tokenize = None
+    status, answer = call(base, "/lookup", {"text": text})
+    assert status == 400 and "no tokenizer" in answer["error"]
+
+
+def test_a_cleared_prefix_misses_afterwards(served):
+    engine, base = served
+    tokens = torch.arange(100, 124)
+    store(engine, tokens)
+    assert call(base, "/clear", {"tier": "hot"}) == (200, {"cleared": {"Hot": 3}})
+    assert engine.lookup(tokens, "Hot") == 0 and engine.lookup(tokens) == 24  # still on disk
+    assert call(base, "/clear", {"tier": "all"}) == (200, {"cleared": {"Hot": 0, "LocalDiskBackend": 3}})
+    assert engine.lookup(tokens) == 0
+    out = PagedKV(num_blocks=128)
+    assert int(engine.retrieve(tokens, kvcaches=out.layers, slot_mapping=out.slots_for(24)).sum()) == 0
+
+
+def test_a_pinned_prefix_survives_hot_tier_pressure(served):
+    engine, base = served
+    kv = PagedKV(num_blocks=128)
+    pinned = torch.arange(200, 216)
+    store(engine, pinned, kv)
+    status, answer = call(base, "/pin", {"tokens": pinned.tolist()})
+    assert status == 200 and answer["pinned_tokens"] == 16
+    for i in range(4):  # the arena holds 6 chunks: storing 12 more must evict
+        store(engine, torch.arange(1000 + 24 * i, 1024 + 24 * i), kv)
+    assert engine.storage_manager.hot.num_evicted > 0 and engine.lookup(pinned, "Hot") == 16
+    assert call(base, "/unpin", {"lease": answer["lease"]}) == (200, {"released": answer["lease"]})
+    for i in range(4):
+        store(engine, torch.arange(2000 + 24 * i, 2024 + 24 * i), kv)
+    assert engine.lookup(pinned, "Hot") == 0
+
+
+@pytest.mark.parametrize("path, body, raw, status, message", [
+    ("/lookup", None, b"{not json", 400, "not valid JSON"),
+    ("/lookup", None, b"[1, 2]", 400, "JSON object"),
+    ("/lookup", {"tokens": [1], "colour": "red"}, None, 400, "unknown field(s) ['colour']"),
+    ("/lookup", {"tokens": [1], "text": "a"}, None, 400, "exactly one of"),
+    ("/lookup", {"tokens": ["a"]}, None, 400, "integer token ids"),
+    ("/lookup", {"tokens": [-1]}, None, 400, "integer token ids"),
+    ("/lookup", {"tokens": []}, None, 400, "empty"),
+    ("/clear", {}, None, 400, "missing field(s) ['tier']"),
+    ("/clear", {"tier": "remote"}, None, 400, "'tier' must be one of"),
+    ("/pin", {"tokens": [1], "ttl": -5}, None, 400, "'ttl'"),
+    ("/unpin", {"lease": 7}, None, 400, "'lease'"),
+    ("/nope", {}, None, 404, "no endpoint /nope"),
+])
+def test_bad_requests_get_a_status_and_a_message(served, path, body, raw, status, message):
+    _, base = served
+    got, answer = call(base, path, body, raw=raw)
+    assert got == status and message in answer["error"]
+
+
+def test_wrong_methods_and_huge_bodies_are_refused(served):
+    _, base = served
+    assert call(base, "/health", {}, method="POST")[0] == 405
+    assert call(base, "/lookup", method="GET")[0] == 405
+    request = urllib.request.Request(base + "/lookup", data=b"{}", method="POST",
+                                     headers={"Content-Length": str(1 << 30)})
+    with pytest.raises((urllib.error.HTTPError, OSError)) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert getattr(err.value, "code", 413) == 413
+
+
+def test_the_command_line_wraps_the_controller(served, capsys):
+    engine, base = served
+    store(engine, torch.arange(300, 316))
+    url = base.removeprefix("http://")
+    assert cli.main(["health", "--url", url]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
+    assert cli.main(["lookup", "--url", url, "--tokens", ",".join(map(str, range(300, 316)))]) == 0
+    assert json.loads(capsys.readouterr().out)["cached_tokens"] == 16
+    assert cli.main(["clear", "--url", url, "--tier", "all"]) == 0
+    assert json.loads(capsys.readouterr().out)["cleared"] == {"Hot": 2, "LocalDiskBackend": 2}
+    assert cli.main(["pin", "--url", url, "--text", "abc", "--ttl", "5"]) == 0
+    lease = json.loads(capsys.readouterr().out)["lease"]
+    assert cli.main(["unpin", "--url", url, "--lease", lease]) == 0
+    capsys.readouterr()
+    assert cli.main(["clear", "--url", url, "--tier", "hot", "--timeout", "5"]) == 0
+    capsys.readouterr()
+    assert cli.main(["health", "--url", "127.0.0.1:1"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
