@@ -117,7 +117,7 @@ def run_config(name: str, prompts: list[list[int]], args: argparse.Namespace, mo
             client = LookupClient([socket_path(engine_id, 0)], timeout=10)
             (stats,) = client.stats()
             client.close()
-            result.engine_stats = stats or {}
+            result.engine_stats = stats["engine"] if stats else {}
     finally:
         llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)

@@ -101,6 +101,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset of connector caches (``LLM.reset_prefix_cache(reset_connector=True)``,
+        ``POST /reset_prefix_cache?reset_external=true``): with `clear_hot_on_reset`, empty the
+        workers' hot tiers (True once every rank confirmed); otherwise LMCache keeps its cache
+        (None: nothing to reset)."""
+        return self.scheduler.reset_cache()
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()

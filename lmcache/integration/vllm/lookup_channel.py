@@ -4,8 +4,13 @@ vLLM runs the scheduler and the workers in separate processes and the hot tier l
 worker, so lookups cross a local IPC channel: ZMQ REQ/REP over ``ipc://`` (pyzmq comes with vLLM).
 
 Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. Commands:
-``{"cmd": "lookup", "lease": id, "extra_key": str|None}`` -> ``{"hit": n}`` (pins the chunks
-counted under the lease), ``{"cmd": "stats"}`` -> engine counters, ``{"cmd": "ping"}``.
+
+- ``{"cmd": "lookup", "lease": id, "extra_key": str|None}`` -> ``{"hit": n}`` (pins the chunks
+  counted under the lease);
+- ``{"cmd": "stats"}`` -> ``{"engine": counters, "tiers": {tier: counters}}``;
+- ``{"cmd": "clear", "tier": "hot"|"disk"|"all"}`` -> ``{"cleared": {tier: chunks}}``;
+- ``{"cmd": "ping"}`` -> ``{}``.
+
 A client call that gets no answer within the timeout, or any error, counts as 0 hits; its socket
 is then replaced (a REQ socket whose reply never came cannot send again). With tensor parallelism
 the scheduler asks every rank and takes the minimum.
@@ -141,6 +146,12 @@ class LookupClient:
                     return 0
                 hits.append(int(reply.get("hit", 0)))
         return min(hits) if hits else 0
+
+    def clear(self, tier: str) -> bool:
+        """Empty `tier` on every rank; False if a rank did not confirm."""
+        with self._lock:
+            replies = [self._ask(i, {"cmd": "clear", "tier": tier}, None) for i in range(len(self.addresses))]
+        return all(r is not None for r in replies)
 
     def stats(self) -> list[dict[str, Any] | None]:
         with self._lock:

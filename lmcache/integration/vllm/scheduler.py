@@ -129,5 +129,10 @@ class LMCacheScheduler:
         loaded = tracked.load_to - tracked.load_from if tracked is not None else 0
         return False, {"lmcache_loaded_tokens": loaded}
 
+    def reset_cache(self) -> bool | None:
+        if not self.config.clear_hot_on_reset:
+            return None
+        return self.client.clear("hot")
+
     def close(self) -> None:
         self.client.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,8 @@ class LMCacheWorker:
         if self.engine.metadata.num_layers != len(tensors):
             raise ValueError(f"vLLM registered {len(tensors)} KV layers, the model has "
                              f"{self.engine.metadata.num_layers}")
+        if self.engine.controller is not None:
+            self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
         logger.info("LMCache engine ready: %d layers, chunk %d, %s, lookups on %s", len(tensors),
@@ -68,7 +71,9 @@ class LMCacheWorker:
                                      extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
             return {"hit": hit}
         if cmd == "stats":
-            return self.engine.stats.snapshot()
+            return {"engine": self.engine.stats.snapshot(), "tiers": self.engine.storage_manager.stats()}
+        if cmd == "clear":
+            return {"cleared": self.engine.storage_manager.clear(str(header.get("tier")))}
         if cmd == "ping":
             return {}
         raise ValueError(f"unknown command {cmd!r}")
@@ -126,6 +131,20 @@ class LMCacheWorker:
             self.server = None
         LMCacheEngineBuilder.destroy(ENGINE_NAME)
         self.engine = None
+
+
+def lazy_tokenizer(name_or_path: str) -> Callable[[str], list[int]]:
+    """The model's tokenizer as a function, loaded on first use (the controller's "text")."""
+    loaded: list[Any] = []
+
+    def tokenize(text: str) -> list[int]:
+        if not loaded:
+            from transformers import AutoTokenizer
+
+            loaded.append(AutoTokenizer.from_pretrained(name_or_path))
+        return list(loaded[0](text, add_special_tokens=False)["input_ids"])
+
+    return tokenize
 
 
 def _layer_index(name: str) -> tuple[int, str]:

@@ -60,7 +60,7 @@ def engine(disk_dir):
 def worker_stats(client):
     (stats,) = client.stats()
     assert stats is not None
-    return stats
+    return stats["engine"]
 
 
 def test_first_and_repeated_requests_match_vllm_without_connector(baseline, engine):

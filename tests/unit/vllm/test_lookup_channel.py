@@ -98,3 +98,32 @@ def test_error_replies_count_as_misses(reply):
     finally:
         client.close()
         server.close()
+
+
+def test_clear_reaches_every_rank_and_reports_a_missing_one():
+    import torch
+
+    from tests.helpers.paged_kv import PagedKV, build_engine
+    from tests.unit.vllm.test_worker_faults import worker_over
+
+    engine = build_engine(8)
+    kv = PagedKV()
+    tokens = torch.arange(16)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    worker = worker_over(engine, kv)
+    a, b = address(), address()
+    server = LookupServer(a, worker._answer)
+    client = LookupClient([a], timeout=2)
+    try:
+        assert engine.lookup(tokens, "Hot") == 16
+        assert client.clear("hot")
+        assert engine.lookup(tokens, "Hot") == 0
+    finally:
+        client.close()
+    partial = LookupClient([a, b], timeout=0.2)  # rank 1 never answers
+    try:
+        assert not partial.clear("hot")
+    finally:
+        partial.close()
+        server.close()
+        engine.close()
