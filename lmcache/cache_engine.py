@@ -38,8 +38,10 @@ from lmcache.memory_management import (
     MemoryFormat,
     MemoryObj,
     MixedMemoryAllocator,
+    release_all,
 )
-from lmcache.observability import EngineStats
+from lmcache.metrics import MetricsServer
+from lmcache.observability import EngineStats, IncidentLog
 from lmcache.storage_backend.storage_manager import StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.utils import CacheEngineKey
@@ -109,13 +111,6 @@ class InFlightCopy:
         return True
 
 
-def _release(objs: list[MemoryObj], error: BaseException | None) -> None:
-    for obj in objs:
-        obj.ref_count_down()
-    if error is not None:
-        logger.error("an asynchronous KV copy into the engine failed: %s", error)
-
-
 class LMCacheEngine:
     def __init__(
         self,
@@ -134,13 +129,30 @@ class LMCacheEngine:
         self.token_database = token_database
         self.gpu_connector = gpu_connector
         self.storage_manager = StorageManager(config, metadata, memory_allocator)
-        self.stats = EngineStats()
+        self.stats = EngineStats(self.storage_manager.stats)
+        self._incidents = IncidentLog(logger, "LMCache engine", with_traceback=True)
+        self._bytes_per_token = 2 * metadata.num_layers * metadata.hidden_dim * metadata.kv_dtype.itemsize
         self._copies = CopiesInFlight()
         self._closed = False
         self._full_warned = False
         self.controller: Controller | None = None
-        if config.controller_url is not None:
-            self.controller = self._start_controller(config.controller_url)
+        self.metrics_server: MetricsServer | None = None
+        try:
+            if config.controller_url is not None:
+                self.controller = self._start_controller(config.controller_url)
+            if config.metrics_port is not None:
+                self.metrics_server = self._start_metrics(config.metrics_host, config.metrics_port)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_metrics(self, host: str, port: int) -> MetricsServer:
+        """Prometheus metrics on `host:port` (tensor-parallel rank r on port + r)."""
+        port_no = port + max(self.metadata.worker_id, 0) if port else 0
+        try:
+            return MetricsServer(self.stats, host, port_no)
+        except OSError as e:
+            raise ValueError(f"metrics_port {port}: cannot listen on {host}:{port_no}: {e}") from e
 
     def _start_controller(self, url: str) -> Controller:
         """The HTTP controller at `url` (tensor-parallel rank r listens on port + r)."""
@@ -149,7 +161,6 @@ class LMCacheEngine:
         try:
             return Controller(self, host, port_no)
         except OSError as e:
-            self.storage_manager.close()
             raise ValueError(f"controller_url {url!r}: cannot listen on {host}:{port_no}: {e}") from e
 
     # ---- store ----------------------------------------------------------------------------------
@@ -162,17 +173,19 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         self.stats.add("store_requests")
+        copied = 0
         try:
-            self._store_chunks(chunks, kwargs)
-        except Exception:
+            copied = self._store_chunks(chunks, kwargs)
+            self._incidents.recover()
+        except Exception as e:
             if not self.config.error_handling:
                 raise
-            self.stats.add("errors")
-            logger.exception("store failed; the KV of this request is not cached")
+            self._failed("store", e)
         finally:
-            self.stats.add_time("store_s", time.perf_counter() - t0)
+            self._observe("store", time.perf_counter() - t0, copied)
 
-    def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> None:
+    def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> int:
+        """Issue the copy of the chunks not cached yet; returns how many tokens it copies."""
         sm = self.storage_manager
         dtype = self.metadata.kv_dtype
         todo: list[tuple[int, int, CacheEngineKey, MemoryObj]] = []
@@ -191,7 +204,7 @@ class LMCacheEngine:
                     break
                 todo.append((start, end, key, obj))
             if not todo:
-                return
+                return 0
             done = self._copies.start([t[2] for t in todo], partial(self._finish_store, todo))
         except BaseException:
             for *_, obj in todo:
@@ -205,6 +218,7 @@ class LMCacheEngine:
                 for *_, obj in todo:
                     obj.ref_count_down()
             raise
+        return sum(end - start for start, end, _, _ in todo)
 
     def _finish_store(self, todo: list[tuple[int, int, CacheEngineKey, MemoryObj]],
                       error: BaseException | None) -> None:
@@ -215,8 +229,7 @@ class LMCacheEngine:
                 self.stats.add("stored_tokens", end - start)
             obj.ref_count_down()
         if error is not None:
-            self.stats.add("errors")
-            logger.error("an asynchronous KV copy out of the engine failed; nothing was stored: %s", error)
+            self._failed("asynchronous store copy", error)
 
     # ---- retrieve -------------------------------------------------------------------------------
 
@@ -237,22 +250,42 @@ class LMCacheEngine:
             objs = self.storage_manager.get_prefix([key for _, _, key in chunks])
             found = [(start, end, obj) for (start, end, _), obj in zip(chunks, objs, strict=False)]
             if found:
-                done = self._copies.start([], partial(_release, [f[2] for f in found]))
+                done = self._copies.start([], partial(self._finish_retrieve, [f[2] for f in found]))
                 self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
                                                   [f[1] for f in found], on_done=done, **kwargs)
             for start, end, _ in found:
                 ret_mask[start:end] = True
             self.stats.add("retrieve_hit_tokens", sum(end - start for start, end, _ in found))
-        except Exception:
+        except Exception as e:
             if done is None or done.abort():
-                _release([f[2] for f in found], None)
+                release_all([f[2] for f in found])
             if not self.config.error_handling:
                 raise
             ret_mask[:] = False  # a failed copy may have written any part: nothing counts as loaded
-            self.stats.add("errors")
-            logger.exception("retrieve failed; the prefix will be recomputed")
-        self.stats.add_time("retrieve_s", time.perf_counter() - t0)
+            self._failed("retrieve", e)
+        else:
+            self._incidents.recover()
+        self._observe("retrieve", time.perf_counter() - t0, int(ret_mask.sum()))
         return ret_mask
+
+    def _finish_retrieve(self, objs: list[MemoryObj], error: BaseException | None) -> None:
+        """The copy into the engine has completed (or failed): the objects may go."""
+        release_all(objs)
+        if error is not None:
+            self._failed("asynchronous retrieve copy", error)
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        """A request the cache could not serve (a miss for the caller): counted in ``errors``,
+        logged once per incident."""
+        self.stats.add("errors")
+        self._incidents.fail(RuntimeError(f"{what}: {type(error).__name__}: {error}").with_traceback(
+            error.__traceback__))
+
+    def _observe(self, op: str, seconds: float, tokens: int) -> None:
+        self.stats.add_time(f"{op}_s", seconds)
+        self.stats.observe(f"{op}_seconds", seconds)
+        if tokens and seconds > 0:
+            self.stats.observe(f"{op}_gbps", tokens * self._bytes_per_token / seconds / 1e9)
 
     # ---- lookup / prefetch ----------------------------------------------------------------------
 
@@ -293,6 +326,8 @@ class LMCacheEngine:
             self._closed = True
             if self.controller is not None:
                 self.controller.close()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             if not self._copies.wait_idle(CLOSE_TIMEOUT):
                 logger.warning("KV copies still in flight after %.0f s; closing anyway", CLOSE_TIMEOUT)
             self.storage_manager.close()

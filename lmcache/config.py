@@ -77,8 +77,10 @@ class LMCacheEngineConfig:
     before it becomes visible: durable across power loss; without it a file torn by a crash is
     still never served, because checksums catch it), `p2p_ttl` (seconds an instance's peer
     registrations outlive its last heartbeat), `controller_url` (``host:port`` of the engine's
-    HTTP controller; None = no controller) and `clear_hot_on_reset` (a serving engine's cache
-    reset, e.g. vLLM's ``/reset_prefix_cache``, also empties the hot tier).
+    HTTP controller; None = no controller), `clear_hot_on_reset` (a serving engine's cache
+    reset, e.g. vLLM's ``/reset_prefix_cache``, also empties the hot tier) and `metrics_port` /
+    `metrics_host` (serve the ``lmcache:`` Prometheus metrics there, for engines outside vLLM,
+    whose metrics appear in vLLM's own ``/metrics``; port 0 = any free port).
 
     Peer-to-peer sharing (`enable_p2p`): `lookup_url` is the Valkey/Redis where instances register
     which chunks they hold, in `remote_url`'s redis-family forms (``redis://``, ``valkey://``,
@@ -115,6 +117,8 @@ class LMCacheEngineConfig:
     p2p_ttl: float = 10.0
     controller_url: str | None = None
     clear_hot_on_reset: bool = False
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -170,6 +174,8 @@ class LMCacheEngineConfig:
                 _check(bool(host) and port.isdigit() and lowest <= int(port) < 65536, name, url,
                        "must be 'host:port' (port 0 = any free port)")
         _check(self.p2p_ttl > 0, "p2p_ttl", self.p2p_ttl, "must be > 0")
+        _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", self.metrics_port,
+               "must be a TCP port (0 = any free port)")
         if self.enable_p2p:
             _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
                    True, "needs lookup_url and distributed_url")

@@ -2,7 +2,7 @@
 a tier, pin a prefix, check health, read counters. JSON in and out.
 
     GET  /health  -> {"status": "ok" | "degraded", "tiers": {tier: works}}
-    GET  /stats   -> {"engine": {counter: value}, "tiers": {tier: {counter: value}}}
+    GET  /stats   -> {"engine": {counter: value}, "tiers": {tier: {"counters": {...}, "gauges": {...}}}}
     POST /lookup  {"tokens": [int, ...] | "text": str, "extra_key"?: str}
                   -> {"tokens": n, "cached_tokens": prefix cached in any tier,
                       "tiers": {tier: prefix cached in that tier alone},
@@ -73,7 +73,7 @@ class Controller:
 
     def stats(self, body: dict[str, Any]) -> dict[str, Any]:
         _fields(body, set())
-        return {"engine": self.engine.stats.snapshot(), "tiers": self.engine.storage_manager.stats()}
+        return self.engine.stats.report()
 
     def lookup(self, body: dict[str, Any]) -> dict[str, Any]:
         _fields(body, {"tokens", "text", "extra_key"})

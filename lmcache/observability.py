@@ -1,44 +1,157 @@
-"""Counters an operator wants to see, and once-per-incident logging."""
+"""Numbers an operator wants to see, and once-per-incident logging.
+
+- `Counters`: named monotonic counters, safe to bump from any thread.
+- `Histogram`: fixed buckets (cumulative counts and sum, for a scrape) plus the observations made
+  since the last `drain` (for shipping to another process, e.g. vLLM's metrics logger).
+- `TierStats`: what one storage tier reports: counters (monotonic) and gauges (current values).
+- `EngineStats`: the one place an engine's numbers are gathered: its own counters, times and
+  histograms, and — read when asked — its tiers' `TierStats`. `interval()` is what changed since
+  the previous call (counter increments, current gauges, new observations) as plain JSON-able
+  data; `metrics.py` turns either view into Prometheus metrics.
+- `IncidentLog`: a failure is logged once per incident (a warning, with the traceback if there is
+  one), then at debug level until the component works again.
+"""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
-from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# seconds, and GB/s, of one store or retrieve
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+THROUGHPUT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+HISTOGRAMS = {"store_seconds": LATENCY_BUCKETS, "retrieve_seconds": LATENCY_BUCKETS,
+              "store_gbps": THROUGHPUT_BUCKETS, "retrieve_gbps": THROUGHPUT_BUCKETS}
 
 
-class EngineStats:
-    """Thread-safe named counters (tokens stored, hit, errors, ...) and time accumulators
-    (seconds spent storing, retrieving; names end in ``_s``)."""
-
+class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-        self._seconds: dict[str, float] = {}
+        self._counts: dict[str, float] = {}
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, name: str, n: float = 1) -> None:
         with self._lock:
-            self._counts[name] += n
+            self._counts[name] = self._counts.get(name, 0) + n
 
-    def add_time(self, name: str, seconds: float) -> None:
+    def get(self, name: str) -> float:
         with self._lock:
-            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
-
-    def get(self, name: str) -> int:
-        return self._counts[name]
+            return self._counts.get(name, 0)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return {**self._counts, **self._seconds}
+            return dict(self._counts)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._new: list[float] = []
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+            self._new.append(value)
+
+    def drain(self) -> list[float]:
+        """The observations since the previous drain."""
+        with self._lock:
+            new, self._new = self._new, []
+            return new
+
+    def cumulative(self) -> tuple[list[int], float]:
+        """Counts of observations <= each bucket bound (and +Inf), and their sum."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        running, out = 0, []
+        for c in counts:
+            running += c
+            out.append(running)
+        return out, total
+
+
+@dataclass
+class TierStats:
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+
+class EngineStats:
+    """`tiers()` reads the storage tiers' numbers (the storage manager's `stats`)."""
+
+    def __init__(self, tiers: Callable[[], Mapping[str, TierStats]] | None = None) -> None:
+        self._tiers = tiers or dict
+        self._counters = Counters()
+        self._seconds = Counters()
+        self.histograms = {name: Histogram(b) for name, b in HISTOGRAMS.items()}
+        self._lock = threading.Lock()
+        self._reported: dict[str, float] = {}  # counter values at the previous `interval`
+
+    def add(self, name: str, n: int = 1) -> None:
+        self._counters.add(name, n)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        self._seconds.add(name, seconds)
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+    def get(self, name: str) -> float:
+        return self._counters.get(name)
+
+    def snapshot(self) -> dict[str, float]:
+        """The engine's own counters and accumulated seconds (names ending in ``_s``)."""
+        return {**self._counters.snapshot(), **self._seconds.snapshot()}
+
+    def tiers(self) -> dict[str, TierStats]:
+        return dict(self._tiers())
+
+    def report(self) -> dict[str, Any]:
+        """Everything as plain data: ``{"engine": counters and seconds, "tiers": {tier:
+        {"counters": ..., "gauges": ...}}}``."""
+        tiers = {name: {"counters": s.counters, "gauges": s.gauges} for name, s in self.tiers().items()}
+        return {"engine": self.snapshot(), "tiers": tiers}
+
+    def counters(self) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """Every counter, cumulative: the engine's, and each tier's by tier name."""
+        return self._counters.snapshot(), {name: s.counters for name, s in self.tiers().items()}
+
+    def interval(self) -> dict[str, Any]:
+        """What happened since the previous call: ``{"counters": {name: increment},
+        "tier_counters": {tier: {name: increment}}, "tier_gauges": {tier: {name: value}},
+        "observations": {histogram: [values]}}`` (zero increments left out)."""
+        engine, tiers = self.counters()
+        gauges = {name: s.gauges for name, s in self.tiers().items()}
+        with self._lock:
+            def delta(key: str, value: float) -> float:
+                previous = self._reported.get(key, 0)
+                self._reported[key] = value
+                return value - previous
+
+            counters = {k: d for k, v in engine.items() if (d := delta(k, v))}
+            tier_counters = {t: {k: d for k, v in c.items() if (d := delta(f"{t}/{k}", v))}
+                             for t, c in tiers.items()}
+        return {"counters": counters, "tier_counters": {t: c for t, c in tier_counters.items() if c},
+                "tier_gauges": gauges,
+                "observations": {n: obs for n, h in self.histograms.items() if (obs := h.drain())}}
 
 
 class IncidentLog:
-    """Logs a failure once per incident: the first `fail` after a `recover` (or the start) warns,
-    repeats are debug-level until the component works again."""
+    """Logs a failure once per incident: the first `fail` after a `recover` (or the start) warns
+    (with the traceback if `with_traceback`: for failures that are bugs, not outages), repeats are
+    debug-level until the component works again."""
 
-    def __init__(self, logger: logging.Logger, what: str) -> None:
+    def __init__(self, logger: logging.Logger, what: str, *, with_traceback: bool = False) -> None:
         self._logger = logger
         self._what = what
+        self._with_traceback = with_traceback
         self._failing = False
         self.incidents = 0
 
@@ -46,7 +159,9 @@ class IncidentLog:
         if not self._failing:
             self._failing = True
             self.incidents += 1
-            self._logger.warning("%s failed (treated as a cache miss): %s", self._what, error)
+            trace = error if self._with_traceback and isinstance(error, BaseException) else None
+            self._logger.warning("%s failed (treated as a cache miss): %s", self._what, error,
+                                 exc_info=trace)
         else:
             self._logger.debug("%s still failing: %s", self._what, error)
 

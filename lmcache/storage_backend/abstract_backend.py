@@ -21,7 +21,7 @@ Primitives and when they are called (by the `StorageManager`):
 - `remove(key)`: drop `key`; True if it was there.
 - `clear()`: drop everything this tier holds (local tiers; an operator's request); the count.
 - `healthy()`: False while the tier is failing (e.g. its store is unreachable).
-- `stats()`: the tier's counters and gauges by name (for operators and metrics).
+- `stats()`: the tier's counters and gauges (`TierStats`, for operators and metrics).
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed` (for tiers that publish what this instance holds, e.g. to peers). Default: nothing.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from lmcache.memory_management import MemoryObj
+from lmcache.observability import TierStats
 from lmcache.utils import CacheEngineKey
 
 if TYPE_CHECKING:
@@ -116,8 +117,8 @@ class StorageBackendInterface(abc.ABC):
     def healthy(self) -> bool:
         return True
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> TierStats:
+        return TierStats()
 
     def local_keys_changed(self, added: Sequence[CacheEngineKey],  # noqa: B027 - optional hook
                            removed: Sequence[CacheEngineKey]) -> None:

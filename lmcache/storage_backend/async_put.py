@@ -44,6 +44,7 @@ class AsyncPutQueue:
         self._closed = False
         self._incidents = IncidentLog(logger, f"asynchronous writes to {name}")
         self.num_written = 0
+        self.num_bytes_written = 0
         self.num_failed = 0
         self.num_dropped = 0
 
@@ -80,6 +81,7 @@ class AsyncPutQueue:
                 self.num_dropped += 1
             elif error is None:
                 self.num_written += 1
+                self.num_bytes_written += obj.get_size()
             else:
                 self.num_failed += 1
             self._idle.notify_all()

@@ -49,7 +49,8 @@ class FailureDomains:
     def call(self, name: str, fn: Callable[[], T], default: T) -> T:
         domain = self._get(name)
         if not domain.backoff.ready():
-            self.num_skipped += 1
+            with self._lock:
+                self.num_skipped += 1
             return default
         try:
             result = fn()

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
+from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import CachePolicy, make_policy
 from lmcache.storage_backend.leases import PinTable
@@ -39,6 +40,7 @@ class LocalCPUBackend(StorageBackendInterface):
         self.pins = pins if pins is not None else PinTable()
         self.lock = threading.RLock()
         self._objs: dict[CacheEngineKey, MemoryObj] = {}
+        self._bytes_used = 0
         self.num_evicted = 0
 
     @classmethod
@@ -62,6 +64,7 @@ class LocalCPUBackend(StorageBackendInterface):
                 return None
             memory_obj.ref_count_up()
             self._objs[key] = memory_obj
+            self._bytes_used += memory_obj.metadata.phy_size
             self.policy.on_insert(key)
         return None
 
@@ -82,6 +85,7 @@ class LocalCPUBackend(StorageBackendInterface):
             obj = self._objs.pop(key, None)
             if obj is None:
                 return False
+            self._bytes_used -= obj.metadata.phy_size
             self.policy.on_remove(key)
         obj.ref_count_down()
         if self.on_removed is not None:
@@ -105,10 +109,10 @@ class LocalCPUBackend(StorageBackendInterface):
                     return obj
         return None
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> TierStats:
         with self.lock:
-            used = sum(obj.metadata.phy_size for obj in self._objs.values())
-            return {"chunks": len(self._objs), "bytes_used": used, "evicted": self.num_evicted}
+            return TierStats({"evicted": self.num_evicted},
+                             {"chunks": len(self._objs), "bytes_used": self._bytes_used})
 
     def clear(self) -> int:
         """Drop every object (pinned ones too); returns how many there were."""

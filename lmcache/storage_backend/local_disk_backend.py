@@ -31,6 +31,7 @@ import xxhash
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj
+from lmcache.observability import TierStats
 from lmcache.storage_backend import disk_file
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
@@ -166,11 +167,12 @@ class LocalDiskBackend(LowerTierBackend):
                 pass
         self._dropped(stems)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> TierStats:
+        base = super().stats()
         with self._index_lock:
-            index = {"files": len(self._index), "bytes_used": self.used_bytes}
-        return {**super().stats(), **index, "evicted": self.num_evicted, "corrupt": self.num_corrupt,
-                "too_large": self.num_too_large}
+            return TierStats({**base.counters, "evicted": self.num_evicted, "corrupt": self.num_corrupt,
+                              "too_large": self.num_too_large},
+                             {**base.gauges, "files": len(self._index), "bytes_used": self.used_bytes})
 
     def clear(self) -> int:
         """Finish the writes in flight, then delete every chunk file this tier indexes."""

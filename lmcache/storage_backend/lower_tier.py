@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmcache.memory_management import MemoryObj, release_all
+from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.async_put import AsyncPutQueue
 from lmcache.storage_backend.serde.serde import AllocateFn
@@ -125,9 +126,11 @@ class LowerTierBackend(StorageBackendInterface):
                 return None
             return self._loads.submit(self.get_blocking, key)
 
-    def stats(self) -> dict[str, float]:
-        return {"puts_written": self.puts.num_written, "puts_failed": self.puts.num_failed,
-                "puts_dropped": self.puts.num_dropped, "puts_pending": len(self.puts)}
+    def stats(self) -> TierStats:
+        q = self.puts
+        return TierStats({"puts_written": q.num_written, "bytes_written": q.num_bytes_written,
+                          "puts_failed": q.num_failed, "puts_dropped": q.num_dropped},
+                         {"puts_pending": len(q)})
 
     def close(self) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from lmcache.backoff import Backoff
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj, release_all
+from lmcache.observability import TierStats
 from lmcache.p2p.lookup_service import LookupService
 from lmcache.p2p.peer_server import PeerServer
 from lmcache.server.client import LMCacheClient
@@ -169,7 +170,8 @@ class PeerBackend(StorageBackendInterface):
             try:
                 self._client(peer).get_many_into(names, read)
             except CorruptBlobError:
-                self.num_rejected += 1
+                with self._lock:
+                    self.num_rejected += 1
                 raise
             return True
 
@@ -191,9 +193,11 @@ class PeerBackend(StorageBackendInterface):
     def healthy(self) -> bool:
         return self.lookup.healthy
 
-    def stats(self) -> dict[str, float]:
-        return {"rejected": self.num_rejected, "skipped": self._peers.num_skipped,
-                "registrations_dropped": self.lookup.num_dropped}
+    def stats(self) -> TierStats:
+        with self._lock:
+            rejected = self.num_rejected
+        return TierStats({"corrupt": rejected, "skipped": self._peers.num_skipped,
+                          "registrations_dropped": self.lookup.num_dropped})
 
     def close(self) -> None:
         self.lookup.close()

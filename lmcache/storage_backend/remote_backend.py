@@ -17,12 +17,14 @@ SET (no EXISTS first: the value for a key never changes, so writing it again is 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj, release_all
+from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
 from lmcache.storage_backend.failure_domains import FailureDomains
@@ -57,6 +59,7 @@ class RemoteBackend(LowerTierBackend):
         super().__init__(allocate, pools)
         self.serde_name = config.remote_serde or "naive"
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self._count_lock = threading.Lock()
         self.num_corrupt = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
 
@@ -86,9 +89,11 @@ class RemoteBackend(LowerTierBackend):
     def healthy(self) -> bool:
         return self.available
 
-    def stats(self) -> dict[str, float]:
-        return {**super().stats(), "corrupt": self.num_corrupt, "foreign": self.num_foreign,
-                "skipped": self.num_skipped}
+    def stats(self) -> TierStats:
+        base = super().stats()
+        with self._count_lock:
+            counts = {"corrupt": self.num_corrupt, "foreign": self.num_foreign}
+        return TierStats({**base.counters, **counts, "skipped": self.num_skipped}, base.gauges)
 
     @property
     def available(self) -> bool:
@@ -172,14 +177,16 @@ class RemoteBackend(LowerTierBackend):
         try:
             return read()
         except ForeignSerdeError:
-            self.num_foreign += 1
+            with self._count_lock:
+                self.num_foreign += 1
             return None
         except CorruptBlobError as e:
             self._drop_corrupt(remote_key, e)
             return None
 
     def _drop_corrupt(self, remote_key: str, error: CorruptBlobError) -> None:
-        self.num_corrupt += 1
+        with self._count_lock:
+            self.num_corrupt += 1
         logger.warning("deleting corrupt remote value %r: %s", remote_key, error)
         self._call(remote_key, lambda: self.connector.delete(remote_key), False)
 

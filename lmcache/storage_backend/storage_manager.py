@@ -33,7 +33,7 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
-from lmcache.observability import IncidentLog
+from lmcache.observability import Counters, IncidentLog, TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -89,6 +89,7 @@ class StorageManager:
         self.hot: LocalCPUBackend | None = hot[0] if hot else None
         self.lower = [t for t in self.tiers if t is not self.hot]
         self._incidents = {t.name: IncidentLog(logger, f"storage tier {t.name}") for t in self.tiers}
+        self._counts = {t.name: Counters() for t in self.tiers}
         self._lock = threading.Lock()
         self._loading: dict[CacheEngineKey, _Load] = {}
         self._loads = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="lmcache-prefetch")
@@ -209,6 +210,7 @@ class StorageManager:
             if self.hot is not None:
                 for i, key in enumerate(keys):
                     objs[i] = self.hot.get_blocking(key)
+                self._served(self.hot, objs)
             joined: dict[int, _Load] = {}
             with self._lock:
                 for i, key in enumerate(keys):
@@ -238,6 +240,7 @@ class StorageManager:
             got = self._guard(tier, tier.batched_get, None, asked) or [None] * len(todo)
             for i, obj in zip(todo, got, strict=True):
                 objs[i] = obj
+            self._served(tier, got)
             self._promote(asked, got)
             todo = [i for i in todo if objs[i] is None]
 
@@ -268,6 +271,7 @@ class StorageManager:
         got: list[MemoryObj | None] = [None] * len(keys)
         try:
             got = self._guard(tier, tier.batched_get, None, keys) or got
+            self._served(tier, got)
             self._promote(keys, got)
         finally:
             with self._lock:
@@ -305,9 +309,21 @@ class StorageManager:
         """Whether each tier works (False while its store fails)."""
         return {t.name: bool(self._guard(t, t.healthy, False)) for t in self.tiers}
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Each tier's counters and gauges."""
-        return {t.name: dict(self._guard(t, t.stats, {})) for t in self.tiers}
+    def stats(self) -> dict[str, TierStats]:
+        """Each tier's counters and gauges, with what this manager counts for it: ``hits``
+        (chunks served), ``bytes_read`` and ``failures`` (calls that failed: misses)."""
+        out = {}
+        for tier in self.tiers:
+            own = self._guard(tier, tier.stats, None) or TierStats()
+            out[tier.name] = TierStats({**own.counters, **self._counts[tier.name].snapshot()}, own.gauges)
+        return out
+
+    def _served(self, tier: StorageBackendInterface, objs: Sequence[MemoryObj | None]) -> None:
+        found = [o for o in objs if o is not None]
+        if found:
+            counts = self._counts[tier.name]
+            counts.add("hits", len(found))
+            counts.add("bytes_read", sum(o.get_size() for o in found))
 
     # ---- single keys (seed 000's per-key API) -------------------------------------------------------
 
@@ -334,6 +350,7 @@ class StorageManager:
         try:
             result = fn(*args)
         except Exception as e:  # noqa: BLE001 - any tier fault is a miss
+            self._counts[tier.name].add("failures")
             self._incidents[tier.name].fail(e)
             return default
         self._incidents[tier.name].recover()

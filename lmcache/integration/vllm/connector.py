@@ -9,7 +9,8 @@ vLLM builds this class twice, in different processes: with the SCHEDULER role in
 (`scheduler.LMCacheScheduler` does that side's work) and with the WORKER role in each worker
 (`worker.LMCacheWorker`). Both parse the LMCache config, so a bad `kv_connector_extra_config` fails
 at start-up with a ValueError naming the field. Loads are synchronous and happen before the forward;
-saves happen after it; per-layer hooks have nothing to do.
+saves happen after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
+through vLLM's connector-metrics hooks into vLLM's own ``/metrics`` (`integration.vllm.metrics`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+)
 
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
+from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.utils import lmcache_config_from_vllm
 
 if TYPE_CHECKING:
@@ -86,6 +93,21 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    # ---- metrics (see `integration.vllm.metrics`) ------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.stats_interval() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return LMCacheKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[PromMetric], type[Any]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return LMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. 
 
 - ``{"cmd": "lookup", "lease": id, "extra_key": str|None}`` -> ``{"hit": n}`` (pins the chunks
   counted under the lease);
-- ``{"cmd": "stats"}`` -> ``{"engine": counters, "tiers": {tier: counters}}``;
+- ``{"cmd": "stats"}`` -> ``EngineStats.report()``: ``{"engine": ..., "tiers": ...}``;
 - ``{"cmd": "clear", "tier": "hot"|"disk"|"all"}`` -> ``{"cleared": {tier: chunks}}``;
 - ``{"cmd": "ping"}`` -> ``{}``.
 

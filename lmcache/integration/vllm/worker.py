@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +26,12 @@ from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
+from lmcache.integration.vllm.metrics import INTERVAL, LMCacheKVConnectorStats
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine
+from lmcache.metrics import rank_payload
+from lmcache.observability import IncidentLog
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ class LMCacheWorker:
         self.kvcaches: list[Any] = []
         self.server: LookupServer | None = None
         self._load_errors: set[int] = set()
+        self._incidents = IncidentLog(logger, "LMCache vLLM worker", with_traceback=True)
+        self._reported_at = 0.0
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -71,7 +77,7 @@ class LMCacheWorker:
                                      extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
             return {"hit": hit}
         if cmd == "stats":
-            return {"engine": self.engine.stats.snapshot(), "tiers": self.engine.storage_manager.stats()}
+            return self.engine.stats.report()
         if cmd == "clear":
             return {"cleared": self.engine.storage_manager.clear(str(header.get("tier")))}
         if cmd == "ping":
@@ -96,15 +102,18 @@ class LMCacheWorker:
         assert self.engine is not None
         try:
             valid = load_plan(self.engine, self.kvcaches, plan, self.block_size)
-        except Exception:
-            logger.exception("request %s: loading its cached prefix failed", plan.req_id)
+            self._incidents.recover()
+        except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
+            self._failed(f"loading request {plan.req_id}'s cached prefix", e)
             valid = plan.load_from
         if valid < plan.load_to:
             bs = self.block_size
             first = max(valid, plan.load_from) // bs
-            self._load_errors.update(plan.block_ids[first : -(-plan.load_to // bs)])
-            logger.info("request %s: loaded %d of %d planned tokens; vLLM recomputes the rest",
-                        plan.req_id, max(valid - plan.load_from, 0), plan.load_to - plan.load_from)
+            blocks = plan.block_ids[first : -(-plan.load_to // bs)]
+            self._load_errors.update(blocks)
+            self.engine.stats.add("load_error_blocks", len(blocks))
+            logger.debug("request %s: loaded %d of %d planned tokens; vLLM recomputes the rest",
+                         plan.req_id, max(valid - plan.load_from, 0), plan.load_to - plan.load_from)
         return valid
 
     def save(self, plan: RequestPlan) -> None:
@@ -112,8 +121,26 @@ class LMCacheWorker:
         assert self.engine is not None
         try:
             save_plan(self.engine, self.kvcaches, plan, self.block_size)
-        except Exception:
-            logger.exception("request %s: storing its KV failed", plan.req_id)
+            self._incidents.recover()
+        except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
+            self._failed(f"storing request {plan.req_id}'s KV", e)
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """A request the cache could not serve: counted in the engine's ``errors``, logged once
+        per incident (with the traceback)."""
+        assert self.engine is not None
+        self.engine.stats.add("errors")
+        self._incidents.fail(RuntimeError(f"{what}: {type(error).__name__}: {error}").with_traceback(
+            error.__traceback__))
+
+    def stats_interval(self) -> LMCacheKVConnectorStats | None:
+        """What the engine counted since the last report, at most every `metrics.INTERVAL` s."""
+        now = time.monotonic()
+        if self.engine is None or now - self._reported_at < INTERVAL:
+            return None
+        self._reported_at = now
+        stats = LMCacheKVConnectorStats(data=rank_payload(self.engine.stats, self.rank))
+        return None if stats.is_empty() else stats
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.engine is not None:

@@ -46,13 +46,13 @@ def test_an_instance_loads_a_document_another_instance_served(tmp_path):
         client = LookupClient([socket_path(b_transfer["engine_id"], 0)], timeout=10)
         (stats,) = client.stats()
         assert stats is not None and stats["engine"]["retrieve_hit_tokens"] >= 256
-        assert stats["tiers"]["Hot"]["chunks"] > 0  # what b pulled (and computed) is now b's too
+        assert stats["tiers"]["Hot"]["gauges"]["chunks"] > 0  # what b pulled (and computed) is now b's too
 
         # vLLM's reset of connector caches too (HTTP: /reset_prefix_cache?reset_external=true); with
         # clear_hot_on_reset, b's own copies go, a still has them
         assert b.reset_prefix_cache(reset_connector=True)
         (stats,) = client.stats()
-        assert stats is not None and stats["tiers"]["Hot"]["chunks"] == 0
+        assert stats is not None and stats["tiers"]["Hot"]["gauges"]["chunks"] == 0
         again = greedy(b, DOC)
         assert again.outputs[0].text == expected and again.kv_transfer_params["lmcache_loaded_tokens"] >= 256
         client.close()

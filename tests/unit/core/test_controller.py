@@ -49,7 +49,9 @@ def test_health_and_stats(served):
     assert call(base, "/health") == (200, {"status": "ok", "tiers": {"Hot": True, "LocalDiskBackend": True}})
     status, stats = call(base, "/stats")
     assert status == 200 and stats["engine"]["stored_tokens"] == 24
-    assert stats["tiers"]["Hot"]["chunks"] == 3 and stats["tiers"]["LocalDiskBackend"]["files"] == 3
+    tiers = stats["tiers"]
+    assert tiers["Hot"]["gauges"]["chunks"] == 3 and tiers["LocalDiskBackend"]["gauges"]["files"] == 3
+    assert tiers["LocalDiskBackend"]["counters"]["bytes_written"] == 3 * CHUNK_BYTES
 
 
 def test_lookup_by_tokens_and_by_text_per_tier(served):

@@ -1,0 +1,90 @@
+"""LMCache's metrics inside vLLM, through vLLM's own connector-metrics hooks.
+
+- Each worker's connector returns an `LMCacheKVConnectorStats` from `get_kv_connector_stats`
+  (at most every `INTERVAL` seconds): what its engine counted since the last time
+  (`metrics.rank_payload`).
+- vLLM adds those up over workers and intervals (`aggregate`), logs `reduce()`'s summary with its
+  periodic stats, and hands the sum to `LMCachePromMetrics.observe` in the process that serves
+  ``/metrics``: counters increase, gauges (summed over ranks) are set, histograms observe. Metric
+  names are `lmcache.metrics`'; labels are vLLM's (model name, engine index) plus ``tier`` for the
+  tier metrics. Metrics are created the first time a name is seen.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+)
+
+from lmcache.metrics import doc, engine_metric, merge_intervals, summed_gauges, tier_metric
+from lmcache.observability import HISTOGRAMS
+
+INTERVAL = 1.0  # seconds between a worker's reports
+
+
+@dataclass
+class LMCacheKVConnectorStats(KVConnectorStats):
+    """`data` is an interval payload (see `lmcache.metrics`)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge_intervals(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data.get("counters", {}))
+        for name, values in self.data.get("observations", {}).items():
+            if values:
+                out[f"{name}_median"] = round(statistics.median(values), 4)
+        return out
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (d.get("counters") or d.get("tier_counters") or d.get("observations")
+                    or d.get("gauges_by_rank"))
+
+
+class LMCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[Any]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        histogram_cls: Any = self._histogram_cls
+        for name, buckets in HISTOGRAMS.items():
+            self._metrics[name] = histogram_cls(name=engine_metric(name), documentation=doc(name),
+                                                labelnames=labelnames, buckets=list(buckets))
+
+    def _metric(self, kind: type, full_name: str, documentation: str, tier: bool) -> Any:
+        metric = self._metrics.get(full_name)
+        if metric is None:
+            cls = self._counter_cls if kind is Counter else self._gauge_cls
+            labels = [*self._labelnames, "tier"] if tier else self._labelnames
+            metric = self._metrics[full_name] = cls(name=full_name, documentation=documentation,
+                                                    labelnames=labels)
+        return metric
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, n in transfer_stats_data.get("counters", {}).items():
+            self._metric(Counter, engine_metric(name), doc(name), False).labels(*labels).inc(n)
+        for tier, counters in transfer_stats_data.get("tier_counters", {}).items():
+            for name, n in counters.items():
+                metric = self._metric(Counter, tier_metric(name), doc("tier_" + name), True)
+                metric.labels(*labels, tier).inc(n)
+        for tier, gauges in summed_gauges(transfer_stats_data).items():
+            for name, value in gauges.items():
+                metric = self._metric(Gauge, tier_metric(name), doc("tier_" + name), True)
+                metric.labels(*labels, tier).set(value)
+        for name, values in transfer_stats_data.get("observations", {}).items():
+            histogram: Histogram = self._metrics[name]
+            for value in values:
+                histogram.labels(*labels).observe(value)

@@ -1,0 +1,153 @@
+"""The engine's numbers as Prometheus metrics: the stats object, the standalone exporter, the
+vLLM stats and Prometheus classes, and once-per-incident logging of failed requests."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmcache.metrics import merge_intervals, rank_payload
+from lmcache.observability import EngineStats, TierStats
+from tests.helpers.paged_kv import PagedKV, build_engine
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_interval_reports_increments_once_and_current_gauges():
+    tiers = {"Hot": TierStats({"evicted": 2}, {"bytes_used": 100})}
+    stats = EngineStats(lambda: tiers)
+    stats.add("stored_tokens", 5)
+    stats.observe("store_seconds", 0.01)
+    first = stats.interval()
+    assert first["counters"] == {"stored_tokens": 5} and first["tier_counters"] == {"Hot": {"evicted": 2}}
+    assert first["tier_gauges"] == {"Hot": {"bytes_used": 100}}
+    assert first["observations"] == {"store_seconds": [0.01]}
+    tiers["Hot"] = TierStats({"evicted": 3}, {"bytes_used": 50})
+    stats.add("stored_tokens", 1)
+    second = stats.interval()
+    assert second["counters"] == {"stored_tokens": 1} and second["tier_counters"] == {"Hot": {"evicted": 1}}
+    assert second["observations"] == {}
+
+
+def test_counters_are_exact_under_concurrent_updates():
+    stats = EngineStats()
+
+    def bump():
+        for _ in range(20000):
+            stats.add("lookup_requests")
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stats.get("lookup_requests") == 80000
+
+
+def test_merge_adds_counters_keeps_each_ranks_latest_gauges_and_joins_observations():
+    a = {"counters": {"x": 1}, "tier_counters": {"Hot": {"hits": 2}},
+         "gauges_by_rank": {"0": {"Hot": {"b": 1}}}, "observations": {"store_seconds": [0.1]}}
+    b = {"counters": {"x": 2, "y": 1}, "tier_counters": {"Hot": {"hits": 1}},
+         "gauges_by_rank": {"0": {"Hot": {"b": 5}}, "1": {"Hot": {"b": 7}}},
+         "observations": {"store_seconds": [0.2]}}
+    m = merge_intervals(a, b)
+    assert m["counters"] == {"x": 3, "y": 1} and m["tier_counters"] == {"Hot": {"hits": 3}}
+    assert m["gauges_by_rank"] == {"0": {"Hot": {"b": 5}}, "1": {"Hot": {"b": 7}}}
+    assert m["observations"] == {"store_seconds": [0.1, 0.2]} and a["counters"] == {"x": 1}  # a untouched
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = build_engine(8, metrics_port=0, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    yield e
+    e.close()
+
+
+def use(engine, n_tokens=24):
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (n_tokens,))
+    slots = kv.slots_for(n_tokens)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    engine.storage_manager.backends["LocalDiskBackend"].puts.flush(5)
+    assert engine.lookup(tokens) == n_tokens
+    engine.retrieve(tokens, kvcaches=kv.empty_like().layers, slot_mapping=slots)
+
+
+def test_the_standalone_exporter_serves_every_counter_gauge_and_histogram(engine):
+    use(engine)
+    got = scrape(engine.metrics_server.port)
+    chunk = 2 * 2 * 8 * 8 * 2
+    assert got[("lmcache:stored_tokens_total", ())] == 24
+    assert got[("lmcache:lookup_hit_tokens_total", ())] == 24
+    assert got[("lmcache:retrieve_hit_tokens_total", ())] == 24
+    assert got[("lmcache:tier_hits_total", (("tier", "Hot"),))] == 3
+    assert got[("lmcache:tier_bytes_read_total", (("tier", "Hot"),))] == 3 * chunk
+    assert got[("lmcache:tier_bytes_written_total", (("tier", "LocalDiskBackend"),))] == 3 * chunk
+    assert got[("lmcache:tier_bytes_used", (("tier", "LocalDiskBackend"),))] > 3 * chunk
+    assert got[("lmcache:tier_bytes_used", (("tier", "Hot"),))] == 3 * 512
+    assert got[("lmcache:retrieve_seconds_count", ())] == 1 and got[("lmcache:store_gbps_count", ())] == 1
+    _, tiers = engine.stats.counters()
+    for tier, counters in tiers.items():  # no counter left unread
+        for name in counters:
+            assert (f"lmcache:tier_{name}_total", (("tier", tier),)) in got
+
+
+def test_vllm_stats_and_prometheus_classes_record_what_the_engine_counted(engine):
+    pytest.importorskip("vllm")
+    from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, registry=registry, **kwargs)
+        return Bound
+
+    use(engine)
+    rank0 = LMCacheKVConnectorStats(data=rank_payload(engine.stats, 0))
+    hot_then = engine.stats.tiers()["Hot"].gauges["bytes_used"]
+    use(engine)
+    rank1 = LMCacheKVConnectorStats(data=rank_payload(engine.stats, 1))
+    total = rank0.aggregate(rank1)
+    assert not total.is_empty() and total.reduce()["stored_tokens"] == 48
+    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    prom = LMCachePromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["smol", "0"]})
+    prom.observe(total.data, 0)
+    labels = {"model_name": "smol", "engine": "0"}
+    assert registry.get_sample_value("lmcache:stored_tokens_total", labels) == 48
+    assert registry.get_sample_value("lmcache:tier_hits_total", {**labels, "tier": "Hot"}) == 6
+    hot_now = engine.stats.tiers()["Hot"].gauges["bytes_used"]
+    hot_metric = registry.get_sample_value("lmcache:tier_bytes_used", {**labels, "tier": "Hot"})
+    assert hot_metric == hot_then + hot_now  # the ranks' gauges add up
+    assert registry.get_sample_value("lmcache:retrieve_seconds_count", labels) == 2
+    assert LMCacheKVConnectorStats(data={}).is_empty()
+
+
+def test_failed_requests_are_counted_and_logged_once_per_incident(caplog):
+    engine = build_engine(8, error_handling=True)
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (16,))
+    slots = kv.slots_for(16)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # kvcaches of the wrong layer count: every retrieve fails
+            assert int(engine.retrieve(tokens, kvcaches=kv.layers[:1], slot_mapping=slots).sum()) == 0
+        engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)  # works again
+        engine.retrieve(tokens, kvcaches=kv.layers[:1], slot_mapping=slots)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "LMCache engine" in r.getMessage()]
+    assert engine.stats.get("errors") == 4 and len(warnings) == 2
+    assert warnings[0].exc_info is not None  # the first of an incident carries the traceback
+    engine.close()
