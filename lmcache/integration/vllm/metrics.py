@@ -1,8 +1,8 @@
 """LMCache's metrics inside vLLM, through vLLM's own connector-metrics hooks.
 
 - Each worker's connector returns an `LMCacheKVConnectorStats` from `get_kv_connector_stats`
-  (at most every `INTERVAL` seconds): what its engine counted since the last time
-  (`metrics.rank_payload`).
+  (vLLM asks after every step): what its engine counted since the last time
+  (`metrics.rank_payload`), or None when nothing changed.
 - vLLM adds those up over workers and intervals (`aggregate`), logs `reduce()`'s summary with its
   periodic stats, and hands the sum to `LMCachePromMetrics.observe` in the process that serves
   ``/metrics``: counters increase, gauges (summed over ranks) are set, histograms observe. Metric
@@ -25,8 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from lmcache.metrics import doc, engine_metric, merge_intervals, summed_gauges, tier_metric
 from lmcache.observability import HISTOGRAMS
-
-INTERVAL = 1.0  # seconds between a worker's reports
 
 
 @dataclass

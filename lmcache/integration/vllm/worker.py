@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
-from lmcache.integration.vllm.metrics import INTERVAL, LMCacheKVConnectorStats
+from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine
@@ -47,7 +46,7 @@ class LMCacheWorker:
         self.server: LookupServer | None = None
         self._load_errors: set[int] = set()
         self._incidents = IncidentLog(logger, "LMCache vLLM worker", with_traceback=True)
-        self._reported_at = 0.0
+        self._reported_gauges: dict[str, Any] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -134,13 +133,17 @@ class LMCacheWorker:
             error.__traceback__))
 
     def stats_interval(self) -> LMCacheKVConnectorStats | None:
-        """What the engine counted since the last report, at most every `metrics.INTERVAL` s."""
-        now = time.monotonic()
-        if self.engine is None or now - self._reported_at < INTERVAL:
+        """What the engine counted since the last report (vLLM asks after every step); None when
+        nothing changed."""
+        if self.engine is None:
             return None
-        self._reported_at = now
-        stats = LMCacheKVConnectorStats(data=rank_payload(self.engine.stats, self.rank))
-        return None if stats.is_empty() else stats
+        payload = rank_payload(self.engine.stats, self.rank)
+        gauges = payload["gauges_by_rank"]
+        if not (payload["counters"] or payload["tier_counters"] or payload["observations"]) \
+                and gauges == self._reported_gauges:
+            return None
+        self._reported_gauges = gauges
+        return LMCacheKVConnectorStats(data=payload)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.engine is not None:
