@@ -77,6 +77,7 @@ class StorageManager:
         self.allocator = allocator
         self.pins = PinTable()
         self.leases = LeaseTable(self.pins)
+        # empty until the tiers exist: a tier may report dropped keys while it starts up
         self.tiers: list[StorageBackendInterface] = []
         self._listeners: list[StorageBackendInterface] = []
         self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins,
