@@ -4,7 +4,8 @@
  * elements. Threads: work is split over independent pieces with dynamic scheduling, and only when
  * there is enough of it (PARALLEL_MIN_BYTES): a parallel region waits for its slowest thread, so
  * small copies on a busy machine are faster on one thread.
- * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter).
+ * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter). Both take all chunks of
+ * a request in one call; a negative slot is an error when gathering and skipped when scattering.
  * Both return 0, or -1 if a slot is out of range (nothing is copied then).
  */
 #include <stdint.h>
@@ -24,36 +25,43 @@ static int threads_for(int64_t bytes, int nthreads) {
  * chunks: chunk c covers slots[chunk_starts[c] .. chunk_starts[c+1]) and its blob (at
  * chunk_bufs[c]) holds source s's rows at s * n_c * row_bytes. Within a chunk the slots are cut
  * into runs of consecutive ids and each run moves with one memcpy, so a block-aligned slot mapping
- * copies whole blocks (or more) at a time; the whole batch is one parallel region. */
+ * copies whole blocks (or more) at a time; the whole batch is one parallel region. Negative slots
+ * are rejected when gathering and skipped when scattering (tokens the engine already holds). */
 int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
                    const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
                    int64_t n_chunks, int64_t row_bytes, int direction, int nthreads) {
     int64_t n_tokens = chunk_starts[n_chunks];
     if (n_tokens <= 0) return 0;
     for (int64_t t = 0; t < n_tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    int64_t *run_start = (int64_t *)malloc(sizeof(int64_t) * (n_tokens + 1));
+        if (slots[t] >= num_slots || (slots[t] < 0 && direction == 0)) return -1;
+    int64_t *run_start = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
+    int64_t *run_len = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
     int64_t *run_chunk = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
-    if (!run_start || !run_chunk) {
+    if (!run_start || !run_len || !run_chunk) {
         free(run_start);
+        free(run_len);
         free(run_chunk);
         return -2;
     }
     int64_t n_runs = 0;
     for (int64_t c = 0; c < n_chunks; c++)
-        for (int64_t t = chunk_starts[c]; t < chunk_starts[c + 1]; t++)
-            if (t == chunk_starts[c] || slots[t] != slots[t - 1] + 1) {
-                run_chunk[n_runs] = c;
-                run_start[n_runs++] = t;
+        for (int64_t t = chunk_starts[c]; t < chunk_starts[c + 1]; t++) {
+            if (slots[t] < 0) continue;
+            if (t > chunk_starts[c] && slots[t - 1] >= 0 && slots[t] == slots[t - 1] + 1) {
+                run_len[n_runs - 1]++;
+                continue;
             }
-    run_start[n_runs] = n_tokens;
+            run_chunk[n_runs] = c;
+            run_start[n_runs] = t;
+            run_len[n_runs++] = 1;
+        }
 
     int64_t total = n_src * n_runs;
     int nt = threads_for(n_src * n_tokens * row_bytes, nthreads);
     #pragma omp parallel for schedule(dynamic, 16) num_threads(nt) if (nt > 1)
     for (int64_t w = 0; w < total; w++) {
         int64_t s = w / n_runs, r = w % n_runs, c = run_chunk[r];
-        int64_t t0 = run_start[r], len = run_start[r + 1] - t0;
+        int64_t t0 = run_start[r], len = run_len[r];
         int64_t chunk_len = chunk_starts[c + 1] - chunk_starts[c];
         char *paged = (char *)(uintptr_t)paged_ptrs[s] + slots[t0] * row_bytes;
         char *flat = (char *)(uintptr_t)chunk_bufs[c]
@@ -62,6 +70,7 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
         else memcpy(paged, flat, len * row_bytes);
     }
     free(run_start);
+    free(run_len);
     free(run_chunk);
     return 0;
 }
@@ -83,19 +92,24 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
     } while (0)
 
 static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, int64_t n, uint32_t *blob, int direction,
-                                int nt) {
+                                const int64_t *slots, const int64_t *chunk_starts,
+                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
     int64_t row = H * hs;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t h = 0; h < H; h++) {
-            for (int64_t i = 0; i < n; i++) {
-                int64_t s = slots[i];
-                if (s < 0) continue;
-                uint32_t *slab = (uint32_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                uint32_t *k = blob + (l * n + i) * row + h * hs;
-                uint32_t *v = blob + ((L + l) * n + i) * row + h * hs;
-                COPY_ONE_TOKEN(uint32_t, slab, bs, hs, s % bs, k, v, direction);
+            for (int64_t c = 0; c < n_chunks; c++) {
+                const int64_t *cs = slots + chunk_starts[c];
+                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+                uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
+                for (int64_t i = 0; i < n; i++) {
+                    int64_t s = cs[i];
+                    if (s < 0) continue;
+                    uint32_t *slab = (uint32_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
+                    uint32_t *k = blob + (l * n + i) * row + h * hs;
+                    uint32_t *v = blob + ((L + l) * n + i) * row + h * hs;
+                    COPY_ONE_TOKEN(uint32_t, slab, bs, hs, s % bs, k, v, direction);
+                }
             }
         }
     }
@@ -143,55 +157,63 @@ static int eight_consecutive(const int64_t *slots, int64_t i, int64_t n, int64_t
 }
 
 static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, int64_t n, uint16_t *blob, int direction,
-                                int nt) {
+                                const int64_t *slots, const int64_t *chunk_starts,
+                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
     int64_t row = H * hs;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t h = 0; h < H; h++) {
-            for (int64_t i = 0; i < n;) {
-                int64_t s = slots[i];
-                if (s < 0) {
-                    i++;
-                    continue;
-                }
-                uint16_t *slab = (uint16_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                uint16_t *k = blob + (l * n + i) * row + h * hs;
-                uint16_t *v = blob + ((L + l) * n + i) * row + h * hs;
-#if defined(__SSE2__)
-                if (hs % 8 == 0 && eight_consecutive(slots, i, n, bs)) {
-                    int64_t o = s % bs;
-                    k_tile_u16(slab, bs, hs, o, k, row, direction);
-                    for (int q = 0; q < 8; q++) {
-                        uint16_t *pv = slab + bs * hs + (o + q) * hs;
-                        if (direction == 0) memcpy(v + q * row, pv, hs * sizeof(uint16_t));
-                        else memcpy(pv, v + q * row, hs * sizeof(uint16_t));
+            for (int64_t c = 0; c < n_chunks; c++) {
+                const int64_t *cs = slots + chunk_starts[c];
+                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+                uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
+                for (int64_t i = 0; i < n;) {
+                    int64_t s = cs[i];
+                    if (s < 0) {
+                        i++;
+                        continue;
                     }
-                    i += 8;
-                    continue;
-                }
+                    uint16_t *slab = (uint16_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
+                    uint16_t *k = blob + (l * n + i) * row + h * hs;
+                    uint16_t *v = blob + ((L + l) * n + i) * row + h * hs;
+#if defined(__SSE2__)
+                    if (hs % 8 == 0 && eight_consecutive(cs, i, n, bs)) {
+                        int64_t o = s % bs;
+                        k_tile_u16(slab, bs, hs, o, k, row, direction);
+                        for (int q = 0; q < 8; q++) {
+                            uint16_t *pv = slab + bs * hs + (o + q) * hs;
+                            if (direction == 0) memcpy(v + q * row, pv, hs * sizeof(uint16_t));
+                            else memcpy(pv, v + q * row, hs * sizeof(uint16_t));
+                        }
+                        i += 8;
+                        continue;
+                    }
 #endif
-                COPY_ONE_TOKEN(uint16_t, slab, bs, hs, s % bs, k, v, direction);
-                i++;
+                    COPY_ONE_TOKEN(uint16_t, slab, bs, hs, s % bs, k, v, direction);
+                    i++;
+                }
             }
         }
     }
 }
 
+/* A batch of chunks, as in lmc_paged_copy: chunk c covers slots[chunk_starts[c] ..
+ * chunk_starts[c+1]) and its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. */
 int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
                         int64_t heads, int64_t head_size, int64_t block_size, int64_t elem,
-                        const int64_t *slots, int64_t n_tokens, char *blob, int direction,
-                        int nthreads) {
+                        const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
+                        int64_t n_chunks, int direction, int nthreads) {
+    int64_t n_tokens = chunk_starts[n_chunks];
     for (int64_t t = 0; t < n_tokens; t++)
         if (slots[t] >= num_blocks * block_size || (direction == 0 && slots[t] < 0)) return -1;
     int nt = threads_for(2 * n_layers * n_tokens * heads * head_size * elem, nthreads);
     char *const *layers = (char *const *)layer_ptrs;
     if (elem == 2)
-        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, n_tokens,
-                            (uint16_t *)blob, direction, nt);
+        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
+                            chunk_bufs, n_chunks, direction, nt);
     else if (elem == 4)
-        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, n_tokens,
-                            (uint32_t *)blob, direction, nt);
+        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
+                            chunk_bufs, n_chunks, direction, nt);
     else
         return -3;
     return 0;
