@@ -19,8 +19,9 @@ On CUDA the copy is asynchronous and ordered by events, never by host synchronis
 
 Staging memory is bounded by `staging_bytes`: a ring of ``staging_bytes // slot size`` slots (at
 least 2); reusing a slot waits (on the device) for the event of its previous use. On other devices
-(CPU when forced with ``LMCACHE_STAGED_COPY=1``) the same pieces, staging and kernels run
-synchronously, which is how CI checks this path bit for bit against the native one.
+(CPU when forced with ``LMCACHE_STAGED_COPY=1``) the same issuing code runs with `HostOrdering`:
+every step completes in order before the next, `on_done` runs before `copy` returns, and CI checks
+the result bit for bit against the native path.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from typing import Any
 import torch
 
 from lmcache.gpu_connector.batched import CopyRequest
-from lmcache.gpu_connector.completion import CompletionWorker
-from lmcache.gpu_connector.interface import CopyDone, finish
+from lmcache.gpu_connector.interface import CopyDone
+from lmcache.gpu_connector.ordering import ordering_for
 from lmcache.gpu_connector.sources import KVSources
 from lmcache.gpu_connector.spans import Piece, plan_pieces
 from lmcache.gpu_connector.torch_rows import copy_piece_torch
@@ -73,11 +74,9 @@ class StagedCopier:
         self._capacity = 0
         self._next = 0
         self._offsets: tuple[weakref.ref[KVSources], torch.Tensor] | None = None
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._compute = torch.cuda.Stream(self.device)
-            self._dma = torch.cuda.Stream(self.device)
-            self._completions = CompletionWorker(f"lmcache-kv-copies-{self.device}")
+        self._order = ordering_for(self.device)
+        self._compute = self._order.new_stream()
+        self._dma = self._order.new_stream()
 
     @property
     def kernel(self) -> str:
@@ -89,75 +88,52 @@ class StagedCopier:
         pieces = plan_pieces(request.objs, request.blobs, request.bounds, max(self.piece_bytes, largest))
         use_triton = self._triton is not None and self._triton.supports(sources)
         tables = self._tables(request, pieces, sources, use_triton)
-        capacity = max(p.nbytes for p in pieces)
         with self._lock:
-            if self._cuda:
-                self._issue(sources, request, pieces, tables, use_triton, capacity, on_done)
-                return
-            self._run_here(sources, request, pieces, tables, use_triton, capacity)
-        finish(on_done)
+            done = self._issue(sources, request, pieces, tables, use_triton)
+        self._order.complete(done, on_done)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every issued copy has completed and its `on_done` ran; False on timeout."""
-        return self._completions.drain(timeout) if self._cuda else True
-
-    # ---- issuing --------------------------------------------------------------------------------
+        return self._order.drain(timeout)
 
     def _issue(self, sources: KVSources, request: CopyRequest, pieces: list[Piece], tables: torch.Tensor,
-               use_triton: bool, capacity: int, on_done: CopyDone) -> None:
-        caller = torch.cuda.current_stream(self.device)
-        compute, dma = self._compute, self._dma
-        compute.wait_event(caller.record_event())
-        with torch.cuda.stream(compute):
+               use_triton: bool) -> Any:
+        """Issue every piece; returns the event that completes with the request's last DMA."""
+        order, compute, dma = self._order, self._compute, self._dma
+        caller = order.current()
+        order.wait(compute, order.record(caller))
+        with order.use(compute):
             device_tables = tables.to(self.device, non_blocking=True)
             offsets = self._source_offsets(sources) if use_triton else None
+        capacity = max(p.nbytes for p in pieces)
         try:
             last = None
             for piece in pieces:
                 slot = self._take(capacity)
                 staged = slot.buffer[: piece.nbytes]
                 if request.gather:
-                    if slot.free is not None:
-                        compute.wait_event(slot.free)
-                    with torch.cuda.stream(compute):
+                    order.wait(compute, slot.free)
+                    with order.use(compute):
                         self._kernel(True, sources, piece, slot.buffer, request, device_tables, offsets)
-                    last = compute.record_event()
-                    dma.wait_event(last)
-                    with torch.cuda.stream(dma):
+                    last = order.record(compute)
+                    order.wait(dma, last)
+                    with order.use(dma):
                         piece.memory.copy_(staged, non_blocking=True)
-                    slot.free = dma.record_event()
+                    slot.free = order.record(dma)
                 else:
-                    if slot.free is not None:
-                        dma.wait_event(slot.free)
-                    with torch.cuda.stream(dma):
+                    order.wait(dma, slot.free)
+                    with order.use(dma):
                         staged.copy_(piece.memory, non_blocking=True)
-                    compute.wait_event(dma.record_event())
-                    with torch.cuda.stream(compute):
+                    order.wait(compute, order.record(dma))
+                    with order.use(compute):
                         self._kernel(False, sources, piece, slot.buffer, request, device_tables, offsets)
-                    last = slot.free = compute.record_event()
-            assert last is not None
-            caller.wait_event(last)
-            done = dma.record_event()
+                    last = slot.free = order.record(compute)
+            order.wait(caller, last)
+            return order.record(dma)
         except BaseException:
-            compute.synchronize()  # nothing may stay in flight when the issue fails
-            dma.synchronize()
+            order.synchronize(compute)  # nothing may stay in flight when the issue fails
+            order.synchronize(dma)
             raise
-        self._completions.submit(done, on_done)
-
-    def _run_here(self, sources: KVSources, request: CopyRequest, pieces: list[Piece],
-                  tables: torch.Tensor, use_triton: bool, capacity: int) -> None:
-        """The same pieces and kernels, synchronously, on a non-CUDA device."""
-        device_tables = tables.to(self.device)
-        offsets = sources.element_offsets() if use_triton else None
-        for piece in pieces:
-            slot = self._take(capacity)
-            staged = slot.buffer[: piece.nbytes]
-            if request.gather:
-                self._kernel(True, sources, piece, slot.buffer, request, device_tables, offsets)
-                piece.memory.copy_(staged)
-            else:
-                staged.copy_(piece.memory)
-                self._kernel(False, sources, piece, slot.buffer, request, device_tables, offsets)
 
     def _kernel(self, gather: bool, sources: KVSources, piece: Piece, buffer: torch.Tensor,
                 request: CopyRequest, device_tables: torch.Tensor, offsets: torch.Tensor | None) -> None:
@@ -173,7 +149,8 @@ class StagedCopier:
                 use_triton: bool) -> torch.Tensor:
         """``[1, N]`` slots, or ``[3, N]`` slots + buffer tables for Triton (pinned on CUDA)."""
         rows = 3 if use_triton else 1
-        tables = torch.empty(rows, request.slots.numel(), dtype=torch.int64, pin_memory=self._cuda)
+        tables = torch.empty(rows, request.slots.numel(), dtype=torch.int64,
+                             pin_memory=self._order.pin_tables)
         tables[0] = request.slots
         if use_triton:
             assert self._triton is not None
@@ -185,15 +162,16 @@ class StagedCopier:
         if self._offsets is None or self._offsets[0]() is not sources:
             offsets = sources.element_offsets()
             assert offsets is not None
-            self._offsets = (weakref.ref(sources), offsets.pin_memory().to(self.device, non_blocking=True))
+            if self._order.pin_tables:
+                offsets = offsets.pin_memory()
+            self._offsets = (weakref.ref(sources), offsets.to(self.device, non_blocking=True))
         return self._offsets[1]
 
     def _take(self, capacity: int) -> _Slot:
         """The next staging slot of the ring (at least `capacity` bytes)."""
         if capacity > self._capacity:
             for slot in self._slots:  # growing: the old buffers must be idle before they go
-                if slot.free is not None:
-                    slot.free.synchronize()
+                self._order.host_wait(slot.free)
             self._slots, self._capacity, self._next = [], capacity, 0
         count = max(2, self.staging_bytes // self._capacity)
         if self._next == len(self._slots):
@@ -203,10 +181,8 @@ class StagedCopier:
         return slot
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self._cuda:
-            with torch.cuda.stream(self._compute):
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self._order.use(self._compute):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
 def _load_triton() -> ModuleType | None:

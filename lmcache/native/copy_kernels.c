@@ -78,7 +78,9 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 /* vLLM-CPU's packed caches, "vec" ISA layout: layer l is [num_blocks][heads][2][bs * hs]; inside a
  * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j).
  * Slots < 0 are skipped when scattering (tokens the engine already has). elem is 2 or 4 bytes.
- * For 2-byte KV, runs of 8 consecutive slots in one block move K with SSE2 8x8 transposes. */
+ * Work items are (layer, chunk): each moves whole blob rows (all heads of a token) at once, so
+ * every cache line of the blob is written by one thread in one pass. For 2-byte KV, runs of 8
+ * consecutive slots in one block move K with SSE2 8x8 transposes. */
 #define COPY_ONE_TOKEN(T, slab, bs, hs, o, k, v, direction)                                         \
     do {                                                                                            \
         T *pv_ = (slab) + (bs) * (hs) + (o) * (hs);                                                 \
@@ -94,22 +96,22 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
                                 const int64_t *slots, const int64_t *chunk_starts,
                                 const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
-    int64_t row = H * hs;
+    int64_t row = H * hs, slab_len = 2 * bs * hs;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t l = 0; l < L; l++) {
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t c = 0; c < n_chunks; c++) {
-                const int64_t *cs = slots + chunk_starts[c];
-                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
-                uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
-                for (int64_t i = 0; i < n; i++) {
-                    int64_t s = cs[i];
-                    if (s < 0) continue;
-                    uint32_t *slab = (uint32_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                    uint32_t *k = blob + (l * n + i) * row + h * hs;
-                    uint32_t *v = blob + ((L + l) * n + i) * row + h * hs;
-                    COPY_ONE_TOKEN(uint32_t, slab, bs, hs, s % bs, k, v, direction);
-                }
+        for (int64_t c = 0; c < n_chunks; c++) {
+            const int64_t *cs = slots + chunk_starts[c];
+            int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+            uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
+            for (int64_t i = 0; i < n; i++) {
+                int64_t s = cs[i];
+                if (s < 0) continue;
+                uint32_t *block = (uint32_t *)layers[l] + (s / bs) * H * slab_len;
+                uint32_t *k = blob + (l * n + i) * row;
+                uint32_t *v = blob + ((L + l) * n + i) * row;
+                for (int64_t h = 0; h < H; h++)
+                    COPY_ONE_TOKEN(uint32_t, block + h * slab_len, bs, hs, s % bs, k + h * hs, v + h * hs,
+                                   direction);
             }
         }
     }
@@ -131,69 +133,88 @@ static inline void transpose8x8_u16(__m128i r[8]) {
     r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
 }
 
-/* K of 8 tokens at block offsets o..o+7, rows k (stride row): through 8x8 tiles of dims. */
-static inline void k_tile_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, uint16_t *k,
-                              int64_t row, int direction) {
-    __m128i r[8];
+/* K of `r` tokens (a multiple of 8) at block offsets o..o+r-1, rows k (stride row): 8x8 tiles,
+ * dims outermost so each of the 8 slab rows of a tile row is read front to back. */
+static inline void k_tiles_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint16_t *k,
+                               int64_t row, int direction) {
+    __m128i x[8];
     for (int64_t j0 = 0; j0 < hs; j0 += 8) {
-        if (direction == 0) {
-            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(slab + (j0 + q) * bs + o));
-            transpose8x8_u16(r);
-            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(k + q * row + j0), r[q]);
-        } else {
-            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(k + q * row + j0));
-            transpose8x8_u16(r);
-            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(slab + (j0 + q) * bs + o), r[q]);
+        for (int64_t t = 0; t < r; t += 8) {
+            uint16_t *src = slab + j0 * bs + o + t, *dst = k + t * row + j0;
+            if (direction == 0) {
+                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(src + q * bs));
+                transpose8x8_u16(x);
+                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(dst + q * row), x[q]);
+            } else {
+                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(dst + q * row));
+                transpose8x8_u16(x);
+                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(src + q * bs), x[q]);
+            }
         }
     }
 }
 #endif
 
-static int eight_consecutive(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
-    if (i + 8 > n || slots[i] < 0 || slots[i] % bs + 8 > bs) return 0;
-    for (int q = 1; q < 8; q++)
-        if (slots[i + q] != slots[i] + q) return 0;
-    return 1;
+/* Length of the run of consecutive slots from slots[i] that stays inside its block (>= 1). */
+static int64_t block_run(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
+    int64_t s = slots[i], room = bs - s % bs, r = 1;
+    while (r < room && i + r < n && slots[i + r] == s + r) r++;
+    return r;
 }
 
 static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
                                 const int64_t *slots, const int64_t *chunk_starts,
                                 const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
-    int64_t row = H * hs;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t h = 0; h < H; h++) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs;
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* Gathering a whole block, a head's K (bs * hs values, dim-major) is first copied here
+         * front to back, then transposed from L1 instead of from 8 strided streams in memory. */
+        uint16_t *k_slab = direction == 0 ? (uint16_t *)malloc(bs * hs * sizeof(uint16_t)) : NULL;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t l = 0; l < L; l++) {
             for (int64_t c = 0; c < n_chunks; c++) {
                 const int64_t *cs = slots + chunk_starts[c];
                 int64_t n = chunk_starts[c + 1] - chunk_starts[c];
                 uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
                 for (int64_t i = 0; i < n;) {
-                    int64_t s = cs[i];
-                    if (s < 0) {
+                    if (cs[i] < 0) {
                         i++;
                         continue;
                     }
-                    uint16_t *slab = (uint16_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                    uint16_t *k = blob + (l * n + i) * row + h * hs;
-                    uint16_t *v = blob + ((L + l) * n + i) * row + h * hs;
+                    /* A run inside one block, one head at a time. */
+                    int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs, tiled = 0;
+                    uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
+                    uint16_t *k = blob + (l * n + i) * row;
+                    uint16_t *v = blob + ((L + l) * n + i) * row;
 #if defined(__SSE2__)
-                    if (hs % 8 == 0 && eight_consecutive(cs, i, n, bs)) {
-                        int64_t o = s % bs;
-                        k_tile_u16(slab, bs, hs, o, k, row, direction);
-                        for (int q = 0; q < 8; q++) {
-                            uint16_t *pv = slab + bs * hs + (o + q) * hs;
-                            if (direction == 0) memcpy(v + q * row, pv, hs * sizeof(uint16_t));
-                            else memcpy(pv, v + q * row, hs * sizeof(uint16_t));
-                        }
-                        i += 8;
-                        continue;
-                    }
+                    if (hs % 8 == 0) tiled = r - r % 8;
 #endif
-                    COPY_ONE_TOKEN(uint16_t, slab, bs, hs, s % bs, k, v, direction);
-                    i++;
+                    for (int64_t h = 0; h < H; h++) {
+                        uint16_t *slab = block + h * slab_len;
+                        int64_t t = 0;
+#if defined(__SSE2__)
+                        if (k_slab != NULL && tiled == bs) {
+                            memcpy(k_slab, slab, bs * hs * sizeof(uint16_t));
+                            k_tiles_u16(k_slab, bs, hs, o, tiled, k + h * hs, row, direction);
+                        } else {
+                            k_tiles_u16(slab, bs, hs, o, tiled, k + h * hs, row, direction);
+                        }
+                        for (; t < tiled; t++) {
+                            uint16_t *pv = slab + bs * hs + (o + t) * hs, *bv = v + t * row + h * hs;
+                            if (direction == 0) memcpy(bv, pv, hs * sizeof(uint16_t));
+                            else memcpy(pv, bv, hs * sizeof(uint16_t));
+                        }
+#endif
+                        for (; t < r; t++)
+                            COPY_ONE_TOKEN(uint16_t, slab, bs, hs, o + t, k + t * row + h * hs,
+                                           v + t * row + h * hs, direction);
+                    }
+                    i += r;
                 }
             }
         }
+        free(k_slab);
     }
 }
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytest.importorskip("vllm")
 
 L, H, D, BS, NB = 4, 2, 64, 16, 32
 
