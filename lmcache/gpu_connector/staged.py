@@ -69,6 +69,7 @@ class StagedCopier:
             kernel == "auto" and self.device.type == "cuda") else None
         if kernel == "triton" and self._triton is None:
             raise ValueError("staged copy kernel 'triton' requested but Triton is not importable")
+        self._triton_ran: set[tuple[bool, int]] = set()  # (gather, hidden) launched successfully
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._capacity = 0
@@ -137,11 +138,19 @@ class StagedCopier:
 
     def _kernel(self, gather: bool, sources: KVSources, piece: Piece, buffer: torch.Tensor,
                 request: CopyRequest, device_tables: torch.Tensor, offsets: torch.Tensor | None) -> None:
-        if offsets is not None:
-            assert self._triton is not None
-            self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets)
-        else:
-            copy_piece_torch(gather, sources, piece, buffer, request.slots, device_tables[0])
+        if offsets is not None and self._triton is not None:
+            if (gather, sources.hidden) in self._triton_ran:
+                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets)
+                return
+            try:  # a kernel that cannot compile or launch here costs speed, never the copy
+                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets)
+                self._triton_ran.add((gather, sources.hidden))
+                return
+            except Exception:
+                logger.exception("the Triton row kernel failed to compile or launch; staged KV copies "
+                                 "use torch ops from now on")
+                self._triton = None
+        copy_piece_torch(gather, sources, piece, buffer, request.slots, device_tables[0])
 
     # ---- tables, offsets and staging slots ------------------------------------------------------
 

@@ -88,6 +88,7 @@ def test_every_layout_round_trips_bit_exact_with_both_kernels(layout, gaps, kern
     written[skip[skip >= 0]] = True
     assert torch.equal(dst.all_rows()[:, :, written], src.all_rows()[:, :, written])
     assert not dst.all_rows()[:, :, ~written].any()
+    assert conn.staged_copier(torch.device("cuda", torch.cuda.current_device())).kernel == kernel
 
 
 @pytest.mark.parametrize("layout", ["flash_attn", "hf"])

@@ -181,3 +181,19 @@ def test_the_triton_kernel_matches_the_native_path_under_the_interpreter():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [w for layout in LAYOUTS for w in ("ok", layout)]
+
+
+def test_a_triton_kernel_that_cannot_launch_falls_back_to_torch_ops(caplog):
+    """Without TRITON_INTERPRET, Triton cannot launch on CPU tensors: the copy must still be right."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the interpreter can launch on CPU tensors")
+    src = cache("flash_attn")
+    conn = src.connector(staged=True, staged_kernel="triton")
+    copier = conn.staged_copier(torch.device("cpu"))
+    assert copier.kernel == "triton"
+    slots = src.slots_for(CHUNK)
+    obj = chunk_objects(conn, [CHUNK])[0]
+    conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
+    assert torch.equal(obj.tensor, src.rows(slots))
+    assert copier.kernel == "torch" and "torch ops from now on" in caplog.text
