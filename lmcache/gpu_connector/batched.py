@@ -118,13 +118,15 @@ class BatchedKVConnector(KVBlobConnector):
         for start, end in zip(starts, ends, strict=True):
             bounds.append(bounds[-1] + end - start)
         request = CopyRequest(gather, objs, blobs, slots, bounds)
-        waiter = _Waiter() if on_done is None else None
-        self._copy(target, request, waiter or on_done)  # type: ignore[arg-type]
-        if waiter is not None:
-            waiter.wait()
+        if on_done is not None:
+            self._copy(target, request, on_done)
+            return
+        waiter = _Waiter()
+        self._copy(target, request, waiter)
+        waiter.wait()
 
     @abc.abstractmethod
-    def _target(self, kvcaches: Any, dtype: torch.dtype) -> Any:
+    def _target(self, kvcaches: Any, dtype: torch.dtype) -> CopyTarget:
         """The engine's caches resolved for copying (a `CopyTarget`); ValueError if they are not
         of this connector's layout or not of `dtype`."""
 

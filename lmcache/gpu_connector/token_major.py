@@ -28,15 +28,15 @@ class TokenMajorConnector(PagedConnector):
     def __init__(self, hidden_dim_size: int, num_layers: int, *, num_kv_heads: int | None = None,
                  head_size: int | None = None, **options: Any) -> None:
         super().__init__(hidden_dim_size, num_layers, **options)
-        if (num_kv_heads is None) != (head_size is None) or (
-                num_kv_heads is not None and num_kv_heads * head_size != hidden_dim_size):  # type: ignore[operator]
-            raise ValueError(f"num_kv_heads={num_kv_heads} x head_size={head_size} must both be given "
-                             f"and multiply to hidden_dim_size={hidden_dim_size}, or neither")
-        self._heads = (num_kv_heads, head_size) if num_kv_heads is not None else None
+        self._heads: tuple[int, int] | None = None
+        if num_kv_heads is not None or head_size is not None:
+            if num_kv_heads is None or head_size is None or num_kv_heads * head_size != hidden_dim_size:
+                raise ValueError(f"num_kv_heads={num_kv_heads} x head_size={head_size} must both be given "
+                                 f"and multiply to hidden_dim_size={hidden_dim_size}, or neither")
+            self._heads = (num_kv_heads, head_size)
 
     def _make_sources(self, kvcaches: Any) -> KVSources:
-        return token_major_sources(kvcaches, self.hidden_dim_size, self.num_layers,
-                                   self._heads)  # type: ignore[arg-type]
+        return token_major_sources(kvcaches, self.hidden_dim_size, self.num_layers, self._heads)
 
     def _token_slots(self, kwargs: dict[str, Any], starts: Sequence[int], ends: Sequence[int],
                      target: KVSources) -> torch.Tensor:
