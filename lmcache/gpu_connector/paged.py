@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +63,7 @@ class PagedConnector(BatchedKVConnector):
         self._staged_kernel = staged_kernel
         self._staging_bytes, self._piece_bytes = staging_bytes, piece_bytes
         self._copiers: dict[torch.device, StagedCopier] = {}
+        self._copiers_lock = threading.Lock()
         self._sources: tuple[tuple[Any, ...], KVSources] | None = None
 
     @abc.abstractmethod
@@ -70,15 +72,19 @@ class PagedConnector(BatchedKVConnector):
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every copy issued so far has completed and its `on_done` ran."""
-        return all(c.drain(timeout) for c in list(self._copiers.values()))
+        with self._copiers_lock:
+            copiers = list(self._copiers.values())
+        return all(c.drain(timeout) for c in copiers)
 
     def staged_copier(self, device: torch.device) -> StagedCopier:
-        copier = self._copiers.get(device)
-        if copier is None:
-            copier = StagedCopier(device, staging_bytes=self._staging_bytes, piece_bytes=self._piece_bytes,
-                                  kernel=self._staged_kernel)
-            self._copiers[device] = copier
-        return copier
+        """This connector's staged copier for caches on `device` (one per device, made on first use)."""
+        with self._copiers_lock:
+            copier = self._copiers.get(device)
+            if copier is None:
+                copier = StagedCopier(device, staging_bytes=self._staging_bytes,
+                                      piece_bytes=self._piece_bytes, kernel=self._staged_kernel)
+                self._copiers[device] = copier
+            return copier
 
     def _target(self, kvcaches: Any, dtype: torch.dtype) -> KVSources:
         key = _identity(kvcaches) if self.reuses_caches else None
