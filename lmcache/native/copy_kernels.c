@@ -4,7 +4,8 @@
  * elements. Threads: work is split over independent pieces with dynamic scheduling, and only when
  * there is enough of it (PARALLEL_MIN_BYTES): a parallel region waits for its slowest thread, so
  * small copies on a busy machine are faster on one thread.
- * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter).
+ * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter). Both take all chunks of
+ * a request in one call; a negative slot is an error when gathering and skipped when scattering.
  * Both return 0, or -1 if a slot is out of range (nothing is copied then).
  */
 #include <stdint.h>
@@ -24,36 +25,43 @@ static int threads_for(int64_t bytes, int nthreads) {
  * chunks: chunk c covers slots[chunk_starts[c] .. chunk_starts[c+1]) and its blob (at
  * chunk_bufs[c]) holds source s's rows at s * n_c * row_bytes. Within a chunk the slots are cut
  * into runs of consecutive ids and each run moves with one memcpy, so a block-aligned slot mapping
- * copies whole blocks (or more) at a time; the whole batch is one parallel region. */
+ * copies whole blocks (or more) at a time; the whole batch is one parallel region. Negative slots
+ * are rejected when gathering and skipped when scattering (tokens the engine already holds). */
 int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
                    const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
                    int64_t n_chunks, int64_t row_bytes, int direction, int nthreads) {
     int64_t n_tokens = chunk_starts[n_chunks];
     if (n_tokens <= 0) return 0;
     for (int64_t t = 0; t < n_tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    int64_t *run_start = (int64_t *)malloc(sizeof(int64_t) * (n_tokens + 1));
+        if (slots[t] >= num_slots || (slots[t] < 0 && direction == 0)) return -1;
+    int64_t *run_start = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
+    int64_t *run_len = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
     int64_t *run_chunk = (int64_t *)malloc(sizeof(int64_t) * n_tokens);
-    if (!run_start || !run_chunk) {
+    if (!run_start || !run_len || !run_chunk) {
         free(run_start);
+        free(run_len);
         free(run_chunk);
         return -2;
     }
     int64_t n_runs = 0;
     for (int64_t c = 0; c < n_chunks; c++)
-        for (int64_t t = chunk_starts[c]; t < chunk_starts[c + 1]; t++)
-            if (t == chunk_starts[c] || slots[t] != slots[t - 1] + 1) {
-                run_chunk[n_runs] = c;
-                run_start[n_runs++] = t;
+        for (int64_t t = chunk_starts[c]; t < chunk_starts[c + 1]; t++) {
+            if (slots[t] < 0) continue;
+            if (t > chunk_starts[c] && slots[t - 1] >= 0 && slots[t] == slots[t - 1] + 1) {
+                run_len[n_runs - 1]++;
+                continue;
             }
-    run_start[n_runs] = n_tokens;
+            run_chunk[n_runs] = c;
+            run_start[n_runs] = t;
+            run_len[n_runs++] = 1;
+        }
 
     int64_t total = n_src * n_runs;
     int nt = threads_for(n_src * n_tokens * row_bytes, nthreads);
     #pragma omp parallel for schedule(dynamic, 16) num_threads(nt) if (nt > 1)
     for (int64_t w = 0; w < total; w++) {
         int64_t s = w / n_runs, r = w % n_runs, c = run_chunk[r];
-        int64_t t0 = run_start[r], len = run_start[r + 1] - t0;
+        int64_t t0 = run_start[r], len = run_len[r];
         int64_t chunk_len = chunk_starts[c + 1] - chunk_starts[c];
         char *paged = (char *)(uintptr_t)paged_ptrs[s] + slots[t0] * row_bytes;
         char *flat = (char *)(uintptr_t)chunk_bufs[c]
@@ -62,6 +70,7 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
         else memcpy(paged, flat, len * row_bytes);
     }
     free(run_start);
+    free(run_len);
     free(run_chunk);
     return 0;
 }
@@ -69,7 +78,9 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 /* vLLM-CPU's packed caches, "vec" ISA layout: layer l is [num_blocks][heads][2][bs * hs]; inside a
  * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j).
  * Slots < 0 are skipped when scattering (tokens the engine already has). elem is 2 or 4 bytes.
- * For 2-byte KV, runs of 8 consecutive slots in one block move K with SSE2 8x8 transposes. */
+ * Work items are (layer, chunk): each moves whole blob rows (all heads of a token) at once, so
+ * every cache line of the blob is written by one thread in one pass. For 2-byte KV, runs of 8
+ * consecutive slots in one block move K with SSE2 8x8 transposes. */
 #define COPY_ONE_TOKEN(T, slab, bs, hs, o, k, v, direction)                                         \
     do {                                                                                            \
         T *pv_ = (slab) + (bs) * (hs) + (o) * (hs);                                                 \
@@ -83,19 +94,24 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
     } while (0)
 
 static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, int64_t n, uint32_t *blob, int direction,
-                                int nt) {
-    int64_t row = H * hs;
+                                const int64_t *slots, const int64_t *chunk_starts,
+                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t l = 0; l < L; l++) {
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t c = 0; c < n_chunks; c++) {
+            const int64_t *cs = slots + chunk_starts[c];
+            int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+            uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
             for (int64_t i = 0; i < n; i++) {
-                int64_t s = slots[i];
+                int64_t s = cs[i];
                 if (s < 0) continue;
-                uint32_t *slab = (uint32_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                uint32_t *k = blob + (l * n + i) * row + h * hs;
-                uint32_t *v = blob + ((L + l) * n + i) * row + h * hs;
-                COPY_ONE_TOKEN(uint32_t, slab, bs, hs, s % bs, k, v, direction);
+                uint32_t *block = (uint32_t *)layers[l] + (s / bs) * H * slab_len;
+                uint32_t *k = blob + (l * n + i) * row;
+                uint32_t *v = blob + ((L + l) * n + i) * row;
+                for (int64_t h = 0; h < H; h++)
+                    COPY_ONE_TOKEN(uint32_t, block + h * slab_len, bs, hs, s % bs, k + h * hs, v + h * hs,
+                                   direction);
             }
         }
     }
@@ -117,81 +133,108 @@ static inline void transpose8x8_u16(__m128i r[8]) {
     r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
 }
 
-/* K of 8 tokens at block offsets o..o+7, rows k (stride row): through 8x8 tiles of dims. */
-static inline void k_tile_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, uint16_t *k,
-                              int64_t row, int direction) {
-    __m128i r[8];
+/* K of `r` tokens (a multiple of 8) at block offsets o..o+r-1, rows k (stride row): 8x8 tiles,
+ * dims outermost so each of the 8 slab rows of a tile row is read front to back. */
+static inline void k_tiles_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint16_t *k,
+                               int64_t row, int direction) {
+    __m128i x[8];
     for (int64_t j0 = 0; j0 < hs; j0 += 8) {
-        if (direction == 0) {
-            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(slab + (j0 + q) * bs + o));
-            transpose8x8_u16(r);
-            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(k + q * row + j0), r[q]);
-        } else {
-            for (int q = 0; q < 8; q++) r[q] = _mm_loadu_si128((const __m128i *)(k + q * row + j0));
-            transpose8x8_u16(r);
-            for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(slab + (j0 + q) * bs + o), r[q]);
-        }
-    }
-}
-#endif
-
-static int eight_consecutive(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
-    if (i + 8 > n || slots[i] < 0 || slots[i] % bs + 8 > bs) return 0;
-    for (int q = 1; q < 8; q++)
-        if (slots[i + q] != slots[i] + q) return 0;
-    return 1;
-}
-
-static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, int64_t n, uint16_t *blob, int direction,
-                                int nt) {
-    int64_t row = H * hs;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t i = 0; i < n;) {
-                int64_t s = slots[i];
-                if (s < 0) {
-                    i++;
-                    continue;
-                }
-                uint16_t *slab = (uint16_t *)layers[l] + ((s / bs) * H + h) * 2 * bs * hs;
-                uint16_t *k = blob + (l * n + i) * row + h * hs;
-                uint16_t *v = blob + ((L + l) * n + i) * row + h * hs;
-#if defined(__SSE2__)
-                if (hs % 8 == 0 && eight_consecutive(slots, i, n, bs)) {
-                    int64_t o = s % bs;
-                    k_tile_u16(slab, bs, hs, o, k, row, direction);
-                    for (int q = 0; q < 8; q++) {
-                        uint16_t *pv = slab + bs * hs + (o + q) * hs;
-                        if (direction == 0) memcpy(v + q * row, pv, hs * sizeof(uint16_t));
-                        else memcpy(pv, v + q * row, hs * sizeof(uint16_t));
-                    }
-                    i += 8;
-                    continue;
-                }
-#endif
-                COPY_ONE_TOKEN(uint16_t, slab, bs, hs, s % bs, k, v, direction);
-                i++;
+        for (int64_t t = 0; t < r; t += 8) {
+            uint16_t *src = slab + j0 * bs + o + t, *dst = k + t * row + j0;
+            if (direction == 0) {
+                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(src + q * bs));
+                transpose8x8_u16(x);
+                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(dst + q * row), x[q]);
+            } else {
+                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(dst + q * row));
+                transpose8x8_u16(x);
+                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(src + q * bs), x[q]);
             }
         }
     }
 }
+#endif
 
+/* Length of the run of consecutive slots from slots[i] that stays inside its block (>= 1). */
+static int64_t block_run(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
+    int64_t s = slots[i], room = bs - s % bs, r = 1;
+    while (r < room && i + r < n && slots[i + r] == s + r) r++;
+    return r;
+}
+
+static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
+                                const int64_t *slots, const int64_t *chunk_starts,
+                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs;
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* Gathering a whole block, a head's K (bs * hs values, dim-major) is first copied here
+         * front to back, then transposed from L1 instead of from 8 strided streams in memory. */
+        uint16_t *k_slab = direction == 0 ? (uint16_t *)malloc(bs * hs * sizeof(uint16_t)) : NULL;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t l = 0; l < L; l++) {
+            for (int64_t c = 0; c < n_chunks; c++) {
+                const int64_t *cs = slots + chunk_starts[c];
+                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+                uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
+                for (int64_t i = 0; i < n;) {
+                    if (cs[i] < 0) {
+                        i++;
+                        continue;
+                    }
+                    /* A run inside one block, one head at a time. */
+                    int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs, tiled = 0;
+                    uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
+                    uint16_t *k = blob + (l * n + i) * row;
+                    uint16_t *v = blob + ((L + l) * n + i) * row;
+#if defined(__SSE2__)
+                    if (hs % 8 == 0) tiled = r - r % 8;
+#endif
+                    for (int64_t h = 0; h < H; h++) {
+                        uint16_t *slab = block + h * slab_len;
+                        int64_t t = 0;
+#if defined(__SSE2__)
+                        if (k_slab != NULL && tiled == bs) {
+                            memcpy(k_slab, slab, bs * hs * sizeof(uint16_t));
+                            k_tiles_u16(k_slab, bs, hs, o, tiled, k + h * hs, row, direction);
+                        } else {
+                            k_tiles_u16(slab, bs, hs, o, tiled, k + h * hs, row, direction);
+                        }
+                        for (; t < tiled; t++) {
+                            uint16_t *pv = slab + bs * hs + (o + t) * hs, *bv = v + t * row + h * hs;
+                            if (direction == 0) memcpy(bv, pv, hs * sizeof(uint16_t));
+                            else memcpy(pv, bv, hs * sizeof(uint16_t));
+                        }
+#endif
+                        for (; t < r; t++)
+                            COPY_ONE_TOKEN(uint16_t, slab, bs, hs, o + t, k + t * row + h * hs,
+                                           v + t * row + h * hs, direction);
+                    }
+                    i += r;
+                }
+            }
+        }
+        free(k_slab);
+    }
+}
+
+/* A batch of chunks, as in lmc_paged_copy: chunk c covers slots[chunk_starts[c] ..
+ * chunk_starts[c+1]) and its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. */
 int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
                         int64_t heads, int64_t head_size, int64_t block_size, int64_t elem,
-                        const int64_t *slots, int64_t n_tokens, char *blob, int direction,
-                        int nthreads) {
+                        const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
+                        int64_t n_chunks, int direction, int nthreads) {
+    int64_t n_tokens = chunk_starts[n_chunks];
     for (int64_t t = 0; t < n_tokens; t++)
         if (slots[t] >= num_blocks * block_size || (direction == 0 && slots[t] < 0)) return -1;
     int nt = threads_for(2 * n_layers * n_tokens * heads * head_size * elem, nthreads);
     char *const *layers = (char *const *)layer_ptrs;
     if (elem == 2)
-        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, n_tokens,
-                            (uint16_t *)blob, direction, nt);
+        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
+                            chunk_bufs, n_chunks, direction, nt);
     else if (elem == 4)
-        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, n_tokens,
-                            (uint32_t *)blob, direction, nt);
+        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
+                            chunk_bufs, n_chunks, direction, nt);
     else
         return -3;
     return 0;

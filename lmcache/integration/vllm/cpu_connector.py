@@ -5,95 +5,113 @@ packed layout that `cpu_layout.probe_packed_layout` found; ``slot_mapping`` = sl
 the whole sequence (block_id * block_size + offset). Because the objects hold the canonical layout,
 KV stored by vLLM-CPU is shared with vLLM on CUDA and with HF transformers.
 
-On `to_gpu`, tokens whose slot is negative are skipped: they belong to blocks the engine already
-holds (its own prefix cache), which must never be overwritten. `from_gpu` rejects negative slots.
-On the vec ISAs the copies run in a native kernel (`lmcache.native`, one call per chunk); without
-it, whole blocks go through `index_select` / `index_copy_` on zero-copy strided views and partial
-blocks through per-token indexing. Other ISAs (AMX tiles) go through the probed permutations.
+A layout on `BatchedKVConnector`: the request-level checks and the slot rule are shared (a store
+rejects negative slots, a retrieve skips them: blocks the engine already holds are never
+overwritten). On the vec ISAs all chunks of a request move in ONE native call
+(`lmcache.native.lmc_vec_packed_copy`, SSE2 8x8 transposes for K); without it, whole blocks go
+through `index_select` / `index_copy_` on zero-copy strided views and partial blocks through
+per-token indexing. Other ISAs (AMX tiles) go through the probed permutations.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lmcache import native
-from lmcache.gpu_connector import KVBlobConnector, require_kvcaches, require_slot_mapping
+from lmcache.gpu_connector import BatchedKVConnector, CopyDone, CopyRequest, finish
+from lmcache.gpu_connector.batched import slots_from_mapping
 from lmcache.integration.vllm.cpu_layout import PackedLayout
-from lmcache.memory_management import MemoryObj
 
 
-class VLLMCPUPackedConnector(KVBlobConnector):
+@dataclass
+class PackedCaches:
+    """One engine's per-layer packed caches (`kvcaches`), with what the copies need of them."""
+
+    kvcaches: list[torch.Tensor]
+    num_slots: int
+    dtype: torch.dtype
+    ptrs: torch.Tensor  # int64 address of each layer (native kernel)
+    views: list[tuple[torch.Tensor, torch.Tensor]] | None  # strided K, V token views (vec only)
+
+
+class VLLMCPUPackedConnector(BatchedKVConnector):
     def __init__(self, hidden_dim_size: int, num_layers: int, layout: PackedLayout, *,
                  use_native: bool = True) -> None:
         super().__init__(hidden_dim_size, num_layers)
-        self._native = native.load() if use_native and layout.is_vec else None
-        self._ptrs_for: tuple[int, int] | None = None
-        self._ptrs = torch.empty(0, dtype=torch.int64)
         if layout.num_kv_heads * layout.head_size != hidden_dim_size:
             raise ValueError(f"layout has {layout.num_kv_heads} heads x {layout.head_size} values, "
                              f"connector hidden size is {hidden_dim_size}")
         self.layout = layout
-        self._views_for: tuple[int, int] | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._native = native.load() if use_native and layout.is_vec else None
+        self._caches: tuple[tuple[int, int], PackedCaches] | None = None
 
-    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        blob = self.blob_of(memory_obj, start, end, set_fmt=True)
-        kvcaches, slots = self._inputs(kwargs, start, end)
-        if bool((slots < 0).any()):
-            raise ValueError(f"slot_mapping has negative slots inside [{start}, {end}): those tokens "
-                             "have no KV in this engine to store")
-        self._copy(kvcaches, slots, blob, gather=True)
+    def _target(self, kvcaches: Any, dtype: torch.dtype) -> PackedCaches:
+        if not isinstance(kvcaches, (list, tuple)) or len(kvcaches) != self.num_layers \
+                or not all(isinstance(kv, torch.Tensor) for kv in kvcaches):
+            n = len(kvcaches) if hasattr(kvcaches, "__len__") else "?"
+            raise ValueError(f"kvcaches must be {self.num_layers} per-layer tensors, got {n}")
+        ident = (id(kvcaches), kvcaches[0].data_ptr())
+        if self._caches is None or self._caches[0] != ident:
+            self._caches = (ident, self._resolve(list(kvcaches)))
+        caches = self._caches[1]
+        if caches.dtype != dtype:
+            raise ValueError(f"KV dtype {caches.dtype} does not match memory object dtype {dtype}")
+        return caches
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        blob = self.blob_of(memory_obj, start, end, set_fmt=False)
-        kvcaches, slots = self._inputs(kwargs, start, end)
-        self._copy(kvcaches, slots, blob, gather=False)
-
-    # ---- internals ------------------------------------------------------------------------------
-
-    def _inputs(self, kwargs: dict[str, Any], start: int,
-                end: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        kvcaches = require_kvcaches(kwargs)
-        slot_mapping = require_slot_mapping(kwargs)
-        if len(kvcaches) != self.num_layers:
-            raise ValueError(f"kvcaches has {len(kvcaches)} layers, expected {self.num_layers}")
-        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < end:
-            raise ValueError(f"slot_mapping of shape {tuple(slot_mapping.shape)} does not cover "
-                             f"tokens [{start}, {end})")
+    def _resolve(self, kvcaches: list[torch.Tensor]) -> PackedCaches:
         lay = self.layout
         expected = (lay.num_kv_heads, lay.block_size, 2 * lay.head_size)
-        first = kvcaches[0]
-        if tuple(first.shape[1:]) != expected or not first.is_contiguous():
-            raise ValueError(f"vLLM-CPU cache must be contiguous [num_blocks, {expected[0]}, "
-                             f"{expected[1]}, {expected[2]}], got {tuple(first.shape)}")
-        slots = slot_mapping[start:end].to("cpu", torch.int64)
-        if bool((slots >= first.shape[0] * lay.block_size).any()):
-            raise ValueError(f"slot_mapping has slots beyond the cache's {first.shape[0]} blocks")
-        return kvcaches, slots
+        for kv in kvcaches:
+            if (tuple(kv.shape[1:]) != expected or not kv.is_contiguous() or kv.device.type != "cpu"
+                    or kv.shape[0] != kvcaches[0].shape[0] or kv.dtype != kvcaches[0].dtype):
+                raise ValueError(f"vLLM-CPU cache must be contiguous CPU [num_blocks, {expected[0]}, "
+                                 f"{expected[1]}, {expected[2]}] tensors of one dtype, got "
+                                 f"{tuple(kv.shape)} {kv.dtype} {kv.device}")
+        views = [lay.token_views(kv) for kv in kvcaches] if lay.is_vec else None
+        return PackedCaches(kvcaches, kvcaches[0].shape[0] * lay.block_size, kvcaches[0].dtype,
+                            torch.tensor([kv.data_ptr() for kv in kvcaches], dtype=torch.int64), views)
 
-    def _token_views(self, kvcaches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ident = (id(kvcaches), kvcaches[0].data_ptr())
-        if self._views_for != ident:
-            self._views = [self.layout.token_views(kv) for kv in kvcaches]
-            self._views_for = ident
-        return self._views
+    def _token_slots(self, kwargs: dict[str, Any], starts: Sequence[int], ends: Sequence[int],
+                     target: PackedCaches) -> torch.Tensor:
+        return slots_from_mapping(kwargs, starts, ends)
 
-    def _copy(self, kvcaches: list[torch.Tensor], slots: torch.Tensor, blob: torch.Tensor,
-              gather: bool) -> None:
+    def _copy(self, target: PackedCaches, request: CopyRequest, on_done: CopyDone) -> None:
+        if self._native is not None and target.dtype.itemsize in (2, 4):
+            self._copy_native(target, request)
+        else:
+            for c, blob in enumerate(request.blobs):
+                slots = request.slots[request.bounds[c]: request.bounds[c + 1]]
+                self._copy_chunk(target, slots, blob, request.gather)
+        finish(on_done)
+
+    def _copy_native(self, caches: PackedCaches, request: CopyRequest) -> None:
+        assert self._native is not None
+        lay = self.layout
+        bounds = torch.tensor(request.bounds, dtype=torch.int64)
+        bufs = torch.tensor([b.data_ptr() for b in request.blobs], dtype=torch.int64)
+        rc = self._native.lmc_vec_packed_copy(
+            ctypes.c_void_p(caches.ptrs.data_ptr()), self.num_layers, caches.kvcaches[0].shape[0],
+            lay.num_kv_heads, lay.head_size, lay.block_size, caches.dtype.itemsize,
+            ctypes.c_void_p(request.slots.data_ptr()), ctypes.c_void_p(bounds.data_ptr()),
+            ctypes.c_void_p(bufs.data_ptr()), request.num_chunks, 0 if request.gather else 1,
+            torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native vLLM-CPU copy failed (code {rc}) on slots checked in range")
+
+    def _copy_chunk(self, caches: PackedCaches, slots: torch.Tensor, blob: torch.Tensor,
+                    gather: bool) -> None:
         """blob: [2, L, n, hidden] on CPU; slots: [n] int64 (negative = skip, scatter only)."""
         lay = self.layout
         bs, h, d = lay.block_size, lay.num_kv_heads, lay.head_size
         n = slots.shape[0]
-        if self._native is not None and blob.element_size() in (2, 4) and blob.is_contiguous():
-            self._copy_native(kvcaches, slots, blob, gather)
-            return
-        blocks = _whole_blocks(slots, bs)
-        if lay.is_vec:
-            views = self._token_views(kvcaches)
-            for layer, (k, v) in enumerate(views):
+        if caches.views is not None:
+            blocks = _whole_blocks(slots, bs)
+            for layer, (k, v) in enumerate(caches.views):
                 for i, view in ((0, k), (1, v)):
                     rows = blob[i, layer].view(n, h, d)
                     if blocks is not None:
@@ -101,26 +119,8 @@ class VLLMCPUPackedConnector(KVBlobConnector):
                     else:
                         _tokens_copy(view, slots, bs, rows, gather)
         else:
-            for layer, kv in enumerate(kvcaches):
+            for layer, kv in enumerate(caches.kvcaches):
                 _permuted_copy(kv, lay, slots, blob[:, layer].view(2, n, h, d), gather)
-
-
-    def _copy_native(self, kvcaches: list[torch.Tensor], slots: torch.Tensor, blob: torch.Tensor,
-                     gather: bool) -> None:
-        assert self._native is not None
-        ident = (id(kvcaches), kvcaches[0].data_ptr())
-        if self._ptrs_for != ident:
-            self._ptrs = torch.tensor([kv.data_ptr() for kv in kvcaches], dtype=torch.int64)
-            self._ptrs_for = ident
-        lay = self.layout
-        slots = slots.contiguous()
-        rc = self._native.lmc_vec_packed_copy(
-            ctypes.c_void_p(self._ptrs.data_ptr()), len(kvcaches), kvcaches[0].shape[0],
-            lay.num_kv_heads, lay.head_size, lay.block_size, blob.element_size(),
-            ctypes.c_void_p(slots.data_ptr()), slots.shape[0], ctypes.c_void_p(blob.data_ptr()),
-            0 if gather else 1, torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"native vLLM-CPU copy rejected the slot mapping (code {rc})")
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:

@@ -8,7 +8,9 @@ functions `lmcache_retrieve_kv` / `lmcache_store_kv` use (`transfer.load_plan` /
 
 - `init_lmcache_engine(model_config, parallel_config, cache_config)`: this process's engine
   (named `utils.ENGINE_NAME`), built on first call: the connector matches the platform's paged
-  layout (vLLM-CPU's packed blocks, probed; or CUDA's flash-attention / FlashInfer layouts).
+  layout (`vllm_layout`: vLLM-CPU's packed blocks, probed; or CUDA's flash-attention / FlashInfer
+  layouts, copied through the staged, event-ordered path: a load never synchronises the host,
+  vLLM's forward waits for it on its stream).
 - `lmcache_should_retrieve` / `lmcache_should_store`: a status per planned request.
 - `lmcache_retrieve_kv(...) -> (model_input, bypass_model_exec, hidden_states)`: loads what is
   planned; `bypass_model_exec` is always False because v1 always computes at least one token.
@@ -28,6 +30,8 @@ from lmcache.gpu_connector import GPUConnectorInterface, VLLMPagedMemGPUConnecto
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME, engine_metadata
+
+VLLM_CPU_LAYOUT = "vllm_cpu"
 
 
 class RetrieveStatus(enum.Enum):
@@ -55,8 +59,10 @@ class _Configs:
 
 def init_lmcache_engine(model_config: Any, parallel_config: Any, cache_config: Any, *,
                         config: LMCacheEngineConfig | None = None, rank: int = 0,
-                        kv_dtype: torch.dtype | None = None, device: str | None = None) -> LMCacheEngine:
-    """This process's engine, built on first call (config from LMCACHE_* env / file by default)."""
+                        kv_dtype: torch.dtype | None = None, device: str | None = None,
+                        layout: str | None = None) -> LMCacheEngine:
+    """This process's engine, built on first call (config from LMCACHE_* env / file by default).
+    `layout`: vLLM's KV layout (`vllm_layout`); by default the device's usual one."""
     engine = LMCacheEngineBuilder.get(ENGINE_NAME)
     if engine is not None:
         return engine
@@ -65,31 +71,45 @@ def init_lmcache_engine(model_config: Any, parallel_config: Any, cache_config: A
     device = device or ("cpu" if not torch.cuda.is_available() else "cuda")
     metadata = engine_metadata(_Configs(model_config, parallel_config, cache_config), config, dtype, rank)
     connector = platform_connector(device, dtype, metadata.kv_shape[3], metadata.kv_shape[4],
-                                   cache_config.block_size, metadata.num_layers)
+                                   cache_config.block_size, metadata.num_layers, layout=layout)
     return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
 
 
-def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_size: int,
-                       block_size: int, num_layers: int) -> GPUConnectorInterface:
+def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_size: int, block_size: int,
+                       num_layers: int, *, layout: str | None = None) -> GPUConnectorInterface:
+    """The connector for vLLM's caches on `device`: vLLM-CPU's packed blocks (probed with vLLM's
+    own kernel), or a paged connector of `layout` ("flash_attn", "flashinfer"; None: inferred
+    from the caches it is given)."""
     hidden = num_kv_heads * head_size
-    if device == "cpu":
+    if device == "cpu" or layout == VLLM_CPU_LAYOUT:
         from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
         from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout
 
-        layout = probe_packed_layout(num_kv_heads, head_size, block_size, dtype,
+        packed = probe_packed_layout(num_kv_heads, head_size, block_size, dtype,
                                      default_isa(dtype, block_size, head_size))
-        return VLLMCPUPackedConnector(hidden, num_layers, layout)
-    return VLLMPagedMemGPUConnectorV2(hidden, num_layers)
+        return VLLMCPUPackedConnector(hidden, num_layers, packed)
+    return VLLMPagedMemGPUConnectorV2(hidden, num_layers, layout=layout)
 
 
-def connector_kvcaches(kv_caches: list[torch.Tensor], block_size: int) -> list[Any]:
-    """vLLM's per-layer caches in the form the platform connector takes."""
+def vllm_layout(kv_caches: list[torch.Tensor], block_size: int) -> str:
+    """Which layout vLLM's per-layer caches are in: "vllm_cpu" (packed blocks on the CPU),
+    "flash_attn" ``[2, num_blocks, bs, heads, head_size]`` or "flashinfer" ``[num_blocks, 2, bs,
+    heads, head_size]``; ValueError for anything else."""
     first = kv_caches[0]
-    if first.device.type == "cpu" or (first.dim() == 5 and first.shape[0] == 2):
-        return kv_caches  # vLLM-CPU packed, or flash attention [2, num_blocks, bs, heads, head_size]
+    if first.device.type == "cpu":
+        return VLLM_CPU_LAYOUT
+    if first.dim() == 5 and first.shape[0] == 2 and first.shape[2] == block_size:
+        return "flash_attn"
     if first.dim() == 5 and first.shape[1] == 2 and first.shape[2] == block_size:
-        return [(t[:, 0], t[:, 1]) for t in kv_caches]  # FlashInfer [num_blocks, 2, bs, heads, hs]
+        return "flashinfer"
     raise ValueError(f"LMCache does not know vLLM's KV cache layout {tuple(first.shape)} on {first.device}")
+
+
+def connector_kvcaches(kv_caches: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
+    """vLLM's per-layer caches in the form the platform connector takes: as they are (every
+    connector reads vLLM's own layout); ValueError for a layout it does not know."""
+    vllm_layout(kv_caches, block_size)
+    return list(kv_caches)
 
 
 def lmcache_should_retrieve(model_input: LMCacheConnectorMetadata) -> list[RetrieveStatus]:

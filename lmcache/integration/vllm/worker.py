@@ -6,9 +6,12 @@
   starts the lookup server the scheduler side asks.
 - `start_load_kv` (before the forward): loads each planned prefix; whatever could not be loaded
   (evicted since the lookup, a tier fault) is reported by `get_block_ids_with_load_errors` and vLLM
-  recomputes it.
-- `wait_for_save` (after the forward): stores the newly computed chunks synchronously; the copy is
-  the only stall (lower tiers are written in the background).
+  recomputes it. On CUDA the load returns once issued: vLLM's stream waits on its event, the host
+  never synchronises.
+- `wait_for_save` (after the forward): stores the newly computed chunks; on the CPU the copy is the
+  only stall, on CUDA vLLM's stream waits only for the gather into the staging buffer (the chunks
+  enter the hot tier when their copy to host memory has completed; lower tiers are written in the
+  background).
 - `get_finished`: ends the lookup leases of finished requests.
 """
 
@@ -28,7 +31,7 @@ from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestP
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine
+from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine, vllm_layout
 from lmcache.metrics import rank_payload
 from lmcache.observability import IncidentLog
 
@@ -57,7 +60,8 @@ class LMCacheWorker:
         self.kvcaches = connector_kvcaches(tensors, self.block_size)
         self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
                                           config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
-                                          device=tensors[0].device.type)
+                                          device=tensors[0].device.type,
+                                          layout=vllm_layout(tensors, self.block_size))
         if self.engine.metadata.num_layers != len(tensors):
             raise ValueError(f"vLLM registered {len(tensors)} KV layers, the model has "
                              f"{self.engine.metadata.num_layers}")

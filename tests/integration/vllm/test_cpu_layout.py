@@ -92,3 +92,38 @@ def test_connector_rejects_wrong_cache_shapes():
         conn.from_gpu(obj, 0, 4, kvcaches=good, slot_mapping=torch.tensor([0, 1, 2, 4 * 32]))
     with pytest.raises(ValueError, match="heads"):
         VLLMCPUPackedConnector(H * D + 1, L, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_request_of_several_chunks_moves_in_one_batched_copy_on_every_path(dtype):
+    """The native kernel takes all chunks of a request at once; it, the strided-view path and the
+    permutation path must agree bit for bit (store, and retrieve with vLLM's -1 prefix skipped)."""
+    bs, nb = 32, 16
+    sizes, starts = [64, 64, 50], [0, 64, 128]
+    ends = [s + n for s, n in zip(starts, sizes)]
+    blocks = torch.randperm(nb)[: -(-ends[-1] // bs)]
+    slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[: ends[-1]]
+    caches, k, v = written_cache(dtype, bs, nb, slots, "vec")
+    layout = probe_packed_layout(H, D, bs, dtype, "vec")
+    skip = slots.clone()
+    skip[:40] = -1
+    results = []
+    for use_native in (True, False):
+        conn = VLLMCPUPackedConnector(H * D, L, layout, use_native=use_native)
+        alloc = HostMemoryAllocator(1 << 22)
+        objs = [alloc.allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB) for n in sizes]
+        conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
+        for obj, a, b in zip(objs, starts, ends):
+            assert torch.equal(obj.tensor[0], k[:, a:b].reshape(L, b - a, H * D))
+            assert torch.equal(obj.tensor[1], v[:, a:b].reshape(L, b - a, H * D))
+        target = [torch.full_like(c, 5.0) for c in caches]
+        done = []
+        conn.batched_to_gpu(objs, starts, ends, kvcaches=target, slot_mapping=skip, on_done=done.append)
+        assert done == [None]
+        results.append(target)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    for t, src in zip(results[0], caches):
+        t_k, s_k = (layout.token_views(x)[0].reshape(-1, H, D) for x in (t, src))
+        assert bool((t_k[slots[:40]] == 5.0).all())
+        assert torch.equal(t_k[slots[40:]], s_k[slots[40:]])

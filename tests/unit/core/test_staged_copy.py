@@ -1,0 +1,199 @@
+"""The staged copy path (the CUDA pipeline's pieces, staging ring and row kernels) forced onto CPU
+tensors: bit-identical to the native path for every layout, with several pieces, a staging ring
+that wraps, objects scattered in the arena, and the Triton kernel under Triton's interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+from lmcache.gpu_connector import paged as paged_module
+from lmcache.gpu_connector.spans import ChunkGroup, plan_pieces
+from lmcache.gpu_connector.staged import StagedCopier
+from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+from tests.helpers.paged_kv import LAYOUTS, KVCache, build_engine
+
+L, H, D, BS, NB = 3, 2, 8, 4, 64
+CHUNK = 16
+CHUNK_BYTES = 2 * L * CHUNK * H * D * 2  # bf16: 3 KiB, a multiple of the 512-byte alignment
+
+
+def cache(layout, **kw):
+    return KVCache(layout, layers=L, heads=H, head_size=D, block_size=BS, num_blocks=NB, **kw)
+
+
+def chunk_objects(conn, sizes, gaps=False):
+    """Objects allocated one after another from one arena (with a small object between them if
+    `gaps`, so they are not adjacent)."""
+    alloc = HostMemoryAllocator(1 << 20)
+    objs = []
+    for n in sizes:
+        objs.append(alloc.allocate(conn.get_shape(n), torch.bfloat16, MemoryFormat.KV_BLOB))
+        if gaps:
+            alloc.allocate((8,), torch.uint8, MemoryFormat.BINARY)
+    return objs
+
+
+def request(sizes):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return starts, [s + n for s, n in zip(starts, sizes)]
+
+
+def test_adjacent_objects_are_one_piece_with_one_group_per_run_of_equal_chunks():
+    conn = VLLMPagedMemGPUConnectorV2(H * D, L)
+    objs = chunk_objects(conn, [CHUNK, CHUNK, CHUNK, 5])
+    blobs = [o.tensor for o in objs]
+    bounds = [0, 16, 32, 48, 53]
+    (piece,) = plan_pieces(objs, blobs, bounds)
+    assert piece.groups == [ChunkGroup(3, CHUNK, 0, 0), ChunkGroup(1, 5, 3 * CHUNK_BYTES, 48)]
+    assert piece.memory.data_ptr() == blobs[0].data_ptr()
+    assert piece.nbytes == 3 * CHUNK_BYTES + blobs[3].nbytes
+    limited = plan_pieces(objs, blobs, bounds, max_bytes=2 * CHUNK_BYTES)
+    assert [p.first_token for p in limited] == [0, 32]
+    assert [p.groups for p in limited] == [[ChunkGroup(2, CHUNK, 0, 0)],
+                                           [ChunkGroup(1, CHUNK, 0, 32), ChunkGroup(1, 5, CHUNK_BYTES, 48)]]
+
+
+def test_objects_apart_in_memory_are_separate_pieces():
+    conn = VLLMPagedMemGPUConnectorV2(H * D, L)
+    objs = chunk_objects(conn, [CHUNK, CHUNK], gaps=True)
+    pieces = plan_pieces(objs, [o.tensor for o in objs], [0, 16, 32])
+    assert [(p.first_token, p.nbytes) for p in pieces] == [(0, CHUNK_BYTES), (16, CHUNK_BYTES)]
+
+
+def test_a_padded_partial_chunk_ends_its_group():
+    conn = VLLMPagedMemGPUConnectorV2(H * D, L)
+    objs = chunk_objects(conn, [5, 5, CHUNK])  # 5 tokens = 960 bytes, padded to 1024
+    (piece,) = plan_pieces(objs, [o.tensor for o in objs], [0, 5, 10, 26])
+    assert piece.groups == [ChunkGroup(1, 5, 0, 0), ChunkGroup(1, 5, 1024, 5), ChunkGroup(1, CHUNK, 2048, 10)]
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_staged_path_is_bit_identical_to_the_native_path(layout, gaps):
+    """Several pieces (piece limit 2 chunks), a ring of 2 staging slots reused within the request,
+    a padded partial chunk, -1 slots on retrieve."""
+    src = cache(layout)
+    sizes = [CHUNK] * 5 + [5, 7] if not gaps else [CHUNK] * 4 + [9]
+    starts, ends = request(sizes)
+    slots = src.slots_for(ends[-1])
+    results = []
+    for options in ({}, {"staged": True, "piece_bytes": 2 * CHUNK_BYTES, "staging_bytes": 1}):
+        conn = src.connector(**options)
+        objs = chunk_objects(conn, sizes, gaps)
+        conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
+        stored = [o.tensor.clone() for o in objs]
+        dst = src.zeros_like()
+        skip = slots.clone()
+        if src.paged:
+            skip[:3] = -1
+        conn.batched_to_gpu(objs, starts, ends, **dst.kwargs(skip))
+        results.append((stored, dst.all_rows()))
+    (native_objs, native_back), (staged_objs, staged_back) = results
+    assert all(torch.equal(a, b) for a, b in zip(native_objs, staged_objs))
+    assert torch.equal(native_back, staged_back)
+    assert all(torch.equal(o, src.rows(slots[a:b])) for o, a, b in zip(native_objs, starts, ends))
+
+
+def test_the_staging_ring_is_bounded_and_reused_across_requests():
+    src = cache("flash_attn")
+    conn = src.connector(staged=True, piece_bytes=CHUNK_BYTES, staging_bytes=3 * CHUNK_BYTES)
+    copier = conn.staged_copier(torch.device("cpu"))
+    for _ in range(3):
+        starts, ends = request([CHUNK] * 4)
+        slots = src.slots_for(ends[-1])
+        objs = chunk_objects(conn, [CHUNK] * 4)
+        conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
+        assert all(torch.equal(o.tensor, src.rows(slots[a:b])) for o, a, b in zip(objs, starts, ends))
+    assert len(copier._slots) == 3 and copier._capacity == CHUNK_BYTES
+
+
+def test_lmcache_staged_copy_env_forces_the_staged_path(monkeypatch):
+    monkeypatch.setenv(paged_module.STAGED_ENV, "1")
+    calls = []
+    original = StagedCopier.copy
+    monkeypatch.setattr(StagedCopier, "copy", lambda self, *a: calls.append(1) or original(self, *a))
+    kv = cache("kv_tuples")
+    conn = kv.connector()
+    assert conn.staged
+    slots = kv.slots_for(CHUNK)
+    obj = chunk_objects(conn, [CHUNK])[0]
+    conn.from_gpu(obj, 0, CHUNK, **kv.kwargs(slots))
+    assert calls == [1] and torch.equal(obj.tensor, kv.rows(slots))
+    monkeypatch.setenv(paged_module.STAGED_ENV, "0")
+    assert not kv.connector().staged
+
+
+def test_an_engine_over_the_staged_path_stores_and_retrieves_what_the_native_one_does():
+    src = cache("flash_attn")
+    tokens = torch.randint(0, 1000, (5 * CHUNK + 3,))
+    slots = src.slots_for(tokens.numel())
+    back = []
+    for staged in (False, True):
+        engine = build_engine(CHUNK, L, H, D, connector=src.connector(staged=staged, piece_bytes=CHUNK_BYTES))
+        engine.store(tokens, **src.kwargs(slots))
+        dst = src.zeros_like()
+        assert bool(engine.retrieve(tokens, **dst.kwargs(slots)).all())
+        back.append(dst.all_rows())
+        engine.close()
+        assert engine.memory_allocator.used_bytes == 0
+    assert torch.equal(back[0], back[1])
+    assert torch.equal(back[1][:, :, slots], src.rows(slots))
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import torch
+    from tests.helpers.paged_kv import LAYOUTS, KVCache
+    from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+
+    for layout in LAYOUTS:
+        src = KVCache(layout, layers=2, heads=2, head_size=8, block_size=4, num_blocks=16)
+        slots = src.slots_for(21)
+        skip = slots.clone()
+        if src.paged:
+            skip[:3] = -1
+        out = []
+        for options in ({}, {"staged": True, "staged_kernel": "triton", "piece_bytes": 1}):
+            conn = src.connector(**options)
+            alloc = HostMemoryAllocator(1 << 16)
+            objs = [alloc.allocate(conn.get_shape(n), torch.bfloat16, MemoryFormat.KV_BLOB)
+                    for n in (8, 8, 5)]
+            conn.batched_from_gpu(objs, [0, 8, 16], [8, 16, 21], **src.kwargs(slots))
+            dst = src.zeros_like()
+            conn.batched_to_gpu(objs, [0, 8, 16], [8, 16, 21], **dst.kwargs(skip))
+            out.append((torch.cat([o.tensor.flatten() for o in objs]), dst.all_rows()))
+        assert torch.equal(out[0][0], out[1][0]), layout
+        assert torch.equal(out[0][1], out[1][1]), layout
+        print("ok", layout)
+""")
+
+
+def test_the_triton_kernel_matches_the_native_path_under_the_interpreter():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [w for layout in LAYOUTS for w in ("ok", layout)]
+
+
+def test_a_triton_kernel_that_cannot_launch_falls_back_to_torch_ops(caplog):
+    """Without TRITON_INTERPRET, Triton cannot launch on CPU tensors: the copy must still be right."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the interpreter can launch on CPU tensors")
+    src = cache("flash_attn")
+    conn = src.connector(staged=True, staged_kernel="triton")
+    copier = conn.staged_copier(torch.device("cpu"))
+    assert copier.kernel == "triton"
+    slots = src.slots_for(CHUNK)
+    obj = chunk_objects(conn, [CHUNK])[0]
+    conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
+    assert torch.equal(obj.tensor, src.rows(slots))
+    assert copier.kernel == "torch" and "torch ops from now on" in caplog.text
