@@ -7,7 +7,8 @@
   periodic stats, and hands the sum to `LMCachePromMetrics.observe` in the process that serves
   ``/metrics``: counters increase, gauges (summed over ranks) are set, histograms observe. Metric
   names are `lmcache.metrics`'; labels are vLLM's (model name, engine index) plus ``tier`` for the
-  tier metrics. Metrics are created the first time a name is seen.
+  tier metrics. Metrics are created the first time a name is seen; like vLLM's own, they are
+  registered anew when another engine starts in the same process.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
     PromMetric,
 )
 
-from lmcache.metrics import doc, engine_metric, merge_intervals, summed_gauges, tier_metric
+from lmcache.metrics import PREFIX, doc, engine_metric, merge_intervals, summed_gauges, tier_metric
 from lmcache.observability import HISTOGRAMS
 
 
@@ -55,6 +56,7 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[Any]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_lmcache_metrics()  # a newer engine in this process takes the names over, as vLLM does
         self._metrics: dict[str, Any] = {}
         histogram_cls: Any = self._histogram_cls
         for name, buckets in HISTOGRAMS.items():
@@ -86,3 +88,9 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             histogram: Histogram = self._metrics[name]
             for value in values:
                 histogram.labels(*labels).observe(value)
+
+
+def _unregister_lmcache_metrics() -> None:
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith(PREFIX):
+            REGISTRY.unregister(collector)

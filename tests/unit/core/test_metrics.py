@@ -151,3 +151,17 @@ def test_failed_requests_are_counted_and_logged_once_per_incident(caplog):
     assert engine.stats.get("errors") == 4 and len(warnings) == 2
     assert warnings[0].exc_info is not None  # the first of an incident carries the traceback
     engine.close()
+
+
+def test_a_second_engine_in_the_process_takes_the_metric_names_over():
+    pytest.importorskip("vllm")
+    from lmcache.integration.vllm.metrics import LMCachePromMetrics
+
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}  # vLLM's default: the global registry
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    for _ in range(2):
+        prom = LMCachePromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["smol", "0"]})
+        prom.observe({"counters": {"stored_tokens": 3}}, 0)
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", {"model_name": "smol", "engine": "0"}) == 3
