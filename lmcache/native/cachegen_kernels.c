@@ -1,0 +1,379 @@
+/* CacheGen's CPU kernels: the quantizer's data passes and the interleaved rANS coder.
+ *
+ * Python (`lmcache/storage_backend/serde/cachegen_kernels.py`) holds the reference of every
+ * function here in numpy; both produce bit-identical results, so the arithmetic below is fixed:
+ * float32 operations in the stated order, no fused multiply-add (built with -ffp-contract=off),
+ * round-half-to-even everywhere.
+ *
+ * KV is [G][T][C] (G = 2 * layers (K/V, layer) pairs, T tokens, C channels), dtype code
+ * 0 = bf16, 1 = fp16, 2 = fp32. Symbols q are int16 [G][T][C].
+ *
+ * rANS (see cachegen_rans.py for the format): 64-bit states in [L, 2^32 L), L = 2^31, 32-bit
+ * words, PROB_BITS-bit frequencies, LANES interleaved states per substream. A substream codes the
+ * symbols of one (token block, pair) token-major over the pair's coded channels; symbol i uses
+ * lane i % LANES. Words are read front to back: first the LANES initial states (high word, then
+ * low word), then one word whenever a lane's state drops below L after decoding a symbol. A
+ * substream is valid only if every lane ends at L with every word consumed.
+ *
+ * Work is split over pairs / substreams with OpenMP (dynamic schedule); ctypes releases the GIL.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROB_BITS 12
+#define PROB_SCALE (1u << PROB_BITS)
+#define LANES 8
+#define RANS_L (1ull << 31)
+#define QLIMIT 32767.0f
+#define RINT_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 half to even */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round half to even; inputs are finite */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One row of C values of any supported dtype -> float32. */
+static inline void load_row(const void *base, int dtype, int64_t offset, int64_t C,
+                            float *restrict out) {
+    if (dtype == 0) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t c = 0; c < C; c++) out[c] = bf16_to_f32(p[c]);
+    } else if (dtype == 1) {
+        const _Float16 *p = (const _Float16 *)base + offset;
+        for (int64_t c = 0; c < C; c++) out[c] = (float)p[c];
+    } else {
+        memcpy(out, (const float *)base + offset, C * sizeof(float));
+    }
+}
+
+/* Pass 1. colsum[g][c] = sum over t (ascending) of x, in float32. sumsq[g][t] = sum over c of
+ * x * x in float64 with 8 partial sums (partial j takes c = j, j + 8, ... in order), combined as
+ * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). */
+int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
+             double *sumsq, int nthreads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * C);
+        if (!row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (!row) continue;
+            float *acc = colsum + g * C;
+            for (int64_t c = 0; c < C; c++) acc[c] = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                load_row(x, dtype, (g * T + t) * C, C, row);
+                for (int64_t c = 0; c < C; c++) acc[c] += row[c];
+                double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                int64_t c = 0;
+                for (; c + 8 <= C; c += 8)
+                    for (int j = 0; j < 8; j++) p[j] += (double)row[c + j] * (double)row[c + j];
+                for (int j = 0; c < C; c++, j++) p[j] += (double)row[c] * (double)row[c];
+                sumsq[g * T + t] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+            }
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)) for every pair with
+ * todo[g] != 0; per channel: abs_sum (sum |q|), qmin, qmax; per token: qpeak (max |q|). */
+int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
+                const float *inv_steps, const uint8_t *todo, int16_t *q, int64_t *abs_sum,
+                int32_t *qmin, int32_t *qmax, int32_t *qpeak, int nthreads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * C);
+        if (!row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (!row || !todo[g]) continue;
+            const float *restrict mean = means + g * C;
+            int64_t *restrict asum = abs_sum + g * C;
+            int32_t *restrict lo = qmin + g * C, *restrict hi = qmax + g * C;
+            for (int64_t c = 0; c < C; c++) {
+                asum[c] = 0;
+                lo[c] = 32767;
+                hi[c] = -32767;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                load_row(x, dtype, (g * T + t) * C, C, row);
+                const float inv = inv_steps[g * T + t];
+                int16_t *restrict out = q + (g * T + t) * C;
+                for (int64_t c = 0; c < C; c++) {
+                    float v = (row[c] - mean[c]) * inv;
+                    v = v > QLIMIT ? QLIMIT : (v < -QLIMIT ? -QLIMIT : v);
+                    out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
+                }
+                int32_t peak = 0;
+                for (int64_t c = 0; c < C; c++) {
+                    int32_t s = out[c], a = s < 0 ? -s : s;
+                    asum[c] += a;
+                    peak = a > peak ? a : peak;
+                    lo[c] = s < lo[c] ? s : lo[c];
+                    hi[c] = s > hi[c] ? s : hi[c];
+                }
+                qpeak[g * T + t] = peak;
+            }
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
+ * group's first table entry minus its lowest symbol). Pair g's entries are the range
+ * [pair_entries[g], pair_entries[g + 1]), so pairs run in parallel without conflicts. */
+int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
+                 const int64_t *pair_entries, int64_t *counts, int nthreads) {
+    int64_t width = 1;
+    for (int64_t g = 0; g < G; g++)
+        if (pair_entries[g + 1] - pair_entries[g] > width) width = pair_entries[g + 1] - pair_entries[g];
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each
+         * other's increments */
+        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
+        if (!part) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (!part) continue;
+            const int64_t lo = pair_entries[g], n = pair_entries[g + 1] - lo;
+            memset(part, 0, sizeof(int32_t) * 4 * width);
+            int32_t *p0 = part - lo, *p1 = part + width - lo, *p2 = part + 2 * width - lo,
+                    *p3 = part + 3 * width - lo;
+            const int64_t *base = sym_base + g * C;
+            for (int64_t t = 0; t < T; t++) {
+                const int16_t *row = q + (g * T + t) * C;
+                int64_t c = 0;
+                for (; c + 4 <= C; c += 4) {
+                    p0[base[c] + row[c]]++;
+                    p1[base[c + 1] + row[c + 1]]++;
+                    p2[base[c + 2] + row[c + 2]]++;
+                    p3[base[c + 3] + row[c + 3]]++;
+                }
+                for (; c < C; c++) p0[base[c] + row[c]]++;
+            }
+            for (int64_t e = 0; e < n; e++)
+                counts[lo + e] = (int64_t)part[e] + part[width + e] + part[2 * width + e] + part[3 * width + e];
+        }
+        free(part);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Exact x / f for x < 2^63, 1 <= f <= 2^PROB_BITS: floor(x * m / 2^(63 + l)) with
+ * l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64 (Granlund-Montgomery, N = 63). */
+typedef struct {
+    uint64_t m;
+    uint32_t shift; /* 63 + l */
+    uint32_t freq;
+    uint32_t cum;
+    uint64_t x_max; /* renormalize (emit a word) while x >= x_max */
+} enc_sym;
+
+static void enc_sym_init(enc_sym *s, uint32_t freq, uint32_t cum) {
+    uint32_t l = 0;
+    while ((1u << l) < freq) l++;
+    unsigned __int128 num = (unsigned __int128)1 << (63 + l);
+    s->m = (uint64_t)((num + freq - 1) / freq);
+    s->shift = 63 + l;
+    s->freq = freq;
+    s->cum = cum;
+    s->x_max = ((RANS_L >> PROB_BITS) << 32) * (uint64_t)freq;
+}
+
+static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
+    uint64_t quot = (uint64_t)(((unsigned __int128)x * s->m) >> s->shift);
+    return (quot << PROB_BITS) + (x - quot * s->freq) + s->cum;
+}
+
+/* Substream geometry shared by encoder and decoder. Block b covers tokens
+ * [block_starts[b], block_starts[b + 1]); pair g codes its ncoded[g] channels
+ * chans[g * C + j] (j < ncoded[g]) whose table entries start at sym_base[g * C + chan]. */
+typedef struct {
+    int64_t G, T, C, B;
+    const int64_t *block_starts, *ncoded, *chans, *sym_base;
+} layout_t;
+
+/* Pass 4. Encode substream (b, g) for every b, g into out[region_start[s], region_start[s + 1])
+ * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
+ * offset where its data begins (its data ends at the region's end). freq / cum: per table entry.
+ * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
+int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+              const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
+              const int64_t *sym_base, const uint32_t *freq, const uint32_t *cum, int64_t nsym,
+              uint32_t *out, const int64_t *region_start, int64_t *stream_start, int nthreads) {
+    enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * (nsym > 0 ? nsym : 1));
+    if (!tab) return -2;
+    for (int64_t k = 0; k < nsym; k++)
+        if (freq[k]) enc_sym_init(&tab[k], freq[k], cum[k]);
+    int status = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t s = 0; s < B * G; s++) {
+        int64_t b = s / G, g = s % G, nc = ncoded[g];
+        int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
+        int64_t n = (t1 - t0) * nc;
+        uint32_t *lo = out + region_start[s], *ptr = out + region_start[s + 1];
+        if (n == 0) {
+            stream_start[s] = region_start[s + 1];
+            continue;
+        }
+        const int64_t *ch = chans + g * C, *sb = sym_base + g * C;
+        int64_t *base = (int64_t *)malloc(sizeof(int64_t) * 2 * nc);
+        if (!base) {
+            #pragma omp atomic write
+            status = -2;
+            continue;
+        }
+        int64_t *ent = base + nc;
+        for (int64_t j = 0; j < nc; j++) base[j] = sb[ch[j]];
+        uint64_t x[LANES];
+        for (int l = 0; l < LANES; l++) x[l] = RANS_L;
+        int overflow = 0;
+        int64_t i = n - 1;
+        for (int64_t t = t1 - 1; t >= t0 && !overflow; t--) {
+            const int16_t *row = q + (g * T + t) * C;
+            for (int64_t j = 0; j < nc; j++) ent[j] = base[j] + row[ch[j]];
+            for (int64_t j = nc - 1; j >= 0; j--, i--) {
+                const enc_sym *e = &tab[ent[j]];
+                int lane = (int)(i & (LANES - 1));
+                uint64_t xs = x[lane];
+                if (xs >= e->x_max) {
+                    if (ptr <= lo) {
+                        overflow = 1;
+                        break;
+                    }
+                    *--ptr = (uint32_t)xs;
+                    xs >>= 32;
+                }
+                x[lane] = enc_put(xs, e);
+            }
+        }
+        free(base);
+        if (!overflow && ptr - lo < 2 * LANES) overflow = 1;
+        if (overflow) {
+            #pragma omp atomic write
+            status = -1;
+            continue;
+        }
+        for (int l = LANES - 1; l >= 0; l--) {
+            *--ptr = (uint32_t)x[l];
+            *--ptr = (uint32_t)(x[l] >> 32);
+        }
+        stream_start[s] = ptr - out;
+    }
+    free(tab);
+    return status;
+}
+
+/* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
+ * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
+ * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
+ * local index (coded channels) or group_low[gid] (channels listed in cchans[g * C + k], k <
+ * nconst[g], whose group has a single symbol). slot_sym[gid * PROB_SCALE + slot]: the local
+ * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. Substream s's words:
+ * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
+ * (0 = all valid). */
+int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
+              int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
+              const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
+              const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
+              const int32_t *group_low, const uint16_t *slot_sym, const uint32_t *freqcum,
+              const float *means, const float *steps, void *out, int dtype, int nthreads) {
+    int bad = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        /* per coded channel j: its slot table, first table entry, lowest symbol */
+        const uint16_t **slots = (const uint16_t **)malloc(sizeof(uint16_t *) * C);
+        int64_t *entry0 = (int64_t *)malloc(sizeof(int64_t) * C);
+        int32_t *low = (int32_t *)malloc(sizeof(int32_t) * C);
+        float *sym = (float *)malloc(sizeof(float) * C);
+        int ok = slots && entry0 && low && sym;
+        #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
+        for (int64_t s = 0; s < B * G; s++) {
+            if (!ok) {
+                bad++;
+                continue;
+            }
+            int64_t b = s / G, g = s % G, nc = ncoded[g], nk = nconst[g];
+            int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
+            const float *restrict mean = means + g * C;
+            const int64_t *ch = chans + g * C, *cc = cchans + g * C, *gid = group_of_chan + g * C;
+            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = (float)group_low[gid[cc[k]]];
+            for (int64_t j = 0; j < nc; j++) {
+                int64_t grp = gid[ch[j]];
+                slots[j] = slot_sym + grp * PROB_SCALE;
+                entry0[j] = group_start[grp];
+                low[j] = group_low[grp];
+            }
+            int64_t n = (t1 - t0) * nc, len = stream_len[s];
+            const uint32_t *w = words + stream_off[s];
+            int broken = n == 0 ? len != 0 : len < 2 * LANES;
+            uint64_t x[LANES];
+            for (int l = 0; l < LANES; l++)
+                x[l] = n && !broken ? ((uint64_t)w[2 * l] << 32) | w[2 * l + 1] : RANS_L;
+            int64_t ptr = n ? 2 * LANES : 0, i = 0;
+            for (int64_t t = t0; t < t1 && !broken; t++) {
+                for (int64_t j = 0; j < nc; j++, i++) {
+                    int lane = (int)(i & (LANES - 1));
+                    uint64_t xs = x[lane];
+                    uint32_t slot = (uint32_t)(xs & (PROB_SCALE - 1));
+                    uint32_t local = slots[j][slot];
+                    uint32_t packed = freqcum[entry0[j] + local];
+                    xs = (uint64_t)(packed >> 16) * (xs >> PROB_BITS) + slot - (packed & 0xFFFFu);
+                    if (xs < RANS_L) {
+                        if (ptr >= len) {
+                            broken = 1;
+                            break;
+                        }
+                        xs = (xs << 32) | w[ptr++];
+                    }
+                    x[lane] = xs;
+                    sym[ch[j]] = (float)(low[j] + (int32_t)local);
+                }
+                const float step = steps[g * T + t];
+                int64_t o = (g * T + t) * C;
+                if (dtype == 0) {
+                    uint16_t *restrict dst = (uint16_t *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16(sym[c] * step + mean[c]);
+                } else if (dtype == 1) {
+                    _Float16 *restrict dst = (_Float16 *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)(sym[c] * step + mean[c]);
+                } else {
+                    float *restrict dst = (float *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = sym[c] * step + mean[c];
+                }
+            }
+            for (int l = 0; l < LANES; l++) broken |= x[l] != RANS_L;
+            bad += broken || ptr != len;
+        }
+        free((void *)slots);
+        free(entry0);
+        free(low);
+        free(sym);
+    }
+    return bad;
+}
