@@ -99,18 +99,22 @@ int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
         float *row = (float *)malloc(sizeof(float) * C);
-        if (!row) {
+        int32_t *acc32 = (int32_t *)malloc(sizeof(int32_t) * C);
+        int16_t *lo16 = (int16_t *)malloc(sizeof(int16_t) * C), *hi16 = (int16_t *)malloc(sizeof(int16_t) * C);
+        if (!row || !acc32 || !lo16 || !hi16) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++) {
-            if (!row || !todo[g]) continue;
+            if (failed || !todo[g]) continue;
             const float *restrict mean = means + g * C;
             int64_t *restrict asum = abs_sum + g * C;
-            int32_t *restrict lo = qmin + g * C, *restrict hi = qmax + g * C;
+            int16_t *restrict lo = lo16, *restrict hi = hi16;
+            int32_t *restrict acc = acc32;
             for (int64_t c = 0; c < C; c++) {
                 asum[c] = 0;
+                acc[c] = 0;
                 lo[c] = 32767;
                 hi[c] = -32767;
             }
@@ -123,18 +127,30 @@ int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const
                     v = v > QLIMIT ? QLIMIT : (v < -QLIMIT ? -QLIMIT : v);
                     out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
                 }
-                int32_t peak = 0;
+                int16_t peak = 0;
                 for (int64_t c = 0; c < C; c++) {
-                    int32_t s = out[c], a = s < 0 ? -s : s;
-                    asum[c] += a;
+                    int16_t s = out[c], neg = (int16_t)-s, a = s > neg ? s : neg;
+                    acc[c] += a;
                     peak = a > peak ? a : peak;
                     lo[c] = s < lo[c] ? s : lo[c];
                     hi[c] = s > hi[c] ? s : hi[c];
                 }
                 qpeak[g * T + t] = peak;
+                if ((t & 0xFFFF) == 0xFFFF || t == T - 1)  /* 65536 * 32767 fits in int32 ... */
+                    for (int64_t c = 0; c < C; c++) {   /* ... so flush every 65536 tokens */
+                        asum[c] += acc[c];
+                        acc[c] = 0;
+                    }
+            }
+            for (int64_t c = 0; c < C; c++) {
+                qmin[g * C + c] = lo[c];
+                qmax[g * C + c] = hi[c];
             }
         }
         free(row);
+        free(acc32);
+        free(lo16);
+        free(hi16);
     }
     return failed ? -2 : 0;
 }
@@ -184,30 +200,40 @@ int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_
     return failed ? -2 : 0;
 }
 
-/* Exact x / f for x < 2^63, 1 <= f <= 2^PROB_BITS: floor(x * m / 2^(63 + l)) with
- * l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64 (Granlund-Montgomery, N = 63). */
+/* One table entry for the encoder. x / f is exact for x < 2^63, 1 <= f <= 2^PROB_BITS as
+ * floor(x * m / 2^(64 + l - 1)) with l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64
+ * (Granlund-Montgomery, N = 63); f = 1 takes x itself (m = 0, pass = all ones). Then
+ * x' = (x / f) << PROB_BITS | x % f + cum = x + (x / f) * (2^PROB_BITS - f) + cum. */
 typedef struct {
     uint64_t m;
-    uint32_t shift; /* 63 + l */
-    uint32_t freq;
-    uint32_t cum;
+    uint64_t pass;
     uint64_t x_max; /* renormalize (emit a word) while x >= x_max */
+    uint32_t shift; /* l - 1 */
+    uint32_t cmpl;  /* 2^PROB_BITS - f */
+    uint64_t cum;
 } enc_sym;
 
 static void enc_sym_init(enc_sym *s, uint32_t freq, uint32_t cum) {
     uint32_t l = 0;
     while ((1u << l) < freq) l++;
-    unsigned __int128 num = (unsigned __int128)1 << (63 + l);
-    s->m = (uint64_t)((num + freq - 1) / freq);
-    s->shift = 63 + l;
-    s->freq = freq;
+    if (freq == 1) {
+        s->m = 0;
+        s->pass = ~0ull;
+        s->shift = 0;
+    } else {
+        unsigned __int128 num = (unsigned __int128)1 << (63 + l);
+        s->m = (uint64_t)((num + freq - 1) / freq);
+        s->pass = 0;
+        s->shift = l - 1;
+    }
+    s->cmpl = PROB_SCALE - freq;
     s->cum = cum;
     s->x_max = ((RANS_L >> PROB_BITS) << 32) * (uint64_t)freq;
 }
 
 static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
-    uint64_t quot = (uint64_t)(((unsigned __int128)x * s->m) >> s->shift);
-    return (quot << PROB_BITS) + (x - quot * s->freq) + s->cum;
+    uint64_t quot = ((uint64_t)(((unsigned __int128)x * s->m) >> 64) >> s->shift) + (x & s->pass);
+    return x + quot * s->cmpl + s->cum;
 }
 
 /* Substream geometry shared by encoder and decoder. Block b covers tokens
@@ -289,6 +315,13 @@ int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     return status;
 }
 
+typedef struct {
+    const uint16_t *slots; /* the group's slot table */
+    const uint32_t *fc;    /* the group's freq << 16 | cum entries */
+    float *out;            /* where the channel's symbol goes in the row buffer */
+    float low;             /* the group's lowest symbol */
+} dec_chan;
+
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
  * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
  * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
@@ -306,12 +339,9 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        /* per coded channel j: its slot table, first table entry, lowest symbol */
-        const uint16_t **slots = (const uint16_t **)malloc(sizeof(uint16_t *) * C);
-        int64_t *entry0 = (int64_t *)malloc(sizeof(int64_t) * C);
-        int32_t *low = (int32_t *)malloc(sizeof(int32_t) * C);
+        dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
         float *sym = (float *)malloc(sizeof(float) * C);
-        int ok = slots && entry0 && low && sym;
+        int ok = dc && sym;
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -325,9 +355,10 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = (float)group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
-                slots[j] = slot_sym + grp * PROB_SCALE;
-                entry0[j] = group_start[grp];
-                low[j] = group_low[grp];
+                dc[j].slots = slot_sym + grp * PROB_SCALE;
+                dc[j].fc = freqcum + group_start[grp];
+                dc[j].out = sym + ch[j];
+                dc[j].low = (float)group_low[grp];
             }
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
@@ -338,11 +369,12 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
             int64_t ptr = n ? 2 * LANES : 0, i = 0;
             for (int64_t t = t0; t < t1 && !broken; t++) {
                 for (int64_t j = 0; j < nc; j++, i++) {
+                    const dec_chan *d = &dc[j];
                     int lane = (int)(i & (LANES - 1));
                     uint64_t xs = x[lane];
                     uint32_t slot = (uint32_t)(xs & (PROB_SCALE - 1));
-                    uint32_t local = slots[j][slot];
-                    uint32_t packed = freqcum[entry0[j] + local];
+                    uint32_t local = d->slots[slot];
+                    uint32_t packed = d->fc[local];
                     xs = (uint64_t)(packed >> 16) * (xs >> PROB_BITS) + slot - (packed & 0xFFFFu);
                     if (xs < RANS_L) {
                         if (ptr >= len) {
@@ -352,7 +384,7 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
                         xs = (xs << 32) | w[ptr++];
                     }
                     x[lane] = xs;
-                    sym[ch[j]] = (float)(low[j] + (int32_t)local);
+                    *d->out = d->low + (float)local;
                 }
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
@@ -370,9 +402,7 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
             for (int l = 0; l < LANES; l++) broken |= x[l] != RANS_L;
             bad += broken || ptr != len;
         }
-        free((void *)slots);
-        free(entry0);
-        free(low);
+        free(dc);
         free(sym);
     }
     return bad;

@@ -45,7 +45,6 @@ from lmcache.storage_backend.serde.cachegen_kernels import Kernels, Quantized, c
 from lmcache.storage_backend.serde.cachegen_layout import (
     CodeLayout,
     channel_classes,
-    group_ids,
     group_ranges,
 )
 from lmcache.storage_backend.serde.serde import Serializer
@@ -102,7 +101,8 @@ class CacheGenEncoderImpl:
         kv = kwargs.get("kv")
         if kv is None:
             kv = torch.stack([kwargs["fp_k"], kwargs["fp_v"]])
-        two, self.nlayers, ntok, nch = kv.shape
+        two, ntok, nch = kv.shape[0], kv.shape[2], kv.shape[3]
+        self.nlayers: int = kv.shape[1]
         self.x = coded_input(kv.reshape(two * self.nlayers, ntok, nch))
         self.key_bins = np.asarray(torch.as_tensor(kwargs["key_bins"]).reshape(-1), np.int64)
         self.value_bins = np.asarray(torch.as_tensor(kwargs["value_bins"]).reshape(-1), np.int64)
@@ -136,8 +136,7 @@ class CacheGenEncoderImpl:
         pairs = slice(None) if is_key is None else \
             (slice(0, self.nlayers) if is_key else slice(self.nlayers, None))
         classes = channel_classes(qz.abs_sum[pairs], self.x.shape[1])
-        group_of, ngroups = group_ids(classes)
-        low, size = group_ranges(group_of, ngroups, qz.qmin[pairs], qz.qmax[pairs])
+        low, size = group_ranges(classes, qz.qmin[pairs], qz.qmax[pairs])
         if int(size.max()) > MAX_ALPHABET:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
         layout = CodeLayout.build(classes, low, size, self.block_starts)

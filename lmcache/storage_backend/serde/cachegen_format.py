@@ -162,7 +162,10 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
         if ngroups:
             raise CorruptBlobError(f"an nvCOMP-coded stream has no symbol groups, header says {ngroups}")
         fields.update(bytestream=bytes(r.buf[r.pos:]),
-                      start_indices=torch.tensor([[0, len(r.buf) - r.pos]], dtype=torch.int64))
+                      start_indices=torch.tensor([[0, len(r.buf) - r.pos]], dtype=torch.int64),
+                      cdf=torch.empty(0, dtype=torch.int32),
+                      channel_classes=torch.empty(0, dtype=torch.uint8),
+                      symbol_ranges=torch.empty(0, 2, dtype=torch.int32))
         return fields
     packed = r.take((pairs * channels + 1) // 2, np.uint8, "channel_classes")
     nibbles = np.empty(packed.size * 2, dtype=np.uint8)

@@ -63,10 +63,14 @@ def usable(kv: torch.Tensor) -> bool:
     return kv.is_cuda and available()
 
 
-def _codec() -> Any:
+def _module() -> Any:
     nvcomp = _nvcomp()
-    assert nvcomp is not None
-    return nvcomp.Codec(algorithm="ANS")
+    assert nvcomp is not None, "nvCOMP is not installed"
+    return nvcomp
+
+
+def _codec() -> Any:
+    return _module().Codec(algorithm="ANS")
 
 
 def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
@@ -85,7 +89,7 @@ def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
     inv = torch.from_numpy(quant.inverse_steps(exps)).to(kv.device)
     q = torch.round(centered * inv[:, :, None]).clamp_(-SYMBOL_MAX, SYMBOL_MAX)
     symbols = (q + _OFFSET).to(torch.uint8).transpose(1, 2).contiguous()  # [G, C, T]
-    nvcomp = _nvcomp()
+    nvcomp = _module()
     packed = _codec().encode(nvcomp.as_array(symbols.reshape(-1)))
     payload = torch.frombuffer(bytearray(bytes(packed.cpu())), dtype=torch.uint8)
     e16 = torch.from_numpy(exps.astype(np.int16)).reshape(2, nlayers, ntok)
@@ -110,7 +114,7 @@ def decode(encoded: CacheGenEncoderOutput, dtype: torch.dtype) -> torch.Tensor:
     nlayers, ntok = encoded.max_tensors_key.shape
     means = encoded.channel_means.reshape(2 * nlayers, -1).cuda().float()
     nch = means.shape[1]
-    nvcomp = _nvcomp()
+    nvcomp = _module()
     try:
         packed = nvcomp.as_array(encoded.bytestream).cuda()
         symbols = torch.as_tensor(_codec().decode(packed), device="cuda").view(torch.uint8)

@@ -134,7 +134,7 @@ class NativeKernels:
                                 _ptr(regions), _ptr(starts), self._threads())
         _check(rc, "cg_encode")
         ends = regions[1:]
-        view = memoryview(out).cast("B")
+        view = memoryview(out.view(np.uint8).data)
         payload = b"".join(view[4 * s:4 * e] for s, e in zip(starts.tolist(), ends.tolist()))
         return Encoded(payload, 4 * (ends - starts))
 

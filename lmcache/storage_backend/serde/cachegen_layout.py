@@ -41,14 +41,17 @@ def group_ids(classes: np.ndarray) -> tuple[np.ndarray, int]:
     return np.take_along_axis(gid, classes.astype(np.int64), axis=1), int(present.sum())
 
 
-def group_ranges(group_of: np.ndarray, ngroups: int, qmin: np.ndarray, qmax: np.ndarray
+def group_ranges(classes: np.ndarray, qmin: np.ndarray, qmax: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel symbol bounds [G, C] -> each group's (low int32 [N], size int64 [N])."""
-    low = np.full(ngroups, np.iinfo(np.int32).max, np.int64)
-    high = np.full(ngroups, np.iinfo(np.int32).min, np.int64)
-    np.minimum.at(low, group_of.reshape(-1), qmin.reshape(-1))
-    np.maximum.at(high, group_of.reshape(-1), qmax.reshape(-1))
-    return low.astype(np.int32), high - low + 1
+    order = np.argsort(classes, axis=1, kind="stable")  # channels of each group adjacent
+    keys = np.take_along_axis(classes, order, axis=1).astype(np.int64)
+    keys += (np.arange(classes.shape[0]) * NUM_CLASSES)[:, None]
+    flat = keys.reshape(-1)
+    starts = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])
+    low = np.minimum.reduceat(np.take_along_axis(qmin, order, axis=1).reshape(-1), starts)
+    high = np.maximum.reduceat(np.take_along_axis(qmax, order, axis=1).reshape(-1), starts)
+    return low.astype(np.int32), high.astype(np.int64) - low + 1
 
 
 @dataclass

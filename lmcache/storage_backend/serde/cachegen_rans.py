@@ -119,7 +119,7 @@ def encode_reference(q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> lis
         e = np.where(active, e, 0)
         f = np.where(active, freq64[e], np.uint64(1))
         emit = active & (x >= (f << np.uint64(51)))  # (RANS_L >> 12) << 32 = 2**51
-        later = np.cumsum(emit[:, ::-1], axis=1)[:, ::-1] - emit  # emitting lanes above each lane
+        later: np.ndarray = np.cumsum(emit[:, ::-1], axis=1)[:, ::-1] - emit  # emitting lanes above
         rows, lanes = np.nonzero(emit)
         buf[ptr[rows] - 1 - later[rows, lanes]] = (x[rows, lanes] & _MASK32).astype(np.uint32)
         ptr -= emit.sum(axis=1)
@@ -147,11 +147,9 @@ def decode_reference(words: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     valid = nsub > 0
     if np.any(lengths[~valid] != 0) or np.any(lengths[valid] < 2 * LANES):
         raise CorruptBlobError("cachegen substream is shorter than its lane states")
-    words64 = words.astype(np.uint64)
-    heads = offsets[:, None] + 2 * np.arange(LANES)[None, :]
-    heads = np.where(valid[:, None], heads, 0)
-    x = (words64[np.minimum(heads, len(words) - 1)] << np.uint64(32)) | \
-        words64[np.minimum(heads + 1, len(words) - 1)]
+    words64 = np.append(words.astype(np.uint64), np.zeros(2, np.uint64))  # heads of empty ones: 0, 1
+    heads = np.where(valid[:, None], offsets[:, None] + 2 * np.arange(LANES)[None, :], 0)
+    x = (words64[heads] << np.uint64(32)) | words64[heads + 1]
     x = np.where(valid[:, None], x, np.uint64(RANS_L))
     read = np.full(len(nsub), 2 * LANES, np.int64)
     slots = slot_table(freq, layout)
