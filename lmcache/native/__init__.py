@@ -45,7 +45,7 @@ def _cachegen_signatures(lib: ctypes.CDLL) -> None:
         "cg_encode": [_PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                       _INT],
         "cg_decode": [_PTR, _PTR, _PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                      _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
+                      _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -327,7 +327,8 @@ typedef struct {
  * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
  * local index (coded channels) or group_low[gid] (channels listed in cchans[g * C + k], k <
  * nconst[g], whose group has a single symbol). slot_sym[gid * PROB_SCALE + slot]: the local
- * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. Substream s's words:
+ * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. The first token of
+ * block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing. Substream s's words:
  * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
  * (0 = all valid). */
 int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
@@ -335,7 +336,8 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
               const int32_t *group_low, const uint16_t *slot_sym, const uint32_t *freqcum,
-              const float *means, const float *steps, void *out, int dtype, int nthreads) {
+              const float *means, const float *steps, const float *refine, void *out, int dtype,
+              int nthreads) {
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
@@ -388,7 +390,15 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
                 }
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
-                if (dtype == 0) {
+                if (t == t0) {
+                    const float *ref = refine + (b * G + g) * C;
+                    for (int64_t c = 0; c < C; c++) {
+                        float v = (sym[c] + ref[c]) * step + mean[c];
+                        if (dtype == 0) ((uint16_t *)out)[o + c] = f32_to_bf16(v);
+                        else if (dtype == 1) ((_Float16 *)out)[o + c] = (_Float16)v;
+                        else ((float *)out)[o + c] = v;
+                    }
+                } else if (dtype == 0) {
                     uint16_t *restrict dst = (uint16_t *)out + o;
                     for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16(sym[c] * step + mean[c]);
                 } else if (dtype == 1) {

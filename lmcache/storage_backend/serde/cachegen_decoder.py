@@ -61,12 +61,14 @@ def quant(bins: int, xq: torch.Tensor, max1: float | torch.Tensor) -> torch.Tens
 @dataclass
 class StreamTables:
     """What the entropy decoder needs (the decoder-side "cdf"): the symbol layout, frequency
-    tables, means float32 [2L, C] and steps float32 [2L, T] of a rANS-coded stream."""
+    tables, means float32 [2L, C], steps float32 [2L, T] and anchor refinements float32
+    [B, 2L, C] of a rANS-coded stream."""
 
     layout: CodeLayout
     freq: np.ndarray
     means: np.ndarray
     steps: np.ndarray
+    refine: np.ndarray
 
     @staticmethod
     def of(encoded: CacheGenEncoderOutput | CacheGenGPUEncoderOutput) -> StreamTables:
@@ -83,9 +85,13 @@ class StreamTables:
         freq = np.ascontiguousarray(encoded.cdf.numpy(), np.uint32)
         rans.check_tables(freq, layout)
         exps = torch.stack([encoded.max_tensors_key, encoded.max_tensors_value])
-        return StreamTables(layout, freq,
-                            encoded.channel_means.reshape(2 * nlayers, -1).float().numpy(),
-                            cgq.steps(exps.reshape(2 * nlayers, ntok).numpy()))
+        means = encoded.channel_means.reshape(2 * nlayers, -1).float().numpy()
+        refine = encoded.anchor_refinements.numpy()
+        if refine.shape != (layout.num_blocks, *means.shape):
+            raise CorruptBlobError(f"anchor refinements of shape {refine.shape}, expected "
+                                   f"{(layout.num_blocks, *means.shape)}")
+        return StreamTables(layout, freq, means, cgq.steps(exps.reshape(2 * nlayers, ntok).numpy()),
+                            cgq.refinement_values(refine))
 
 
 def _decode(tables: StreamTables, payload: bytes | memoryview, lengths: np.ndarray,
@@ -95,7 +101,7 @@ def _decode(tables: StreamTables, payload: bytes | memoryview, lengths: np.ndarr
             int(np.sum(lengths)) != len(payload):
         raise CorruptBlobError("cachegen substream lengths do not match the payload")
     values = (coder or kernels()).decode(payload, lengths, tables.layout, tables.freq, tables.means,
-                                         tables.steps, tables.steps.shape[1], dtype, out)
+                                         tables.steps, tables.refine, tables.steps.shape[1], dtype, out)
     return values if values.dtype == dtype else values.to(dtype)
 
 
@@ -104,8 +110,10 @@ def decode_chunk(cdf: StreamTables, data_chunk: CacheGenGPUBytestream,
     """Decode one token block (tokens t0 .. t0 + ntokens of the stream) into
     target_buffer [2 * nlayers, ntokens, nchannels] (any float dtype)."""
     ntok = data_chunk.ntokens
+    (block,) = np.flatnonzero(cdf.layout.block_starts[:-1] == t0)
     single = StreamTables(dataclasses.replace(cdf.layout, block_starts=np.array([0, ntok])),
-                          cdf.freq, cdf.means, np.ascontiguousarray(cdf.steps[:, t0:t0 + ntok]))
+                          cdf.freq, cdf.means, np.ascontiguousarray(cdf.steps[:, t0:t0 + ntok]),
+                          cdf.refine[block:block + 1])
     data = data_chunk.bytestream.cpu().numpy()
     target_buffer.copy_(_decode(single, data.tobytes(), data_chunk.bytestream_lengths.numpy(),
                                 target_buffer.dtype, None))

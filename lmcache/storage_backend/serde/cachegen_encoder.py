@@ -111,21 +111,30 @@ class CacheGenEncoderImpl:
         self.kernels: Kernels = kwargs.get("kernels") or kernels()
         self.means = np.empty(0, np.float32)
         self.exps = np.empty(0, np.int32)
+        self.refinements = np.empty(0, np.uint8)
         self.quantized: Quantized | None = None
 
     def quantize(self) -> Quantized:
-        """Sets means float32 [2L, C], exps int32 [2L, T] and the symbols (`Quantized`)."""
+        """Sets means float32 [2L, C], exps int32 [2L, T], the symbols (`Quantized`, anchor rows
+        coarse) and the anchors' refinements uint8 [B, 2L, C]."""
         x, k = self.x, self.kernels
         colsum, sumsq = k.stats(x)
         if not np.isfinite(colsum).all():
             raise ValueError("cannot CacheGen-encode non-finite KV values (or sums above float32)")
         self.means = quant.channel_means(colsum, x.shape[1])
         bins = np.concatenate([self.key_bins, self.value_bins])
-        self.exps = quant.step_exponents(sumsq, x.shape[2], bins, self.block_starts[:-1])
+        self.exps = quant.step_exponents(sumsq, x.shape[2], bins)
         quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps))
-        if int(quantized.qpeak.max()) > quant.QMAX:
+        if int(quantized.qpeak.max()) >= quant.QMAX:  # (anchors may round one further)
             self.exps = quant.bound_exponents(quant.as_float32(x), self.means, self.exps)
             quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps))
+        anchors = self.block_starts[:-1]
+        coarse, self.refinements = quant.anchor_symbols(
+            quant.as_float32(x[:, anchors]), self.means, quant.inverse_steps(self.exps[:, anchors]))
+        quantized.q[:, anchors] = coarse
+        np.minimum(quantized.qmin, coarse.min(axis=1), out=quantized.qmin)
+        np.maximum(quantized.qmax, coarse.max(axis=1), out=quantized.qmax)
+        self.refinements = self.refinements.transpose(1, 0, 2).copy()
         self.quantized = quantized
         return quantized
 
@@ -172,7 +181,8 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
                                        .astype(np.int32)),
         key_bins=torch.as_tensor(key_bins, dtype=torch.int32),
         value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
-        block_tokens=torch.tensor(blocks, dtype=torch.int64), coder=fmt.CODER_RANS)
+        block_tokens=torch.tensor(blocks, dtype=torch.int64), coder=fmt.CODER_RANS,
+        anchor_refinements=torch.from_numpy(impl.refinements))
 
 
 def _check_input(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
@@ -203,14 +213,19 @@ def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Te
 
 class CacheGenSerializer(Serializer):
     """Bins come from `cachegen_config` if given, else `CacheGenConfig.from_model_name` (the
-    model's fitted table, or the layer-count default)."""
+    model's fitted table, or the layer-count default) scaled by `config.cachegen_quality`.
+    `coder`: the CPU kernels (default: native where available, else the numpy reference)."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 cachegen_config: CacheGenConfig | None = None) -> None:
+                 cachegen_config: CacheGenConfig | None = None, coder: Kernels | None = None) -> None:
+        self.coder = coder
         self.chunk_size = config.chunk_size
         self.num_heads, self.head_size = metadata.kv_shape[3], metadata.kv_shape[4]
-        self.cachegen_config = cachegen_config or CacheGenConfig.from_model_name(
-            metadata.model_name, metadata.num_layers)
+        if cachegen_config is None:
+            cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, metadata.num_layers)
+            if config.cachegen_quality != 1.0:
+                cachegen_config = cachegen_config.scaled(config.cachegen_quality)
+        self.cachegen_config = cachegen_config
         self.key_bins = self.make_key_bins(self.cachegen_config)
         self.value_bins = self.make_value_bins(self.cachegen_config)
 
@@ -229,7 +244,7 @@ class CacheGenSerializer(Serializer):
         if gpu.usable(tensor):
             out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
         else:
-            out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2])
+            out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2], self.coder)
         out.num_heads, out.head_size = self.num_heads, self.head_size
         payload = out.to_bytes()
         return blob.pack_header("cachegen", tensor.shape, tensor.dtype, payload) + payload

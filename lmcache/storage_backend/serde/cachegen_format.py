@@ -22,6 +22,8 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     exp_base         i16[G]               step exponents e[g, t] = exp_base[g] + exp_offset[g, t]
     exp_offset       i8[G*T]              (step = 2 ** (e / 8), see cachegen_quant)
   coder 1 (rANS):
+    anchor_refine    u8[ceil(B*G*C*3/8)]  3-bit refinement of each block's first token
+                                          ([B, G, C], packed most significant bit first)
     channel_classes  u8[ceil(G*C/2)]      4-bit class per channel, low nibble first
     group_low        i16[N]               lowest symbol of each group
     group_size       u16[N]               alphabet size n of each group (1..4095)
@@ -92,7 +94,8 @@ def pack(out: Any) -> bytes:
         if classes.numel() % 2:
             classes = torch.cat([classes, classes.new_zeros(1)])
         starts = out.start_indices.long()
-        parts += [_arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
+        refine = np.unpackbits(out.anchor_refinements.numpy().reshape(-1, 1), axis=1)[:, -3:]
+        parts += [np.packbits(refine).tobytes(), _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
                   _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16),
                   _arr(out.cdf, np.uint16), _arr(starts.diff(dim=1), np.uint32)]
     parts.append(out.bytestream)
@@ -167,6 +170,9 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
                       channel_classes=torch.empty(0, dtype=torch.uint8),
                       symbol_ranges=torch.empty(0, 2, dtype=torch.int32))
         return fields
+    nrefine = nblocks * pairs * channels
+    bits = np.unpackbits(r.take((3 * nrefine + 7) // 8, np.uint8, "anchor_refine"))[: 3 * nrefine]
+    refine = (bits.reshape(-1, 3) * np.array([4, 2, 1], np.uint8)).sum(axis=1, dtype=np.uint8)
     packed = r.take((pairs * channels + 1) // 2, np.uint8, "channel_classes")
     nibbles = np.empty(packed.size * 2, dtype=np.uint8)
     nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
@@ -196,5 +202,6 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
         cdf=torch.from_numpy(freqs.astype(np.int32)),
         channel_classes=torch.from_numpy(classes.copy()).reshape(2, nlayers, channels),
         symbol_ranges=torch.from_numpy(np.stack([low.astype(np.int32), size.astype(np.int32)], 1)),
+        anchor_refinements=torch.from_numpy(refine.reshape(nblocks, pairs, channels)),
     )
     return fields

@@ -5,8 +5,9 @@ extra ``lmcache[gpu]``: NVIDIA's ``nvidia-nvcomp-cu12`` wheel). Nothing here run
 machine, and nothing else needs it.
 
 Encode (all on the device): the quantizer of `cachegen_quant` (per-channel means, RMS-relative
-steps, an anchor token; the small per-token exponent arithmetic runs on the host on ``[G, T]``
-arrays), with steps raised where needed so that ``|q| <= 127``; symbols ``q + 128`` as uint8, one
+steps; the small per-token exponent arithmetic runs on the host on ``[G, T]`` arrays; the anchor
+token gets a step 8x finer instead of refinement bits), with steps raised where needed so that
+``|q| <= 127``; symbols ``q + 128`` as uint8, one
 (K/V, layer) pair after another, channel-major (each channel's tokens contiguous), coded in one
 nvCOMP ANS call (nvCOMP cuts the buffer into chunks with their own tables, which adapt to the
 pairs' different spreads). The stream (`cachegen_format`, coder 2) holds the means and exponents
@@ -83,7 +84,8 @@ def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
     if not bool(torch.isfinite(sumsq).all()):
         raise ValueError("cannot CacheGen-encode non-finite KV values")
     bins = np.concatenate([np.asarray(key_bins, np.int64), np.asarray(value_bins, np.int64)])
-    exps = quant.step_exponents(sumsq.cpu().numpy(), nch, bins, np.array([0]))
+    exps = quant.step_exponents(sumsq.cpu().numpy(), nch, bins)
+    exps[:, 0] -= quant.ANCHOR_BITS * quant.STEPS_PER_OCTAVE  # the anchor: 8x finer
     centered = x - means[:, None, :]
     exps = quant.bounded(exps, centered.abs().amax(dim=2).cpu().numpy(), SYMBOL_MAX)
     inv = torch.from_numpy(quant.inverse_steps(exps)).to(kv.device)

@@ -74,11 +74,12 @@ class ReferenceKernels:
                        np.array([s.nbytes for s in streams], np.int64))
 
     def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
-               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, ntok: int,
-               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
+               ntok: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         words, offsets, nwords = _words(payload, lengths)
         q = rans.decode_reference(words, offsets, nwords, layout, freq, ntok)
-        values = torch.from_numpy(quant.dequantize_reference(q, means, steps)).to(output_dtype(dtype))
+        floats = quant.dequantize_reference(q, means, steps, layout.block_starts[:-1], refine)
+        values = torch.from_numpy(floats).to(output_dtype(dtype))
         return values if out is None else out.copy_(values.view(out.shape))
 
 
@@ -139,8 +140,8 @@ class NativeKernels:
         return Encoded(payload, 4 * (ends - starts))
 
     def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
-               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, ntok: int,
-               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
+               ntok: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         words, offsets, nwords = _words(payload, lengths)
         npairs, nch = layout.group_of.shape
         dtype = output_dtype(dtype)
@@ -151,12 +152,13 @@ class NativeKernels:
         freqcum = (freq.astype(np.uint32) << 16) | rans.cumulative(freq, layout)
         means = np.ascontiguousarray(means, np.float32)
         steps = np.ascontiguousarray(steps, np.float32)
+        refine = np.ascontiguousarray(refine, np.float32)
         bad = self.lib.cg_decode(
             _ptr(words), _ptr(offsets), _ptr(nwords), npairs, ntok, nch, layout.num_blocks,
             _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans), _ptr(layout.nconst),
             _ptr(layout.cchans), _ptr(layout.group_of), _ptr(layout.group_start),
             _ptr(layout.group_low), _ptr(slots), _ptr(freqcum), _ptr(means), _ptr(steps),
-            target.data_ptr(), _DTYPE_CODES[dtype], self._threads())
+            _ptr(refine), target.data_ptr(), _DTYPE_CODES[dtype], self._threads())
         if bad:
             raise CorruptBlobError(f"{bad} cachegen substream(s) do not decode to their symbols "
                                    "(corrupt)")

@@ -4,10 +4,14 @@ The KV of one encode call is handled token-major, ``x: [G, T, C]`` (G = 2 * nlay
 pairs, T tokens, C = hidden channels); for each pair g:
 
     mean[g, c]  = (sum_t x[g, t, c]) / T in float32, rounded to bf16 (stored)
-    e[g, t]     = round(8 * log2(8 * rms_c(x[g, t, :]) / bins[g])) - 8 * ANCHOR_OCTAVES [t is an anchor]
+    e[g, t]     = round(8 * log2(8 * rms_c(x[g, t, :]) / bins[g]))
     step[g, t]  = 2 ** (e[g, t] / 8)
     q[g, t, c]  = rint((x[g, t, c] - mean[g, c]) * (1 / step[g, t]))     (signed integers)
     x_hat       = q * step + mean          so |x - x_hat| <= step / 2 (+ float rounding)
+
+    anchor tokens (the first of each token block) get ANCHOR_BITS more:
+    f           = rint(8 * (x - mean) * (1 / step)),  q = floor(f / 8),  r = f - 8 q in [0, 8)
+    x_hat       = (q + r / 8) * step + mean     (q coded like any symbol, r as 3 raw bits)
 
 The data passes (sums, quantization) run in `cachegen_kernels` (native or numpy, bit-identical);
 this module holds the arithmetic between them and the numpy reference of those passes, so the
@@ -21,11 +25,13 @@ Why these choices (SmolLM2-135M KV of real text; KL of the next-token distributi
   -> 2.49 bits/value at equal error; their RoPE'd outlier channels carry a large offset shared by
   neighbouring tokens). Closed-loop deltas against the previous token measured worse (keys 2.32
   vs 2.25 bits/value with per-class tables, values 3.42 vs 3.02).
-- Anchor tokens: the first token of every token block gets a step 2**ANCHOR_OCTAVES finer. The
-  first token of a sequence is the attention sink (most heads put much of their weight on it), so
-  its error reaches every later position; coding it exactly cuts the mean KL over ten texts of six
-  genres from 0.0141 to 0.0102 (`benchmarks/RESULTS.md`), and 3 octaves get most of that for
-  +3 bits on one token in 256 (~0.012 bits/value).
+- Anchor tokens: the first token of every token block is coded 8x finer. The first token of a
+  sequence is the attention sink (most heads put much of their weight on it), so its error reaches
+  every later position; coding it exactly cut the mean KL over ten texts of six genres from 0.0141
+  to 0.0102 (`benchmarks/RESULTS.md`). Its coarse symbol q has the usual distribution (so the
+  frequency tables do not widen: coding the anchor's fine symbols in the tables widened every
+  group's range and cost +0.11 bits/value in table bytes), and the 3 refinement bits are stored raw
+  (3 bits on one token in 256: ~0.012 bits/value).
 
 Steps are stored as exponents ``e`` (1/8 octave): all exponents of one pair lie within a
 255-code window below the pair's largest, and a token's step is raised where needed so that
@@ -39,7 +45,8 @@ import torch
 
 STEPS_PER_OCTAVE = 8
 RANGE_IN_RMS = 8.0  # `bins` steps span +-4 RMS of the token
-ANCHOR_OCTAVES = 3
+ANCHOR_BITS = 3
+ANCHOR_SCALE = 1 << ANCHOR_BITS
 QMAX = 2047
 EXP_LIMIT = 100 * STEPS_PER_OCTAVE  # steps within 2**-100 .. 2**100
 EXP_WINDOW = 255
@@ -75,8 +82,8 @@ def channel_means(colsum: np.ndarray, ntok: int) -> np.ndarray:
     return torch.from_numpy(means).to(torch.bfloat16).float().numpy()
 
 
-def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """sumsq float64 [G, T], bins [G], anchor token indices -> int32 exponents e [G, T].
+def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray) -> np.ndarray:
+    """sumsq float64 [G, T], bins [G] -> int32 exponents e [G, T].
 
     Raises ValueError for non-finite (or absurdly large) inputs."""
     if not np.isfinite(sumsq).all():
@@ -85,7 +92,6 @@ def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray, anchors: np.nd
     with np.errstate(divide="ignore"):
         target = np.log2(rms * (RANGE_IN_RMS / np.asarray(bins, np.float64))[:, None])
     exps = np.round(np.nan_to_num(target, neginf=-EXP_LIMIT) * STEPS_PER_OCTAVE)
-    exps[:, anchors] -= ANCHOR_OCTAVES * STEPS_PER_OCTAVE
     return _windowed(np.clip(exps, -EXP_LIMIT, EXP_LIMIT).astype(np.int32))
 
 
@@ -131,7 +137,26 @@ def bounded(exps: np.ndarray, peak: np.ndarray, qmax: int) -> np.ndarray:
     return _windowed(np.minimum(np.maximum(exps, needed), EXP_LIMIT))
 
 
-def dequantize_reference(q: np.ndarray, means: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """q int [G, T, C], means float32 [G, C], step float32 [G, T] -> float32 ``q * step + mean``
-    (the definition `cg_decode` follows before rounding to the output dtype)."""
-    return q.astype(np.float32) * step[:, :, None] + means[:, None, :]
+def anchor_symbols(x: np.ndarray, means: np.ndarray, inv_steps: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Anchor tokens x float32 [G, A, C], means [G, C], inv_steps [G, A] -> (coarse symbols q
+    int16 [G, A, C], refinements r uint8 [G, A, C] in [0, ANCHOR_SCALE))."""
+    v = np.clip((x - means[:, None, :]) * inv_steps[:, :, None], -QMAX - 1, QMAX + 1)
+    fine = np.rint(v * np.float32(ANCHOR_SCALE)).astype(np.int32)
+    coarse = np.floor_divide(fine, ANCHOR_SCALE)
+    return coarse.astype(np.int16), (fine - coarse * ANCHOR_SCALE).astype(np.uint8)
+
+
+def refinement_values(r: np.ndarray) -> np.ndarray:
+    """Refinements uint8 -> the float32 fractions r / ANCHOR_SCALE added to anchor symbols."""
+    return r.astype(np.float32) / np.float32(ANCHOR_SCALE)
+
+
+def dequantize_reference(q: np.ndarray, means: np.ndarray, step: np.ndarray,
+                         anchors: np.ndarray, refine: np.ndarray) -> np.ndarray:
+    """q int [G, T, C], means float32 [G, C], step float32 [G, T], anchor token indices [A],
+    refinement fractions float32 [A, G, C] -> float32 ``(q [+ r / 8]) * step + mean`` (the
+    definition `cg_decode` follows before rounding to the output dtype)."""
+    sym = q.astype(np.float32)
+    sym[:, anchors, :] += refine.transpose(1, 0, 2)
+    return sym * step[:, :, None] + means[:, None, :]

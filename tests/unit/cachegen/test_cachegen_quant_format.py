@@ -48,23 +48,26 @@ def _sumsq(x: np.ndarray) -> np.ndarray:
 def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
     base = np.random.default_rng(0).standard_normal((1, 10, 64)).astype(np.float32)
     x = np.concatenate([base, base * 100])
-    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 32]), np.array([], np.int64))
+    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 32]))
     ratio = cgq.steps(exps[1]) / cgq.steps(exps[0])  # 100x the RMS, 2x the bins: ~50x the step
     assert ((ratio > 50 / 2 ** (1 / 8)) & (ratio < 50 * 2 ** (1 / 8))).all()
     rms = np.sqrt((base[0].astype(np.float64) ** 2).mean(1))
     assert np.allclose(cgq.steps(exps[0]), 8 * rms / 16, rtol=2 ** (1 / 16) - 1 + 1e-6)
     x[0, 3] = 1e-30  # a near-zero token: its exponent is pulled into the pair's window
-    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 16]), np.array([], np.int64))
+    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 16]))
     assert int(exps[0].max() - exps[0].min()) <= cgq.EXP_WINDOW
 
 
-def test_anchor_tokens_get_steps_finer_by_their_octaves() -> None:
-    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
-    plain = cgq.step_exponents(_sumsq(x), 32, np.array([16, 8]), np.array([], np.int64))
-    anchored = cgq.step_exponents(_sumsq(x), 32, np.array([16, 8]), np.array([0, 5]))
-    diff = plain - anchored
-    assert (diff[:, [0, 5]] == cgq.ANCHOR_OCTAVES * cgq.STEPS_PER_OCTAVE).all()
-    assert (np.delete(diff, [0, 5], axis=1) == 0).all()
+def test_anchor_symbols_split_an_8x_finer_symbol_into_coarse_and_3_bits() -> None:
+    x = np.random.default_rng(1).standard_normal((2, 3, 32)).astype(np.float32) * 5
+    means = x.mean(axis=1)
+    inv = np.full((2, 3), 1.0, np.float32)
+    coarse, r = cgq.anchor_symbols(x, means, inv)
+    fine = np.rint((x - means[:, None, :]) * 8)
+    assert np.array_equal(coarse.astype(np.int64) * 8 + r, fine)
+    assert r.max() < cgq.ANCHOR_SCALE and r.dtype == np.uint8
+    recon = (coarse + cgq.refinement_values(r)) + means[:, None, :]
+    assert np.abs(recon - x).max() <= 1 / 16 + 1e-5  # half of the anchor's step
 
 
 def test_stats_reference_sums_in_the_defined_order() -> None:
@@ -78,7 +81,7 @@ def test_bound_exponents_keep_symbols_within_qmax() -> None:
     x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32)
     x[0, 2] = 1e-4  # tiny token whose channels' means are large
     means = np.full((1, 8), 50.0, np.float32)
-    exps = cgq.step_exponents(_sumsq(x), 8, np.array([64]), np.array([], np.int64))
+    exps = cgq.step_exponents(_sumsq(x), 8, np.array([64]))
     assert cgq.quantize_reference(x, means, cgq.inverse_steps(exps))[4].max() > cgq.QMAX
     exps = cgq.bound_exponents(x, means, exps)
     assert cgq.quantize_reference(x, means, cgq.inverse_steps(exps))[4].max() <= cgq.QMAX

@@ -17,6 +17,7 @@ from lmcache.storage_backend.serde.cachegen_decoder import (
     decode_kv,
 )
 from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, encode_function
+from lmcache.storage_backend.serde.cachegen_quant import steps
 
 
 def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:
@@ -116,14 +117,19 @@ def test_token_blocks_decode_independently(make_kv, dims) -> None:
     assert torch.equal(decode_kv(again, kv.dtype), whole)
 
 
-def test_the_first_token_of_each_block_is_an_anchor_with_finer_steps(make_kv, dims) -> None:
+def test_the_first_token_of_each_block_is_an_anchor_8x_finer(make_kv, dims) -> None:
     kv = make_kv(ntokens=64)
     cfg = CacheGenConfig.uniform(dims["nlayers"], 16, 16)
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
-    blocks = encode_function(kv, cfg, kb, vb, chunk_size=32)
-    one = encode_function(kv, cfg, kb, vb, chunk_size=64)
-    finer = one.max_tensors_key[:, 32] - blocks.max_tensors_key[:, 32]
-    assert bool((finer == 24).all())
+    encoded = encode_function(kv, cfg, kb, vb, chunk_size=32)
+    assert encoded.anchor_refinements.shape == (2, 2 * dims["nlayers"], dims["hidden"])
+    err = (decode_kv(encoded, torch.float32) - kv.float()).abs()
+    exps = torch.stack([encoded.max_tensors_key, encoded.max_tensors_value])
+    step = torch.from_numpy(steps(exps.numpy()))[..., None]
+    rounding = kv.float().abs() * 2.0 ** -8  # of the bf16 input
+    for t in (0, 32):  # anchors: within a sixteenth of a step
+        assert bool((err[:, :, t] <= step[:, :, t] / 16 + rounding[:, :, t] + 1e-6).all())
+    assert float((err / step)[:, :, 1:32].max()) > 0.25  # the others: half a step
 
 
 def test_stream_records_bins_and_head_split(serde, make_kv, stream_of, dims) -> None:
