@@ -115,20 +115,27 @@ def kl_and_top1(ref: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor
     return kl, (ref.argmax(-1) == logprobs.argmax(-1)).float()
 
 
-def kv_like(layers: int, tokens: int, hidden: int, seed: int = 0) -> torch.Tensor:
-    """Synthetic KV_BLOB [2, layers, tokens, hidden] bf16 with the structure that makes real KV
-    compressible: per-channel offsets with ~5% outlier channels, token norms varying over a
-    decade, Laplace-like values, slowly drifting channels (for shapes no local model has)."""
-    g = torch.Generator().manual_seed(seed)
+def kv_8b_like(tokens: int, layers: int = 32, hidden: int = 1024) -> torch.Tensor:
+    """KV_BLOB [2, layers, tokens, hidden] bf16 in an 8B-like shape made of real KV: SmolLM2's KV
+    (30 layers x 192 channels) of `tokens` tokens of the evaluation texts, laid side by side —
+    layer l, channels [192 j, 192 (j + 1)) hold SmolLM2 layer (l + 7 j) % 30 — so every channel
+    has real statistics. Cached under benchmarks/out/ (computing it takes ~1 minute)."""
+    cache = Path(__file__).with_name("out") / f"kv_8b_like_{tokens}_{layers}_{hidden}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    model = KVModel()
+    text = "\n\n".join((DATA / f).read_text() for f in EVAL_TEXTS)
+    ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0]
+    if len(ids) < tokens:
+        raise ValueError(f"the evaluation texts have {len(ids)} tokens, need {tokens}")
+    real = model.kv_of(ids[:tokens]).to(torch.bfloat16)  # [2, 30, tokens, 192]
+    nreal, width = real.shape[1], real.shape[3]
     out = torch.empty(2, layers, tokens, hidden, dtype=torch.bfloat16)
-    for kind in range(2):
-        for layer in range(layers):
-            offsets = torch.randn(1, hidden, generator=g)
-            outliers = torch.rand(1, hidden, generator=g) < 0.05
-            offsets = torch.where(outliers, offsets * 20, offsets)
-            scale = torch.exp(torch.randn(tokens, 1, generator=g) * 0.6)
-            u = torch.rand(tokens, hidden, generator=g) - 0.5
-            noise = -torch.sign(u) * torch.log1p(-2 * u.abs())
-            drift = torch.cumsum(torch.randn(tokens, hidden, generator=g) * 0.05, dim=0)
-            out[kind, layer] = offsets + scale * noise + drift
+    for layer in range(layers):
+        for j in range(-(-hidden // width)):
+            part = real[:, (layer + 7 * j) % nreal]
+            end = min(hidden, (j + 1) * width)
+            out[:, layer, :, j * width:end] = part[..., : end - j * width]
+    cache.parent.mkdir(exist_ok=True)
+    torch.save(out, cache)
     return out

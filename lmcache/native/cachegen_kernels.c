@@ -23,7 +23,7 @@
 
 #define PROB_BITS 12
 #define PROB_SCALE (1u << PROB_BITS)
-#define LANES 8
+#define LANES 8 /* the coding loops below hold the 8 states in 8 variables */
 #define RANS_L (1ull << 31)
 #define QLIMIT 32767.0f
 #define RINT_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 half to even */
@@ -236,6 +236,32 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
     return x + quot * s->cmpl + s->cum;
 }
 
+/* One encoder step on state X for the row's entry J: emit a word if needed (written ahead into
+ * ptr[-1] always, kept only when emitted: branch-free), then code the symbol. */
+#define ENC_STEP(X, J)                                                                      \
+    do {                                                                                    \
+        const enc_sym *e_ = &tab[ent[J]];                                                   \
+        uint64_t emit_ = (X) >= e_->x_max;                                                  \
+        ptr[-1] = (uint32_t)(X);                                                            \
+        ptr -= emit_;                                                                       \
+        (X) = emit_ ? (X) >> 32 : (X);                                                      \
+        (X) = enc_put((X), e_);                                                             \
+    } while (0)
+
+#define ENC_ANY_LANE(I, J)                                                                  \
+    do {                                                                                    \
+        switch ((I) & (LANES - 1)) {                                                        \
+        case 0: ENC_STEP(x0, J); break;                                                     \
+        case 1: ENC_STEP(x1, J); break;                                                     \
+        case 2: ENC_STEP(x2, J); break;                                                     \
+        case 3: ENC_STEP(x3, J); break;                                                     \
+        case 4: ENC_STEP(x4, J); break;                                                     \
+        case 5: ENC_STEP(x5, J); break;                                                     \
+        case 6: ENC_STEP(x6, J); break;                                                     \
+        default: ENC_STEP(x7, J); break;                                                    \
+        }                                                                                   \
+    } while (0)
+
 /* Substream geometry shared by encoder and decoder. Block b covers tokens
  * [block_starts[b], block_starts[b + 1]); pair g codes its ncoded[g] channels
  * chans[g * C + j] (j < ncoded[g]) whose table entries start at sym_base[g * C + chan]. */
@@ -276,28 +302,32 @@ int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         }
         int64_t *ent = base + nc;
         for (int64_t j = 0; j < nc; j++) base[j] = sb[ch[j]];
-        uint64_t x[LANES];
-        for (int l = 0; l < LANES; l++) x[l] = RANS_L;
+        uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
+                 x6 = RANS_L, x7 = RANS_L;
         int overflow = 0;
         int64_t i = n - 1;
-        for (int64_t t = t1 - 1; t >= t0 && !overflow; t--) {
+        for (int64_t t = t1 - 1; t >= t0; t--) {
+            if (ptr - lo < nc + 1) { /* a row emits at most nc words (plus the slot written ahead) */
+                overflow = 1;
+                break;
+            }
             const int16_t *row = q + (g * T + t) * C;
             for (int64_t j = 0; j < nc; j++) ent[j] = base[j] + row[ch[j]];
-            for (int64_t j = nc - 1; j >= 0; j--, i--) {
-                const enc_sym *e = &tab[ent[j]];
-                int lane = (int)(i & (LANES - 1));
-                uint64_t xs = x[lane];
-                if (xs >= e->x_max) {
-                    if (ptr <= lo) {
-                        overflow = 1;
-                        break;
-                    }
-                    *--ptr = (uint32_t)xs;
-                    xs >>= 32;
-                }
-                x[lane] = enc_put(xs, e);
+            int64_t j = nc - 1;
+            for (; j >= 0 && (i & (LANES - 1)) != LANES - 1; j--, i--) ENC_ANY_LANE(i, j);
+            for (; j >= LANES - 1; j -= LANES, i -= LANES) {
+                ENC_STEP(x7, j);
+                ENC_STEP(x6, j - 1);
+                ENC_STEP(x5, j - 2);
+                ENC_STEP(x4, j - 3);
+                ENC_STEP(x3, j - 4);
+                ENC_STEP(x2, j - 5);
+                ENC_STEP(x1, j - 6);
+                ENC_STEP(x0, j - 7);
             }
+            for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j);
         }
+        uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
         free(base);
         if (!overflow && ptr - lo < 2 * LANES) overflow = 1;
         if (overflow) {
@@ -314,6 +344,40 @@ int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     free(tab);
     return status;
 }
+
+/* One decoder step on state X for coded channel J: decode, renormalize branch-free (reading the
+ * next word always; CHECKED: guard the read and mark the substream broken past its end). */
+#define DEC_STEP(X, J, CHECKED)                                                              \
+    do {                                                                                     \
+        const dec_chan *d_ = &dc[J];                                                         \
+        uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
+        uint32_t local_ = d_->slots[slot_];                                                  \
+        uint32_t packed_ = d_->fc[local_];                                                   \
+        (X) = (uint64_t)(packed_ >> 16) * ((X) >> PROB_BITS) + slot_ - (packed_ & 0xFFFFu);  \
+        uint64_t need_ = (X) < RANS_L;                                                       \
+        if ((CHECKED) && ptr >= len) {                                                       \
+            broken |= (int)need_;                                                            \
+            need_ = 0;                                                                       \
+        }                                                                                    \
+        uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
+        (X) = need_ ? refill_ : (X);                                                         \
+        ptr += (int64_t)need_;                                                               \
+        *d_->out = d_->low + (float)local_;                                                  \
+    } while (0)
+
+#define DEC_ANY_LANE(I, J, CHECKED)                                                          \
+    do {                                                                                     \
+        switch ((I) & (LANES - 1)) {                                                         \
+        case 0: DEC_STEP(x0, J, CHECKED); break;                                             \
+        case 1: DEC_STEP(x1, J, CHECKED); break;                                             \
+        case 2: DEC_STEP(x2, J, CHECKED); break;                                             \
+        case 3: DEC_STEP(x3, J, CHECKED); break;                                             \
+        case 4: DEC_STEP(x4, J, CHECKED); break;                                             \
+        case 5: DEC_STEP(x5, J, CHECKED); break;                                             \
+        case 6: DEC_STEP(x6, J, CHECKED); break;                                             \
+        default: DEC_STEP(x7, J, CHECKED); break;                                            \
+        }                                                                                    \
+    } while (0)
 
 typedef struct {
     const uint16_t *slots; /* the group's slot table */
@@ -365,29 +429,35 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
             int broken = n == 0 ? len != 0 : len < 2 * LANES;
-            uint64_t x[LANES];
-            for (int l = 0; l < LANES; l++)
-                x[l] = n && !broken ? ((uint64_t)w[2 * l] << 32) | w[2 * l + 1] : RANS_L;
+            uint64_t x0, x1, x2, x3, x4, x5, x6, x7;
+            x0 = x1 = x2 = x3 = x4 = x5 = x6 = x7 = RANS_L;
+            if (n && !broken) {
+                x0 = ((uint64_t)w[0] << 32) | w[1];
+                x1 = ((uint64_t)w[2] << 32) | w[3];
+                x2 = ((uint64_t)w[4] << 32) | w[5];
+                x3 = ((uint64_t)w[6] << 32) | w[7];
+                x4 = ((uint64_t)w[8] << 32) | w[9];
+                x5 = ((uint64_t)w[10] << 32) | w[11];
+                x6 = ((uint64_t)w[12] << 32) | w[13];
+                x7 = ((uint64_t)w[14] << 32) | w[15];
+            }
             int64_t ptr = n ? 2 * LANES : 0, i = 0;
             for (int64_t t = t0; t < t1 && !broken; t++) {
-                for (int64_t j = 0; j < nc; j++, i++) {
-                    const dec_chan *d = &dc[j];
-                    int lane = (int)(i & (LANES - 1));
-                    uint64_t xs = x[lane];
-                    uint32_t slot = (uint32_t)(xs & (PROB_SCALE - 1));
-                    uint32_t local = d->slots[slot];
-                    uint32_t packed = d->fc[local];
-                    xs = (uint64_t)(packed >> 16) * (xs >> PROB_BITS) + slot - (packed & 0xFFFFu);
-                    if (xs < RANS_L) {
-                        if (ptr >= len) {
-                            broken = 1;
-                            break;
-                        }
-                        xs = (xs << 32) | w[ptr++];
+                int64_t j = 0;
+                if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */
+                    for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0);
+                    for (; j + LANES <= nc; j += LANES, i += LANES) {
+                        DEC_STEP(x0, j, 0);
+                        DEC_STEP(x1, j + 1, 0);
+                        DEC_STEP(x2, j + 2, 0);
+                        DEC_STEP(x3, j + 3, 0);
+                        DEC_STEP(x4, j + 4, 0);
+                        DEC_STEP(x5, j + 5, 0);
+                        DEC_STEP(x6, j + 6, 0);
+                        DEC_STEP(x7, j + 7, 0);
                     }
-                    x[lane] = xs;
-                    *d->out = d->low + (float)local;
                 }
+                for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1);
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
                 if (t == t0) {
@@ -409,7 +479,8 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
                     for (int64_t c = 0; c < C; c++) dst[c] = sym[c] * step + mean[c];
                 }
             }
-            for (int l = 0; l < LANES; l++) broken |= x[l] != RANS_L;
+            broken |= (x0 != RANS_L) | (x1 != RANS_L) | (x2 != RANS_L) | (x3 != RANS_L) |
+                      (x4 != RANS_L) | (x5 != RANS_L) | (x6 != RANS_L) | (x7 != RANS_L);
             bad += broken || ptr != len;
         }
         free(dc);

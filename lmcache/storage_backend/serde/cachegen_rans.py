@@ -84,7 +84,8 @@ def slot_table(freq: np.ndarray, layout: CodeLayout) -> np.ndarray:
 
 def region_starts(layout: CodeLayout) -> np.ndarray:
     """Word offsets [B * G + 1] of buffer regions large enough for any substream's words."""
-    cap = (layout.substream_symbols() * PROB_BITS + 31) // 32 + 3 * LANES + 8
+    rows = np.tile(layout.ncoded, layout.num_blocks)  # the native encoder keeps a row's worth free
+    cap = (layout.substream_symbols() * PROB_BITS + 31) // 32 + rows + 3 * LANES + 8
     return np.concatenate([[0], np.cumsum(cap)]).astype(np.int64)
 
 
