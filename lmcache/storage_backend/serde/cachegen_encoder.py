@@ -11,8 +11,9 @@ Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)` (
 3. Token blocks of `chunk_size` tokens are entropy-coded independently, one interleaved-rANS
    substream per (block, pair) (`cachegen_rans`), in parallel.
 
-`encode_function` (seed name) runs the same on the CPU, or on a CUDA device with nvCOMP where the
-KV is there and nvCOMP is installed (`cachegen_gpu`; such streams decode only where CUDA is).
+`encode_function` (seed name) and the serializer run the same on the CPU, or on the CUDA device with
+nvCOMP where CUDA and nvCOMP (`lmcache[gpu]`) are present (`cachegen_gpu`; such streams decode
+only where CUDA and nvCOMP are).
 `CacheGenSerializer.to_bytes(kv)` encodes one KV_BLOB chunk ``[2, L, T, C]`` (T <= chunk_size)
 as a single block and wraps the stream in the common blob header (`blob.pack_header`).
 
@@ -199,14 +200,14 @@ def _check_input(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
 def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Tensor,
                     value_bins: torch.Tensor, chunk_size: int) -> CacheGenGPUEncoderOutput:
     """Encode kv [2, L, T, C] (any float dtype and device) in independent token blocks of
-    `chunk_size` tokens: on the device with nvCOMP where kv is on CUDA and nvCOMP is installed
-    (`cachegen_gpu`), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
+    `chunk_size` tokens: on the CUDA device with nvCOMP where CUDA and nvCOMP are present
+    (`cachegen_gpu`; one block), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
     `config`). The output says num_heads=1, head_size=C; callers that know the head split
     overwrite both."""
     _check_input(kv, config.nlayers, chunk_size)
     if len(key_bins) != config.nlayers:
         raise ValueError(f"{len(key_bins)} key bins for {config.nlayers} layers")
-    if gpu.usable(kv):
+    if gpu.available():
         return gpu.encode(kv, key_bins, value_bins)
     return encode_stream(kv, key_bins, value_bins, chunk_size).to_gpu_output()
 
@@ -241,7 +242,7 @@ class CacheGenSerializer(Serializer):
             raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
                              f"; got {tuple(tensor.shape)}")
         _check_input(tensor, self.cachegen_config.nlayers, 1)
-        if gpu.usable(tensor):
+        if gpu.available():
             out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
         else:
             out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2], self.coder)

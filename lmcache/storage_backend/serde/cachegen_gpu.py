@@ -1,8 +1,10 @@
 """CacheGen on a CUDA device: the quantizer in torch, entropy coding with nvCOMP's ANS codec.
 
-Used where the KV is on a CUDA device, torch sees CUDA and ``nvidia.nvcomp`` imports (the optional
-extra ``lmcache[gpu]``: NVIDIA's ``nvidia-nvcomp-cu12`` wheel). Nothing here runs on a CPU-only
-machine, and nothing else needs it.
+Used wherever torch sees CUDA and ``nvidia.nvcomp`` imports: installing the optional extra
+``lmcache[gpu]`` (NVIDIA's nvCOMP wheels) on a CUDA machine opts in, also for KV that reaches the
+serializer in host memory (the engine's arena; it is copied to the device, ~55 GB/s pinned).
+Readers without CUDA or nvCOMP cannot decode such streams (a miss), so a fleet that mixes CPU-only
+readers with GPU writers should leave the extra out. Nothing here runs on a CPU-only machine.
 
 Encode (all on the device): the quantizer of `cachegen_quant` (per-channel means, RMS-relative
 steps; the small per-token exponent arithmetic runs on the host on ``[G, T]`` arrays; the anchor
@@ -59,11 +61,6 @@ def available() -> bool:
     return torch.cuda.is_available() and _nvcomp() is not None
 
 
-def usable(kv: torch.Tensor) -> bool:
-    """True for KV on a CUDA device where nvCOMP is installed."""
-    return kv.is_cuda and available()
-
-
 def _module() -> Any:
     nvcomp = _nvcomp()
     assert nvcomp is not None, "nvCOMP is not installed"
@@ -76,7 +73,9 @@ def _codec() -> Any:
 
 def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
            ) -> CacheGenGPUEncoderOutput:
-    """kv [2, L, T, C] on a CUDA device -> one nvCOMP-coded block (num_heads=1, head_size=C)."""
+    """kv [2, L, T, C] (CUDA, or host memory moved to the device) -> one nvCOMP-coded block
+    (num_heads=1, head_size=C)."""
+    kv = kv if kv.is_cuda else kv.cuda(non_blocking=kv.is_pinned())
     two, nlayers, ntok, nch = kv.shape
     x = kv.reshape(two * nlayers, ntok, nch).float()
     means = (x.sum(dim=1) / ntok).to(torch.bfloat16).float()  # [G, C]
@@ -88,7 +87,7 @@ def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
     exps[:, 0] -= quant.ANCHOR_BITS * quant.STEPS_PER_OCTAVE  # the anchor: 8x finer
     centered = x - means[:, None, :]
     exps = quant.bounded(exps, centered.abs().amax(dim=2).cpu().numpy(), SYMBOL_MAX)
-    inv = torch.from_numpy(quant.inverse_steps(exps)).to(kv.device)
+    inv = torch.from_numpy(quant.inverse_steps(exps)).to(kv.device)  # (host exps: small)
     q = torch.round(centered * inv[:, :, None]).clamp_(-SYMBOL_MAX, SYMBOL_MAX)
     symbols = (q + _OFFSET).to(torch.uint8).transpose(1, 2).contiguous()  # [G, C, T]
     nvcomp = _module()

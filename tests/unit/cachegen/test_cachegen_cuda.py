@@ -39,7 +39,7 @@ def test_a_corrupt_nvcomp_payload_is_rejected(serde, make_kv, stream_of) -> None
         serde[1].from_bytes(blob.pack_header("cachegen", head.shape, head.dtype, payload) + payload)
 
 
-@pytest.mark.skipif(gpu.available(), reason="nvCOMP present: CUDA KV goes to the GPU coder")
+@pytest.mark.skipif(gpu.available(), reason="nvCOMP present: KV goes to the GPU coder")
 def test_cuda_kv_without_nvcomp_uses_the_cpu_coder(serde, make_kv, within_half_step,
                                                    stream_of) -> None:
     ser, de = serde
