@@ -21,6 +21,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Hot functions are compiled twice, for x86-64-v3 (AVX2, BMI2) and the baseline, and picked at
+ * load time by the CPU (the arithmetic is the same IEEE operations either way, no FMA). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+
 #define PROB_BITS 12
 #define PROB_SCALE (1u << PROB_BITS)
 #define LANES 8 /* the coding loops below hold the 8 states in 8 variables */
@@ -59,7 +67,7 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int64_t
 /* Pass 1. colsum[g][c] = sum over t (ascending) of x, in float32. sumsq[g][t] = sum over c of
  * x * x in float64 with 8 partial sums (partial j takes c = j, j + 8, ... in order), combined as
  * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). */
-int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
+HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
              double *sumsq, int nthreads) {
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
@@ -92,7 +100,7 @@ int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *c
 
 /* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)) for every pair with
  * todo[g] != 0; per channel: abs_sum (sum |q|), qmin, qmax; per token: qpeak (max |q|). */
-int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
+HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
                 const float *inv_steps, const uint8_t *todo, int16_t *q, int64_t *abs_sum,
                 int32_t *qmin, int32_t *qmax, int32_t *qpeak, int nthreads) {
     int failed = 0;
@@ -158,7 +166,7 @@ int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const
 /* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
  * group's first table entry minus its lowest symbol). Pair g's entries are the range
  * [pair_entries[g], pair_entries[g + 1]), so pairs run in parallel without conflicts. */
-int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
+HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
                  const int64_t *pair_entries, int64_t *counts, int nthreads) {
     int64_t width = 1;
     for (int64_t g = 0; g < G; g++)
@@ -274,7 +282,7 @@ typedef struct {
  * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
  * offset where its data begins (its data ends at the region's end). freq / cum: per table entry.
  * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
-int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
               const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
               const int64_t *sym_base, const uint32_t *freq, const uint32_t *cum, int64_t nsym,
               uint32_t *out, const int64_t *region_start, int64_t *stream_start, int nthreads) {
@@ -395,7 +403,7 @@ typedef struct {
  * block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing. Substream s's words:
  * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
  * (0 = all valid). */
-int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
+HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
               int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
