@@ -96,7 +96,9 @@ class SymbolTables:
 class CacheGenEncoderImpl:
     """One encode call's state. kwargs: either `kv` ([2, L, T, C] float, any device) or `fp_k`,
     `fp_v` ([L, T, C] each); `key_bins`, `value_bins` ([L] ints); optionally `block_tokens` (token
-    block sizes, default one block) and `kernels` (`cachegen_kernels.kernels()` by default)."""
+    block sizes, default one block), `kernels` (`cachegen_kernels.kernels()` by default) and
+    `reuse_buffers` (the symbols live in a per-thread scratch buffer, valid until the thread's next
+    encode: what `encode_stream` does, as it is done with them when it returns)."""
 
     def __init__(self, **kwargs: Any) -> None:
         kv = kwargs.get("kv")
@@ -110,6 +112,7 @@ class CacheGenEncoderImpl:
         blocks = kwargs.get("block_tokens") or [ntok]
         self.block_starts = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
         self.kernels: Kernels = kwargs.get("kernels") or kernels()
+        self.reuse = bool(kwargs.get("reuse_buffers", False))
         self.means = np.empty(0, np.float32)
         self.exps = np.empty(0, np.int32)
         self.refinements = np.empty(0, np.uint8)
@@ -125,10 +128,10 @@ class CacheGenEncoderImpl:
         self.means = quant.channel_means(colsum, x.shape[1])
         bins = np.concatenate([self.key_bins, self.value_bins])
         self.exps = quant.step_exponents(sumsq, x.shape[2], bins)
-        quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps))
+        quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
         if int(quantized.qpeak.max()) >= quant.QMAX:  # (anchors may round one further)
             self.exps = quant.bound_exponents(quant.as_float32(x), self.means, self.exps)
-            quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps))
+            quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
         anchors = self.block_starts[:-1]
         coarse, self.refinements = quant.anchor_symbols(
             quant.as_float32(x[:, anchors]), self.means, quant.inverse_steps(self.exps[:, anchors]))
@@ -162,7 +165,7 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
     ntok = kv.shape[2]
     blocks = [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
     impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
-                               block_tokens=blocks, kernels=coder)
+                               block_tokens=blocks, kernels=coder, reuse_buffers=True)
     impl.quantize()
     assert impl.quantized is not None
     tables = impl.compute_cdf()

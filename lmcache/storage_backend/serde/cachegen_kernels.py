@@ -16,6 +16,7 @@ given buffer if wanted).
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +44,24 @@ class Encoded(NamedTuple):
     lengths: np.ndarray  # int64 [B * G], bytes per substream
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers reused across calls: memory written for the first time costs page
+    faults (~3-4 GB/s here), as much as a kernel pass over the same bytes."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        buf = self.buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[name] = np.empty(max(nbytes, 1), np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
+
+
+_scratch = _Scratch()
+
+
 def coded_input(x: torch.Tensor) -> torch.Tensor:
     """KV [G, T, C] as the kernels read it: CPU, contiguous, bf16 / fp16 / fp32 (fp64 -> fp32)."""
     if x.dtype not in _DTYPE_CODES:
@@ -61,7 +80,8 @@ class ReferenceKernels:
     def stats(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         return quant.stats_reference(quant.as_float32(x))
 
-    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray) -> Quantized:
+    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
+                 reuse: bool = False) -> Quantized:
         return Quantized(*quant.quantize_reference(quant.as_float32(x), means, inv_steps))
 
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
@@ -102,9 +122,13 @@ class NativeKernels:
         _check(rc, "cg_stats")
         return colsum, sumsq
 
-    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray) -> Quantized:
+    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
+                 reuse: bool = False) -> Quantized:
+        """`reuse`: the symbols go to this thread's scratch buffer, valid until its next call."""
         npairs, ntok, nch = x.shape
-        out = Quantized(np.empty((npairs, ntok, nch), np.int16), np.empty((npairs, nch), np.int64),
+        q = _scratch.get("q", (npairs, ntok, nch), np.int16) if reuse else \
+            np.empty((npairs, ntok, nch), np.int16)
+        out = Quantized(q, np.empty((npairs, nch), np.int64),
                         np.empty((npairs, nch), np.int32), np.empty((npairs, nch), np.int32),
                         np.empty((npairs, ntok), np.int32))
         todo = np.ones(npairs, np.uint8)
@@ -126,7 +150,7 @@ class NativeKernels:
     def encode(self, q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> Encoded:
         npairs, ntok, nch = q.shape
         regions = rans.region_starts(layout)
-        out = np.empty(int(regions[-1]), np.uint32)
+        out = _scratch.get("words", (int(regions[-1]),), np.uint32)
         starts = np.empty(len(regions) - 1, np.int64)
         cum = rans.cumulative(freq, layout)
         rc = self.lib.cg_encode(_ptr(q), npairs, ntok, nch, layout.num_blocks,
