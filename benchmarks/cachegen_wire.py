@@ -52,7 +52,7 @@ class PagedKV:
     `tokens` tokens in randomly placed blocks."""
 
     def __init__(self, tokens: int, seed: int) -> None:
-        nblocks = 2 * tokens // BLOCK
+        nblocks = tokens // BLOCK * 5 // 4
         self.layers = [torch.zeros(2, nblocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
                        for _ in range(LAYERS)]
         g = torch.Generator().manual_seed(seed)
