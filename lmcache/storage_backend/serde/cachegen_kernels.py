@@ -142,7 +142,8 @@ class NativeKernels:
 
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
         counts = np.zeros(layout.num_symbols, np.int64)
-        rc = self.lib.cg_histogram(_ptr(q), *q.shape, _ptr(layout.sym_base), _ptr(layout.pair_entries()),
+        pair_entries = layout.pair_entries()  # a name keeps it alive during the call
+        rc = self.lib.cg_histogram(_ptr(q), *q.shape, _ptr(layout.sym_base), _ptr(pair_entries),
                                    _ptr(counts), self._threads())
         _check(rc, "cg_histogram")
         return counts
@@ -199,6 +200,8 @@ def kernels(use_native: bool = True) -> Kernels:
 
 
 def _ptr(a: np.ndarray) -> int:
+    """The address of `a`'s data; the caller keeps `a` referenced until the native call returns
+    (never pass a temporary: its memory may be reused by another thread during the call)."""
     assert a.flags.c_contiguous
     return a.ctypes.data
 
