@@ -51,3 +51,25 @@ def test_each_coder_rejects_a_changed_substream_word(make_kv, coder) -> None:
     encoded.bytestream = bytes(data)
     with pytest.raises(CorruptBlobError, match=r"substream|decode"):
         decode_stream(encoded, torch.bfloat16, coder)
+
+
+def test_threads_encoding_and_decoding_at_once_get_the_single_thread_results(make_kv) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = CacheGenConfig.default_for_layers(3)
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    inputs = [make_kv(3, 64, 48, seed=s) for s in range(8)]
+    expected = [encode_stream(kv, kb, vb, 32, NATIVE).to_bytes() for kv in inputs]
+
+    def roundtrip(i: int) -> tuple[bytes, torch.Tensor]:
+        encoded = encode_stream(inputs[i], kb, vb, 32, NATIVE)
+        junk = [bytearray(4096 * (1 + i % 5)) for _ in range(50)]  # churn the allocator
+        del junk
+        return encoded.to_bytes(), decode_stream(encoded, torch.bfloat16, NATIVE)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(roundtrip, [i % 8 for i in range(32)]))
+    for i, (data, kv) in enumerate(results):
+        assert data == expected[i % 8]
+        assert torch.equal(kv, decode_stream(encode_stream(inputs[i % 8], kb, vb, 32, NATIVE),
+                                             torch.bfloat16, NATIVE))
