@@ -15,7 +15,7 @@ compressed bytes to the host) and decode of its stream to a CUDA tensor (host by
 device + nvCOMP decode + dequantize), with its bits/value; otherwise that row says why it is
 missing.
 
-    python benchmarks/cachegen_coder_speed.py [--chunks 4] [--repeats 7] [--threads 2]
+    PYTHONPATH=. python benchmarks/cachegen_coder_speed.py [--chunks 4] [--repeats 7] [--threads 2]
 
 `--against DIR` compares with another checkout's CacheGen (e.g. the constriction coder before
 issue 12: ``git archive 31cae3f lmcache | tar -x -C DIR``) on the same chunks, as users see it
@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 from cachegen_common import EVAL_TEXTS, KVModel, kv_8b_like
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj, TensorMemoryAllocator

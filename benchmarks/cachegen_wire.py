@@ -137,7 +137,12 @@ def main() -> None:
         for serde in SERDES:  # store once per serde, straight to the server
             writer = engine(f"writer-{serde}", server.url, serde, nbytes)
             writer.store(tokens, kvcaches=source.layers, slot_mapping=source.slots)
-            LMCacheEngineBuilder.destroy(f"writer-{serde}")  # close(): flushes the remote puts
+            deadline = time.monotonic() + 600  # remote puts are asynchronous: wait for all
+            while writer.lookup(tokens, search_range="RemoteBackend") < ntok:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{serde}: the server did not get every chunk in 10 minutes")
+                time.sleep(0.5)
+            LMCacheEngineBuilder.destroy(f"writer-{serde}")
         for rep in range(args.reps):
             for rate in rates:
                 proxy = Proxy(server.port, rate)
