@@ -20,7 +20,12 @@ REFERENCE = ReferenceKernels()
 
 
 def test_lmcache_native_0_selects_the_reference(monkeypatch) -> None:
+    from lmcache import native
+
     assert isinstance(kernels(use_native=False), ReferenceKernels)
+    monkeypatch.setenv("LMCACHE_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", {})  # as in a fresh process
+    assert isinstance(kernels(), ReferenceKernels)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
