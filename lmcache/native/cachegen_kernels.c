@@ -130,9 +130,11 @@ HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, c
                 load_row(x, dtype, (g * T + t) * C, C, row);
                 const float inv = inv_steps[g * T + t];
                 int16_t *restrict out = q + (g * T + t) * C;
+                const float *restrict in = row;
                 for (int64_t c = 0; c < C; c++) {
-                    float v = (row[c] - mean[c]) * inv;
-                    v = v > QLIMIT ? QLIMIT : (v < -QLIMIT ? -QLIMIT : v);
+                    float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
+                    v = v < QLIMIT ? v : QLIMIT;
+                    v = v > -QLIMIT ? v : -QLIMIT;
                     out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
                 }
                 int16_t peak = 0;
