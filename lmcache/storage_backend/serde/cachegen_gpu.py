@@ -15,7 +15,10 @@ nvCOMP ANS call (nvCOMP cuts the buffer into chunks with their own tables, which
 pairs' different spreads). The stream (`cachegen_format`, coder 2) holds the means and exponents
 like a rANS stream, and nvCOMP's container as the payload.
 
-Decode: nvCOMP on the device, then ``q * step + mean`` on the device. A process without CUDA or
+Decode: nvCOMP on the device, then ``q * step + mean`` on the device. The nvCOMP calls are the
+ones DESIGN.md lists as verified on an H100 (`Codec(algorithm="ANS")`, `as_array` of a CUDA uint8
+tensor, `encode` / `decode`, `buffer_size`, `torch.as_tensor(..., device="cuda")`); this module
+itself has not run on a GPU yet (no GPU was available to its author). A process without CUDA or
 nvCOMP raises `UnavailableCoderError` (a miss; the value is kept for readers that can decode it);
 a payload nvCOMP rejects, or that decodes to the wrong size, raises `CorruptBlobError`.
 
@@ -90,9 +93,9 @@ def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
     inv = torch.from_numpy(quant.inverse_steps(exps)).to(kv.device)  # (host exps: small)
     q = torch.round(centered * inv[:, :, None]).clamp_(-SYMBOL_MAX, SYMBOL_MAX)
     symbols = (q + _OFFSET).to(torch.uint8).transpose(1, 2).contiguous()  # [G, C, T]
-    nvcomp = _module()
-    packed = _codec().encode(nvcomp.as_array(symbols.reshape(-1)))
-    payload = torch.frombuffer(bytearray(bytes(packed.cpu())), dtype=torch.uint8)
+    packed = _codec().encode(_module().as_array(symbols.reshape(-1)))
+    device_bytes = torch.as_tensor(packed, device="cuda").view(torch.uint8).reshape(-1)
+    payload = device_bytes[: packed.buffer_size].cpu()
     e16 = torch.from_numpy(exps.astype(np.int16)).reshape(2, nlayers, ntok)
     return CacheGenGPUEncoderOutput(
         [CacheGenGPUBytestream(payload, torch.tensor([len(payload)]), ntok)],
@@ -115,10 +118,10 @@ def decode(encoded: CacheGenEncoderOutput, dtype: torch.dtype) -> torch.Tensor:
     nlayers, ntok = encoded.max_tensors_key.shape
     means = encoded.channel_means.reshape(2 * nlayers, -1).cuda().float()
     nch = means.shape[1]
-    nvcomp = _module()
     try:
-        packed = nvcomp.as_array(encoded.bytestream).cuda()
-        symbols = torch.as_tensor(_codec().decode(packed), device="cuda").view(torch.uint8)
+        packed = torch.frombuffer(bytearray(encoded.bytestream), dtype=torch.uint8).cuda()
+        decoded = _codec().decode(_module().as_array(packed))
+        symbols = torch.as_tensor(decoded, device="cuda").view(torch.uint8).reshape(-1)
     except Exception as e:  # nvCOMP rejects a corrupt container in its own ways
         raise CorruptBlobError(f"nvCOMP could not decode the cachegen payload: {e}") from e
     if symbols.numel() != 2 * nlayers * nch * ntok:
