@@ -372,7 +372,7 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        *d_->out = d_->low + (float)local_;                                                  \
+        *d_->out = d_->low + (int32_t)local_;                                                \
     } while (0)
 
 #define DEC_ANY_LANE(I, J, CHECKED)                                                          \
@@ -392,8 +392,8 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
 typedef struct {
     const uint16_t *slots; /* the group's slot table */
     const uint32_t *fc;    /* the group's freq << 16 | cum entries */
-    float *out;            /* where the channel's symbol goes in the row buffer */
-    float low;             /* the group's lowest symbol */
+    int32_t *out;          /* where the channel's symbol goes in the row buffer */
+    int32_t low;           /* the group's lowest symbol */
 } dec_chan;
 
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
@@ -416,7 +416,7 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
-        float *sym = (float *)malloc(sizeof(float) * C);
+        int32_t *sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
         int ok = dc && sym;
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
@@ -428,13 +428,13 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
             const float *restrict mean = means + g * C;
             const int64_t *ch = chans + g * C, *cc = cchans + g * C, *gid = group_of_chan + g * C;
-            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = (float)group_low[gid[cc[k]]];
+            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
                 dc[j].slots = slot_sym + grp * PROB_SCALE;
                 dc[j].fc = freqcum + group_start[grp];
                 dc[j].out = sym + ch[j];
-                dc[j].low = (float)group_low[grp];
+                dc[j].low = group_low[grp];
             }
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
@@ -473,20 +473,20 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
                 if (t == t0) {
                     const float *ref = refine + (b * G + g) * C;
                     for (int64_t c = 0; c < C; c++) {
-                        float v = (sym[c] + ref[c]) * step + mean[c];
+                        float v = ((float)sym[c] + ref[c]) * step + mean[c];
                         if (dtype == 0) ((uint16_t *)out)[o + c] = f32_to_bf16(v);
                         else if (dtype == 1) ((_Float16 *)out)[o + c] = (_Float16)v;
                         else ((float *)out)[o + c] = v;
                     }
                 } else if (dtype == 0) {
                     uint16_t *restrict dst = (uint16_t *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16(sym[c] * step + mean[c]);
+                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16((float)sym[c] * step + mean[c]);
                 } else if (dtype == 1) {
                     _Float16 *restrict dst = (_Float16 *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)(sym[c] * step + mean[c]);
+                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)((float)sym[c] * step + mean[c]);
                 } else {
                     float *restrict dst = (float *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = sym[c] * step + mean[c];
+                    for (int64_t c = 0; c < C; c++) dst[c] = (float)sym[c] * step + mean[c];
                 }
             }
             broken |= (x0 != RANS_L) | (x1 != RANS_L) | (x2 != RANS_L) | (x3 != RANS_L) |
