@@ -322,6 +322,8 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
                 break;
             }
             const int16_t *row = q + (g * T + t) * C;
+            if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
+                for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
             for (int64_t j = 0; j < nc; j++) ent[j] = base[j] + row[ch[j]];
             int64_t j = nc - 1;
             for (; j >= 0 && (i & (LANES - 1)) != LANES - 1; j--, i--) ENC_ANY_LANE(i, j);
