@@ -1,11 +1,10 @@
 """Shared plumbing of the CacheGen benchmarks: the local SmolLM2 model, KV of real text, next-token
 distributions on top of a (decoded) KV cache, and the quality metrics.
 
-Texts (benchmarks/data/, public domain, written out for this project): evaluation — Melville,
-"Moby-Dick" (1851) ch. 1; Carroll, "Alice's Adventures in Wonderland" (1865) ch. 1; Austen,
-"Pride and Prejudice" (1813) ch. 1-3 (opening); calibration only (fitting the bin tables) —
-Dickens, "A Tale of Two Cities" (1859) book 1 ch. 1 and "A Christmas Carol" (1843) stave 1
-(opening).
+Texts (benchmarks/data/, sources and licenses in benchmarks/data/README.md), one set for fitting
+the bin tables (`cachegen_calibrate.py`) and a separate one for evaluation (`cachegen_quality.py`),
+each spanning six genres: prose, dialogue, source code, legal/technical text, non-English text,
+numbers/tables.
 """
 
 from __future__ import annotations
@@ -18,8 +17,28 @@ from typing import Any
 import torch
 
 DATA = Path(__file__).with_name("data")
-EVAL_TEXTS = ("moby_dick_ch1.txt", "alice_ch1.txt", "pride_and_prejudice_ch1_2.txt")
-CALIBRATION_TEXT = "calibration_two_cities_carol.txt"
+EVAL = (
+    ("prose", "moby_dick_ch1.txt"),
+    ("prose", "alice_ch1.txt"),
+    ("prose", "pride_and_prejudice_ch1_2.txt"),
+    ("dialogue", "genres/eval_earnest_act1.txt"),
+    ("code", "genres/eval_textwrap_py.txt"),
+    ("legal/technical", "genres/eval_apache_2_0_license.txt"),
+    ("legal/technical", "genres/eval_apt_get_man.txt"),
+    ("non-English", "genres/eval_de_grimm_haensel_und_gretel.txt"),
+    ("non-English", "genres/eval_fr_apt_cache_man.txt"),
+    ("numbers/tables", "genres/eval_zone1970_tab.txt"),
+)
+FIT = (
+    ("prose", "calibration_two_cities_carol.txt"),
+    ("dialogue", "genres/fit_hamlet_1_1.txt"),
+    ("code", "genres/fit_heapq_py.txt"),
+    ("legal/technical", "genres/fit_gpl_3_license.txt"),
+    ("non-English", "genres/fit_de_dpkg_buildpackage_man.txt"),
+    ("numbers/tables", "genres/fit_numpy_log2_validation_csv.txt"),
+)
+EVAL_TEXTS = tuple(f for _, f in EVAL)
+FIT_TEXTS = tuple(f for _, f in FIT)
 
 
 @dataclass
@@ -51,7 +70,7 @@ class KVModel:
         ids = self.tokenizer((DATA / file).read_text(), return_tensors="pt")["input_ids"][0]
         if len(ids) < ctx + nxt:
             raise ValueError(f"{file} has {len(ids)} tokens, need {ctx + nxt}")
-        return Prompt(file.removesuffix(".txt"), ids[:ctx], ids[ctx:ctx + nxt])
+        return Prompt(Path(file).name.removesuffix(".txt"), ids[:ctx], ids[ctx:ctx + nxt])
 
     @torch.no_grad()
     def kv_of(self, ids: torch.Tensor) -> torch.Tensor:
@@ -94,3 +113,29 @@ def kl_and_top1(ref: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor
     """Per position: KL(ref || other) in nats and whether the argmax agrees."""
     kl = (ref.exp() * (ref - logprobs)).sum(-1)
     return kl, (ref.argmax(-1) == logprobs.argmax(-1)).float()
+
+
+def kv_8b_like(tokens: int, layers: int = 32, hidden: int = 1024) -> torch.Tensor:
+    """KV_BLOB [2, layers, tokens, hidden] bf16 in an 8B-like shape made of real KV: SmolLM2's KV
+    (30 layers x 192 channels) of `tokens` tokens of the evaluation texts, laid side by side —
+    layer l, channels [192 j, 192 (j + 1)) hold SmolLM2 layer (l + 7 j) % 30 — so every channel
+    has real statistics. Cached under benchmarks/out/ (computing it takes ~1 minute)."""
+    cache = Path(__file__).with_name("out") / f"kv_8b_like_{tokens}_{layers}_{hidden}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    model = KVModel()
+    text = "\n\n".join((DATA / f).read_text() for f in EVAL_TEXTS)
+    ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0]
+    if len(ids) < tokens:
+        raise ValueError(f"the evaluation texts have {len(ids)} tokens, need {tokens}")
+    real = model.kv_of(ids[:tokens]).to(torch.bfloat16)  # [2, 30, tokens, 192]
+    nreal, width = real.shape[1], real.shape[3]
+    out = torch.empty(2, layers, tokens, hidden, dtype=torch.bfloat16)
+    for layer in range(layers):
+        for j in range(-(-hidden // width)):
+            part = real[:, (layer + 7 * j) % nreal]
+            end = min(hidden, (j + 1) * width)
+            out[:, layer, :, j * width:end] = part[..., : end - j * width]
+    cache.parent.mkdir(exist_ok=True)
+    torch.save(out, cache)
+    return out

@@ -68,19 +68,26 @@ _FALSE = {"0", "false", "no", "off"}
 
 @dataclass
 class LMCacheEngineConfig:
-    """Seed 000's config. Extras beyond the seed: `cache_policy` (hot-tier eviction order),
-    `blend_check_layers` (CacheBlend's token-selection layers), `blend_special_str` (the text
-    separating blended segments), `remote_timeout` (seconds per remote operation),
-    `lookup_timeout` (seconds a serving engine's scheduler waits for a cache lookup before treating
-    it as a miss),
-    `local_disk_serde` (the serde of disk files), `local_disk_fsync` (fsync each disk file
-    before it becomes visible: durable across power loss; without it a file torn by a crash is
-    still never served, because checksums catch it), `p2p_ttl` (seconds an instance's peer
-    registrations outlive its last heartbeat), `controller_url` (``host:port`` of the engine's
-    HTTP controller; None = no controller), `clear_hot_on_reset` (a serving engine's cache
-    reset, e.g. vLLM's ``/reset_prefix_cache``, also empties the hot tier) and `metrics_port` /
-    `metrics_host` (serve the ``lmcache:`` Prometheus metrics there, for engines outside vLLM,
-    whose metrics appear in vLLM's own ``/metrics``; port 0 = any free port).
+    """Seed 000's config. Extras beyond the seed:
+
+    - `cache_policy`: the hot tier's eviction order;
+    - `blend_check_layers`, `blend_special_str`: CacheBlend's token-selection layers and the text
+      separating blended segments;
+    - `remote_timeout`: seconds per remote (and peer) operation; `lookup_timeout`: seconds a
+      serving engine's scheduler waits for a cache lookup before treating it as a miss;
+    - `local_disk_serde`, `local_disk_fsync`: the serde of disk files, and fsync of each file
+      before it becomes visible (durable across power loss; without it a file torn by a crash is
+      still never served, because checksums catch it);
+    - `cachegen_quality`: the `cachegen` serde's quantization bins are the model's table times this
+      factor, in [0.25, 4]; 1.0 is the default (KL <= 0.01 on every evaluated genre at SmolLM2),
+      higher keeps more precision for more bits (about +log2(factor) bits/value, KL ~
+      1/factor**2; see benchmarks/RESULTS.md);
+    - `p2p_ttl`: seconds an instance's peer registrations outlive its last heartbeat;
+    - `controller_url`: ``host:port`` of the engine's HTTP controller (None = none);
+    - `clear_hot_on_reset`: a serving engine's cache reset (vLLM's connector-cache reset) also
+      empties the hot tier;
+    - `metrics_port`, `metrics_host`: serve the ``lmcache:`` Prometheus metrics there (for
+      engines outside vLLM, whose metrics appear in vLLM's own ``/metrics``; port 0 = any).
 
     Peer-to-peer sharing (`enable_p2p`): `lookup_url` is the Valkey/Redis where instances register
     which chunks they hold, in `remote_url`'s redis-family forms (``redis://``, ``valkey://``,
@@ -119,6 +126,7 @@ class LMCacheEngineConfig:
     clear_hot_on_reset: bool = False
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    cachegen_quality: float = 1.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -158,6 +166,8 @@ class LMCacheEngineConfig:
         _check(self.cache_policy in POLICIES, "cache_policy", self.cache_policy,
                f"must be one of {list(POLICIES)}")
         _check(self.remote_timeout > 0, "remote_timeout", self.remote_timeout, "must be > 0")
+        _check(0.25 <= self.cachegen_quality <= 4.0, "cachegen_quality", self.cachegen_quality,
+               "must be in [0.25, 4]")
         _check(self.lookup_timeout > 0, "lookup_timeout", self.lookup_timeout, "must be > 0")
         if self.lookup_url is not None:
             try:

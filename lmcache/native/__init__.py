@@ -1,9 +1,11 @@
-"""Native CPU copy kernels, compiled on first use.
+"""Native CPU kernels, compiled on first use.
 
-`copy_kernels.c` is built with the system C compiler into a per-user cache
-(``$LMCACHE_NATIVE_CACHE_DIR`` or ``~/.cache/lmcache/native``) and loaded with ctypes (which
-releases the GIL during the call). Where no compiler exists, or ``LMCACHE_NATIVE=0``, `load()`
-returns None and callers use their pure-torch path, which is correct but ~2x slower on CPU.
+Each library is one C source file here (`copy_kernels.c`: the connectors' token copies;
+`cachegen_kernels.c`: CacheGen's quantizer passes and rANS coder). `load(name)` builds it with the
+system C compiler into a per-user cache (``$LMCACHE_NATIVE_CACHE_DIR`` or
+``~/.cache/lmcache/native``, one file per source digest and flags) and loads it with ctypes (which
+releases the GIL during each call). Where no compiler exists, or ``LMCACHE_NATIVE=0``, `load`
+returns None and callers use their pure-Python path, which gives the same results more slowly.
 """
 
 from __future__ import annotations
@@ -17,15 +19,58 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("copy_kernels.c")
-_CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp"]
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _copy_signatures(lib: ctypes.CDLL) -> None:
+    lib.lmc_paged_copy.restype = _INT
+    lib.lmc_paged_copy.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT]
+    lib.lmc_vec_packed_copy.restype = _INT
+    lib.lmc_vec_packed_copy.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                                        _INT, _INT]
+
+
+def _cachegen_signatures(lib: ctypes.CDLL) -> None:
+    dims = [_I64, _I64, _I64]
+    signatures = {
+        "cg_stats": [_PTR, _INT, *dims, _PTR, _PTR, _INT],
+        "cg_quantize": [_PTR, _INT, *dims, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+        "cg_histogram": [_PTR, *dims, _PTR, _PTR, _PTR, _INT],
+        "cg_encode": [_PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                      _INT],
+        "cg_decode": [_PTR, _PTR, _PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = _INT
+        fn.argtypes = argtypes
+
+
+@dataclass(frozen=True)
+class _Spec:
+    source: str
+    cflags: tuple[str, ...]
+    declare: Callable[[ctypes.CDLL], None]
+
+
+_SPECS = {
+    "copy_kernels": _Spec("copy_kernels.c", ("-O3", "-fPIC", "-shared", "-fopenmp"), _copy_signatures),
+    # no contraction into fused multiply-adds: results must equal the numpy reference bit for bit;
+    # no FP traps assumed (lets float selects vectorize; values are unchanged)
+    "cachegen_kernels": _Spec("cachegen_kernels.c",
+                              ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
+                               "-fno-trapping-math"),
+                              _cachegen_signatures),
+}
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> Path:
@@ -33,42 +78,45 @@ def _cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "lmcache" / "native"
 
 
-def _build(target: Path) -> None:
+def _build(source: Path, cflags: tuple[str, ...], target: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", str(out)], check=True,
+        subprocess.run([cc, *cflags, str(source), "-o", str(out)], check=True,
                        capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders never see a torn file
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when native kernels are unavailable or disabled."""
-    global _lib, _tried
+def disabled() -> bool:
+    """True when ``LMCACHE_NATIVE`` turns native kernels off."""
+    return os.environ.get("LMCACHE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def load(name: str = "copy_kernels") -> ctypes.CDLL | None:
+    """The compiled library `name` (default: the copy kernels), or None when native kernels are
+    unavailable or disabled. Built once per process (and cached on disk across processes)."""
+    spec = _SPECS[name]
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("LMCACHE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        if name in _loaded:
+            return _loaded[name]
+        _loaded[name] = None
+        if disabled():
             return None
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"copy_kernels-{digest}-{platform.machine()}.so"
+        source = Path(__file__).with_name(spec.source)
+        digest = hashlib.sha256(source.read_bytes() + " ".join(spec.cflags).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"{name}-{digest}-{platform.machine()}.so"
         try:
             if not target.exists():
-                _build(target)
+                _build(source, spec.cflags, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
-            logger.warning("native copy kernels unavailable, using torch copies: %s %s", e,
+            logger.warning("native %s unavailable, using the Python path: %s %s", name, e,
                            detail.decode(errors="replace")[:500])
             return None
-        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.lmc_paged_copy.restype = cint
-        lib.lmc_paged_copy.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, cint, cint]
-        lib.lmc_vec_packed_copy.restype = cint
-        lib.lmc_vec_packed_copy.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, cint, cint]
-        _lib = lib
-        return _lib
+        spec.declare(lib)
+        _loaded[name] = lib
+        return lib

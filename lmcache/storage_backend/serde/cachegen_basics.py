@@ -15,13 +15,17 @@ than values (keys are ~5x more sensitive than values on the models measured).
 
 The encoder output classes keep the seed's names and fields, with these meanings:
 
-- `cdf`: the frequency tables of all symbol groups, concatenated (int32, values < 2**16); a
-  group is (K/V, layer, channel class); `symbol_ranges[g] = (lowest symbol, alphabet size)`.
+- `cdf`: the frequency tables of all symbol groups, concatenated (int32; each group's sums to
+  2**12, `cachegen_rans`); a group is (K/V, layer, channel class) (`cachegen_layout`);
+  `symbol_ranges[g] = (lowest symbol, alphabet size)`.
 - `max_tensors_key` / `max_tensors_value`: the per-token scales, as step exponents
   ``e`` (int16, ``step = 2 ** (e / 8)``), shape ``[nlayers, ntokens]``.
 - extra fields: `channel_means` (bf16 ``[2, nlayers, hidden]``), `channel_classes` (uint8
   ``[2, nlayers, hidden]``), `symbol_ranges` (int32 ``[ngroups, 2]``), `key_bins` / `value_bins`
-  (the bins used, int32 ``[nlayers]``).
+  (the bins used, int32 ``[nlayers]``), `anchor_refinements` (uint8 ``[nblocks, 2 * nlayers,
+  hidden]``: the 3 extra bits of each block's first token, `cachegen_quant`), `coder` (which
+  entropy coder wrote the data:
+  `cachegen_format.CODER_RANS` or `CODER_NVCOMP`; nvCOMP streams have no classes or tables).
 
 `CacheGenGPUEncoderOutput` keeps the entropy-coded data as one `CacheGenGPUBytestream` per token
 block (uint8 tensors; blocks decode independently); `CacheGenEncoderOutput` is the same content
@@ -171,6 +175,8 @@ class CacheGenGPUEncoderOutput:
     symbol_ranges: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     key_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     value_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    coder: int = fmt.CODER_RANS
+    anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
     @property
     def ntokens(self) -> int:
@@ -188,7 +194,8 @@ class CacheGenGPUEncoderOutput:
             b"".join(streams), starts, self.cdf, self.max_tensors_key, self.max_tensors_value,
             self.num_heads, self.head_size, self.channel_means, self.channel_classes,
             self.symbol_ranges, self.key_bins, self.value_bins,
-            block_tokens=torch.tensor([c.ntokens for c in self.data_chunks]))
+            block_tokens=torch.tensor([c.ntokens for c in self.data_chunks]), coder=self.coder,
+            anchor_refinements=self.anchor_refinements)
 
     def to_bytes(self) -> bytes:
         return self.to_flat().to_bytes()
@@ -216,6 +223,8 @@ class CacheGenEncoderOutput:
     key_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     value_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     block_tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    coder: int = fmt.CODER_RANS
+    anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
     def to_gpu_output(self) -> CacheGenGPUEncoderOutput:
         data = torch.frombuffer(bytearray(self.bytestream), dtype=torch.uint8) \
@@ -228,7 +237,7 @@ class CacheGenEncoderOutput:
         return CacheGenGPUEncoderOutput(
             chunks, self.cdf, self.max_tensors_key, self.max_tensors_value, self.num_heads,
             self.head_size, self.channel_means, self.channel_classes, self.symbol_ranges,
-            self.key_bins, self.value_bins)
+            self.key_bins, self.value_bins, self.coder, self.anchor_refinements)
 
     def to_bytes(self) -> bytes:
         return fmt.pack(self)

@@ -1,10 +1,16 @@
-"""CacheGen decoder: versioned stream -> symbols (constriction, CPU) -> KV (torch, any device).
+"""CacheGen decoder: versioned stream -> KV, in one fused pass (entropy decode + dequantize).
 
 `CacheGenDeserializer.from_bytes(blob)` validates the common blob header, parses the stream
-(`cachegen_format`), rebuilds the symbol groups from the shipped classes and frequency tables,
-decodes every (token block, pair) substream (`decode_function_gpu` / `decode_chunk`), then
-dequantizes in torch: symbols are un-permuted back to channel order and mapped to
-``q * step + mean`` straight into the output dtype. Any inconsistency raises `CorruptBlobError`.
+(`cachegen_format`), rebuilds the symbol groups from the shipped classes and frequency tables
+(`StreamTables`), then the kernels (`cachegen_kernels`: native, or the numpy reference) decode
+every (token block, pair) substream and write ``q * step + mean`` straight into the output dtype.
+`from_bytes_to` decodes straight into the arena buffer the tier allocates (no extra copy).
+Streams written by the GPU coder decode on the CUDA device (`cachegen_gpu`).
+
+Errors: anything inconsistent raises `CorruptBlobError` (the tiers count a miss and delete the
+value); a stream of the previous format version raises its subclass `StaleStreamError`; an
+nvCOMP-coded stream where CUDA or nvCOMP is missing raises `UnavailableCoderError` (a miss, the
+value kept). Each of the last two is logged once per process.
 
 `do_dequantize` / `quant` invert the seed's max-scaled quantizers (`torch_quant_vectorized` /
 `torch_quant` in `cachegen_encoder`).
@@ -12,21 +18,32 @@ dequantizes in torch: symbols are un-permuted back to channel order and mapped t
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryFormat, MemoryObj
 from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_coder as coder
+from lmcache.storage_backend.serde import cachegen_format as fmt
+from lmcache.storage_backend.serde import cachegen_gpu as gpu
 from lmcache.storage_backend.serde import cachegen_quant as cgq
+from lmcache.storage_backend.serde import cachegen_rans as rans
 from lmcache.storage_backend.serde.cachegen_basics import (
     CacheGenConfig,
+    CacheGenEncoderOutput,
     CacheGenGPUBytestream,
     CacheGenGPUEncoderOutput,
 )
-from lmcache.storage_backend.serde.serde import CorruptBlobError, Deserializer
+from lmcache.storage_backend.serde.cachegen_kernels import Kernels, kernels
+from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
+from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
+
+logger = logging.getLogger(__name__)
+_logged: set[type] = set()
 
 
 def do_dequantize(t: torch.Tensor, bins: torch.Tensor, maxtensors: torch.Tensor) -> torch.Tensor:
@@ -42,82 +59,118 @@ def quant(bins: int, xq: torch.Tensor, max1: float | torch.Tensor) -> torch.Tens
 
 
 @dataclass
-class SymbolModels:
-    """What the entropy decoder needs (the decoder-side "cdf"): groups and their models."""
+class StreamTables:
+    """What the entropy decoder needs (the decoder-side "cdf"): the symbol layout, frequency
+    tables, means float32 [2L, C], steps float32 [2L, T] and anchor refinements float32
+    [B, 2L, C] of a rANS-coded stream."""
 
-    layout: coder.SymbolLayout
-    models: dict[int, object]
+    layout: CodeLayout
+    freq: np.ndarray
+    means: np.ndarray
+    steps: np.ndarray
+    refine: np.ndarray
 
     @staticmethod
-    def of(encoded: CacheGenGPUEncoderOutput) -> SymbolModels:
-        classes = encoded.channel_classes.reshape(-1, encoded.channel_classes.shape[-1])
+    def of(encoded: CacheGenEncoderOutput | CacheGenGPUEncoderOutput) -> StreamTables:
+        nlayers, ntok = encoded.max_tensors_key.shape
+        classes = encoded.channel_classes.reshape(2 * nlayers, -1).numpy()
         ranges = encoded.symbol_ranges.numpy()
-        layout = coder.SymbolLayout.from_classes(classes, ranges[:, 0], ranges[:, 1])
-        if layout.num_groups != len(ranges):
-            raise CorruptBlobError(f"{len(ranges)} symbol ranges for {layout.num_groups} groups")
-        return SymbolModels(layout, coder.build_models(layout, encoded.cdf.numpy()))
+        block_tokens = encoded.block_tokens if isinstance(encoded, CacheGenEncoderOutput) else \
+            torch.tensor([c.ntokens for c in encoded.data_chunks])
+        starts = np.concatenate([[0], np.cumsum(block_tokens.numpy())])
+        try:
+            layout = CodeLayout.build(classes, ranges[:, 0], ranges[:, 1], starts)
+        except ValueError as e:
+            raise CorruptBlobError(f"cachegen symbol groups: {e}") from e
+        freq = np.ascontiguousarray(encoded.cdf.numpy(), np.uint32)
+        rans.check_tables(freq, layout)
+        exps = torch.stack([encoded.max_tensors_key, encoded.max_tensors_value])
+        means = encoded.channel_means.reshape(2 * nlayers, -1).float().numpy()
+        refine = encoded.anchor_refinements.numpy()
+        if refine.shape != (layout.num_blocks, *means.shape):
+            raise CorruptBlobError(f"anchor refinements of shape {refine.shape}, expected "
+                                   f"{(layout.num_blocks, *means.shape)}")
+        return StreamTables(layout, freq, means, cgq.steps(exps.reshape(2 * nlayers, ntok).numpy()),
+                            cgq.refinement_values(refine))
 
 
-def decode_chunk(cdf: SymbolModels, data_chunk: CacheGenGPUBytestream,
-                 target_buffer: np.ndarray) -> None:
-    """Decode one token block into target_buffer [2 * nlayers, nchannels, ntokens] int32 (rows
-    in the layout's sorted channel order, symbols offset to [0, n) per group)."""
-    npairs = len(cdf.layout.groups)
-    lengths = data_chunk.bytestream_lengths.tolist()
-    if len(lengths) != npairs or target_buffer.shape[2] != data_chunk.ntokens:
-        raise CorruptBlobError(f"token block has {len(lengths)} substreams for {npairs} pairs")
+def _decode(tables: StreamTables, payload: bytes | memoryview, lengths: np.ndarray,
+            dtype: torch.dtype, coder: Kernels | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """All substreams of `tables.layout` -> [2L, T, C] of `dtype` (CPU), into `out` if given."""
+    if len(lengths) != tables.layout.num_blocks * tables.layout.num_pairs or \
+            int(np.sum(lengths)) != len(payload):
+        raise CorruptBlobError("cachegen substream lengths do not match the payload")
+    values = (coder or kernels()).decode(payload, lengths, tables.layout, tables.freq, tables.means,
+                                         tables.steps, tables.refine, tables.steps.shape[1], dtype, out)
+    return values if values.dtype == dtype else values.to(dtype)
+
+
+def decode_chunk(cdf: StreamTables, data_chunk: CacheGenGPUBytestream,
+                 target_buffer: torch.Tensor, t0: int = 0) -> None:
+    """Decode one token block (tokens t0 .. t0 + ntokens of the stream) into
+    target_buffer [2 * nlayers, ntokens, nchannels] (any float dtype)."""
+    ntok = data_chunk.ntokens
+    (block,) = np.flatnonzero(cdf.layout.block_starts[:-1] == t0)
+    single = StreamTables(dataclasses.replace(cdf.layout, block_starts=np.array([0, ntok])),
+                          cdf.freq, cdf.means, np.ascontiguousarray(cdf.steps[:, t0:t0 + ntok]),
+                          cdf.refine[block:block + 1])
     data = data_chunk.bytestream.cpu().numpy()
-    if len(data) != sum(lengths):
-        raise CorruptBlobError("token block is shorter than its substream lengths")
-    words = np.frombuffer(data.tobytes(), dtype=np.uint32)  # aligned copy
-    start = 0
-    for g, nbytes in enumerate(lengths):
-        coder.decode_substream(words[start // 4:(start + nbytes) // 4], cdf.layout.groups[g],
-                               cdf.models, target_buffer[g])
-        start += nbytes
+    target_buffer.copy_(_decode(single, data.tobytes(), data_chunk.bytestream_lengths.numpy(),
+                                target_buffer.dtype, None))
 
 
-def decode_function_gpu(cdf: SymbolModels, data_chunks: list[CacheGenGPUBytestream],
-                        layers_in_key: int, chunk_size: int, output: np.ndarray) -> None:
-    """Decode every token block into output [2 * layers_in_key, nchannels, ntokens] int32
-    (block b covers the tokens after blocks 0..b-1; each has at most `chunk_size` tokens)."""
+def decode_function_gpu(cdf: StreamTables, data_chunks: list[CacheGenGPUBytestream],
+                        layers_in_key: int, chunk_size: int, output: torch.Tensor) -> None:
+    """Decode every token block into output [2 * layers_in_key, ntokens, nchannels] (block b
+    covers the tokens after blocks 0..b-1; each has at most `chunk_size` tokens)."""
     if output.shape[0] != 2 * layers_in_key:
         raise ValueError(f"output has {output.shape[0]} pairs, expected {2 * layers_in_key}")
     t0 = 0
     for chunk in data_chunks:
         if chunk.ntokens > chunk_size:
             raise CorruptBlobError(f"token block of {chunk.ntokens} tokens > chunk_size {chunk_size}")
-        decode_chunk(cdf, chunk, output[:, :, t0:t0 + chunk.ntokens])
+        decode_chunk(cdf, chunk, output[:, t0:t0 + chunk.ntokens], t0)
         t0 += chunk.ntokens
 
 
+def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Kernels | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """A whole stream -> KV [2, nlayers, ntokens, nchannels] of `dtype` (CPU for rANS streams,
+    the CUDA device for nvCOMP ones), written into `out` if given. `coder`: the CPU kernels
+    (default: native if available)."""
+    if encoded.coder == fmt.CODER_NVCOMP:
+        values = gpu.decode(encoded, dtype)
+        return values if out is None else out.copy_(values)
+    nlayers, ntok = encoded.max_tensors_key.shape
+    tables = StreamTables.of(encoded)
+    starts = encoded.start_indices.long()
+    if int(starts[0, 0]) != 0 or (len(starts) > 1 and bool((starts[1:, 0] != starts[:-1, -1]).any())):
+        raise CorruptBlobError("cachegen token blocks are not contiguous in the payload")
+    lengths = starts.diff(dim=1).reshape(-1).numpy()
+    values = _decode(tables, encoded.bytestream, lengths, dtype, coder, out)
+    return values.view(2, nlayers, ntok, -1)
+
+
 def decode_kv(encoded: CacheGenGPUEncoderOutput, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> torch.Tensor:
+              device: torch.device | str = "cpu", coder: Kernels | None = None) -> torch.Tensor:
     """A whole encoder output -> KV [2, nlayers, ntokens, nchannels] of `dtype` on `device`."""
-    exps = torch.stack([encoded.max_tensors_key, encoded.max_tensors_value])
-    _, nlayers, ntok = exps.shape
-    nch = encoded.channel_means.shape[-1]
-    models = SymbolModels.of(encoded)
-    symbols = np.empty((2 * nlayers, nch, ntok), dtype=np.int32)
-    decode_function_gpu(models, encoded.data_chunks, nlayers, max(ntok, 1), symbols)
-    layout = models.layout
-    rows = torch.argsort(layout.perm, dim=1) + torch.arange(2 * nlayers)[:, None] * nch
-    q = torch.from_numpy(symbols).view(-1, ntok).index_select(0, rows.reshape(-1)).to(device)
-    q = q.float().view(2 * nlayers, nch, ntok)  # channel order again
-    low = layout.group_values("low").to(device, torch.float32)[layout.group_of.to(device)]
-    q.add_(low[:, :, None])
-    means = encoded.channel_means.reshape(2 * nlayers, nch).to(device).float()
-    cgq.dequantize_(q, means, exps.reshape(2 * nlayers, ntok).to(device))
-    return cgq.to_token_major(q, nlayers, dtype)
+    return decode_stream(encoded.to_flat(), dtype, coder).to(device)
+
+
+def _log_once(error: CorruptBlobError) -> None:
+    if type(error) not in _logged:
+        _logged.add(type(error))
+        logger.warning("CacheGen: treating a stream as a cache miss: %s (logged once)", error)
 
 
 class CacheGenDeserializer(Deserializer):
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, coder: Kernels | None = None) -> None:
         super().__init__(dtype)
         self.chunk_size = config.chunk_size
         self.nlayers = metadata.num_layers
         self.cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, self.nlayers)
+        self.coder = coder
 
     def make_key_bins(self, config: CacheGenConfig) -> torch.Tensor:
         return torch.tensor(config.key_bins(), dtype=torch.int32)
@@ -129,11 +182,43 @@ class CacheGenDeserializer(Deserializer):
         """An empty KV_BLOB [2, nlayers, ntokens, nchannels] of the deserializer's dtype."""
         return torch.empty(2, nlayers, ntokens, nchannels, dtype=self.dtype)
 
-    def from_bytes(self, bs: bytes | bytearray | memoryview) -> torch.Tensor:
-        """Blob -> KV_BLOB [2, L, T, C] on the CPU, in the dtype it was serialized from."""
+    def _parse(self, bs: bytes | bytearray | memoryview) -> tuple[blob.Blob, CacheGenEncoderOutput]:
         header = blob.unpack(bs, "cachegen")
-        encoded = CacheGenGPUEncoderOutput.from_bytes(header.payload)
-        shape = (2, len(encoded.key_bins), encoded.ntokens, encoded.channel_means.shape[-1])
+        try:
+            encoded = CacheGenEncoderOutput.from_bytes(header.payload)
+        except (fmt.StaleStreamError, fmt.UnavailableCoderError) as e:
+            _log_once(e)
+            raise
+        shape = (2, len(encoded.key_bins), int(encoded.block_tokens.sum()),
+                 encoded.channel_means.shape[-1])
         if tuple(header.shape) != shape:
             raise CorruptBlobError(f"blob header shape {tuple(header.shape)} != stream shape {shape}")
-        return decode_kv(encoded, header.dtype)
+        return header, encoded
+
+    def _decode(self, encoded: CacheGenEncoderOutput, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        try:
+            return decode_stream(encoded, dtype, self.coder, out)
+        except fmt.UnavailableCoderError as e:
+            _log_once(e)
+            raise
+
+    def from_bytes(self, bs: bytes | bytearray | memoryview) -> torch.Tensor:
+        """Blob -> KV_BLOB [2, L, T, C] on the CPU, in the dtype it was serialized from."""
+        header, encoded = self._parse(bs)
+        return self._decode(encoded, header.dtype).cpu()
+
+    def from_bytes_to(self, bs: bytes | bytearray | memoryview, allocate: AllocateFn) -> MemoryObj | None:
+        """Decode into a KV_BLOB object from `allocate` (one reference, owned by the caller)."""
+        header, encoded = self._parse(bs)
+        obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)
+        if obj is None:
+            return None
+        try:
+            target = obj.tensor
+            assert target is not None
+            self._decode(encoded, header.dtype, target)
+        except BaseException:
+            obj.ref_count_down()
+            raise
+        return obj

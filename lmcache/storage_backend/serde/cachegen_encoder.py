@@ -1,16 +1,19 @@
 """CacheGen encoder: KV chunk -> quantized symbols -> entropy-coded, versioned stream.
 
-Pipeline of `encode_function(kv [2, L, T, C], config, key_bins, value_bins, chunk_size)`:
+Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)` (CPU coder):
 
-1. `CacheGenEncoderImpl.quantize()` (torch, any device): per-channel means, per-token step
-   exponents, integer symbols (`cachegen_quant`).
-2. `CacheGenEncoderImpl.compute_cdf(is_key)`: channel classes, the sorted channel-major symbol
-   layout, and one frequency table per (pair, class) group (`cachegen_coder`). The tables are
-   counted on every `HIST_STRIDE`-th token (a decoder never needs more than the table itself;
-   every symbol of a group's range stays codable), which costs < 0.01 bits/value.
-3. Token blocks of `chunk_size` tokens are entropy-coded independently, one ANS substream per
-   (block, pair), with `constriction` on the CPU (symbols move to the host as int32).
+1. `CacheGenEncoderImpl.quantize()`: per-channel means, per-token step exponents (anchor tokens
+   finer), int16 symbols with per-channel statistics (`cachegen_quant`; the data passes run in
+   `cachegen_kernels`, native or numpy reference).
+2. `CacheGenEncoderImpl.compute_cdf(is_key)`: channel classes, symbol groups and one frequency
+   table per (pair, class) group (`cachegen_layout`, `cachegen_rans.normalize`), counted on every
+   symbol.
+3. Token blocks of `chunk_size` tokens are entropy-coded independently, one interleaved-rANS
+   substream per (block, pair) (`cachegen_rans`), in parallel.
 
+`encode_function` (seed name) and the serializer run the same on the CPU, or on the CUDA device with
+nvCOMP where CUDA and nvCOMP (`lmcache[gpu]`) are present (`cachegen_gpu`; such streams decode
+only where CUDA and nvCOMP are).
 `CacheGenSerializer.to_bytes(kv)` encodes one KV_BLOB chunk ``[2, L, T, C]`` (T <= chunk_size)
 as a single block and wraps the stream in the common blob header (`blob.pack_header`).
 
@@ -22,23 +25,31 @@ quality benchmark uses `torch_quant_vectorized` for its 8-bit per-token baseline
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_coder as coder
+from lmcache.storage_backend.serde import cachegen_format as fmt
+from lmcache.storage_backend.serde import cachegen_gpu as gpu
 from lmcache.storage_backend.serde import cachegen_quant as quant
+from lmcache.storage_backend.serde import cachegen_rans as rans
 from lmcache.storage_backend.serde.cachegen_basics import (
     CacheGenConfig,
-    CacheGenGPUBytestream,
+    CacheGenEncoderOutput,
     CacheGenGPUEncoderOutput,
 )
 from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
+from lmcache.storage_backend.serde.cachegen_kernels import Kernels, Quantized, coded_input, kernels
+from lmcache.storage_backend.serde.cachegen_layout import (
+    CodeLayout,
+    channel_classes,
+    group_ranges,
+)
 from lmcache.storage_backend.serde.serde import Serializer
 
-HIST_STRIDE = 4
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -77,134 +88,148 @@ def collect_bytes(output_buffer: torch.Tensor, output_lengths: torch.Tensor) -> 
 class SymbolTables:
     """`CacheGenEncoderImpl.compute_cdf`'s result for a set of (K/V, layer) pairs."""
 
-    layout: coder.SymbolLayout
-    classes: torch.Tensor  # [pairs, C] uint8
-    symbols: np.ndarray  # [pairs, C, T] int32, class-sorted rows, offset to [0, n) per group
-    freqs: np.ndarray  # concatenated frequency tables (int32, < 2**16)
+    layout: CodeLayout
+    classes: np.ndarray  # uint8 [pairs, C]
+    freqs: np.ndarray  # uint32 [num_symbols], each group's table summing to 2**12
 
 
 class CacheGenEncoderImpl:
-    """One encode call's state. kwargs: fp_k, fp_v ([L, T, C] float, any device),
-    key_bins, value_bins ([L] ints)."""
+    """One encode call's state. kwargs: either `kv` ([2, L, T, C] float, any device) or `fp_k`,
+    `fp_v` ([L, T, C] each); `key_bins`, `value_bins` ([L] ints); optionally `block_tokens` (token
+    block sizes, default one block), `kernels` (`cachegen_kernels.kernels()` by default) and
+    `reuse_buffers` (the symbols live in a per-thread scratch buffer, valid until the thread's next
+    encode: what `encode_stream` does, as it is done with them when it returns)."""
 
-    def __init__(self, **kwargs: torch.Tensor) -> None:
-        self.fp_k = kwargs["fp_k"]
-        self.fp_v = kwargs["fp_v"]
-        self.key_bins = torch.as_tensor(kwargs["key_bins"]).reshape(-1)
-        self.value_bins = torch.as_tensor(kwargs["value_bins"]).reshape(-1)
-        self.nlayers = self.fp_k.shape[0]
-        self.means = torch.empty(0)
-        self.exps = torch.empty(0)
-        self.q = torch.empty(0)
-        self.tables: dict[bool | None, SymbolTables] = {}
+    def __init__(self, **kwargs: Any) -> None:
+        kv = kwargs.get("kv")
+        if kv is None:
+            kv = torch.stack([kwargs["fp_k"], kwargs["fp_v"]])
+        two, ntok, nch = kv.shape[0], kv.shape[2], kv.shape[3]
+        self.nlayers: int = kv.shape[1]
+        self.x = coded_input(kv.reshape(two * self.nlayers, ntok, nch))
+        self.key_bins = np.asarray(torch.as_tensor(kwargs["key_bins"]).reshape(-1), np.int64)
+        self.value_bins = np.asarray(torch.as_tensor(kwargs["value_bins"]).reshape(-1), np.int64)
+        blocks = kwargs.get("block_tokens") or [ntok]
+        self.block_starts = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
+        self.kernels: Kernels = kwargs.get("kernels") or kernels()
+        self.reuse = bool(kwargs.get("reuse_buffers", False))
+        self.means = np.empty(0, np.float32)
+        self.exps = np.empty(0, np.int32)
+        self.refinements = np.empty(0, np.uint8)
+        self.quantized: Quantized | None = None
 
-    def _channel_major(self) -> torch.Tensor:
-        return quant.to_channel_major(torch.stack([self.fp_k, self.fp_v]))
-
-    def quantize(self) -> None:
-        """Sets means [2L, C], exps [2L, T] and q [2L, C, T] (integral float32, channel-major)."""
-        x = self._channel_major()
-        bins = torch.cat([self.key_bins, self.value_bins])
-        self.means = quant.channel_means(x)
-        self.exps = quant.step_exponents(x, bins)
-        self.q = quant.quantize_(x, self.means, self.exps)
-        if max(-float(self.q.amin()), float(self.q.amax())) > quant.QMAX:
-            x = self._channel_major()
-            self.exps = quant.bound_exponents(x, self.means, self.exps)
-            self.q = quant.quantize_(x, self.means, self.exps)
+    def quantize(self) -> Quantized:
+        """Sets means float32 [2L, C], exps int32 [2L, T], the symbols (`Quantized`, anchor rows
+        coarse) and the anchors' refinements uint8 [B, 2L, C]."""
+        x, k = self.x, self.kernels
+        colsum, sumsq = k.stats(x)
+        if not np.isfinite(colsum).all():
+            raise ValueError("cannot CacheGen-encode non-finite KV values (or sums above float32)")
+        self.means = quant.channel_means(colsum, x.shape[1])
+        bins = np.concatenate([self.key_bins, self.value_bins])
+        self.exps = quant.step_exponents(sumsq, x.shape[2], bins)
+        quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
+        if int(quantized.qpeak.max()) >= quant.QMAX:  # (anchors may round one further)
+            self.exps = quant.bound_exponents(quant.as_float32(x), self.means, self.exps)
+            quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
+        anchors = self.block_starts[:-1]
+        coarse, self.refinements = quant.anchor_symbols(
+            quant.as_float32(x[:, anchors]), self.means, quant.inverse_steps(self.exps[:, anchors]))
+        quantized.q[:, anchors] = coarse
+        np.minimum(quantized.qmin, coarse.min(axis=1), out=quantized.qmin)
+        np.maximum(quantized.qmax, coarse.max(axis=1), out=quantized.qmax)
+        self.refinements = self.refinements.transpose(1, 0, 2).copy()
+        self.quantized = quantized
+        return quantized
 
     def compute_cdf(self, is_key: bool | None = None) -> SymbolTables:
-        """Channel classes, symbol groups with their ranges and frequency tables, and the
-        class-sorted symbols of the K pairs (is_key=True), the V pairs (False) or all 2L pairs
-        (None, K first: what the stream holds). Consumes `self.q` of those pairs."""
-        if is_key is None:
-            q = self.q
-        else:
-            q = self.q[: self.nlayers] if is_key else self.q[self.nlayers:]
-        npairs, nch, ntok = q.shape
-        classes = coder.channel_classes(q)
-        layout = coder.SymbolLayout.from_classes(classes)
-        group_of = layout.group_of.to(q.device).reshape(-1)
-        ngroups = layout.num_groups
-        low = torch.full((ngroups,), float("inf"), device=q.device).scatter_reduce_(
-            0, group_of, q.amin(dim=2).reshape(-1), "amin")
-        high = torch.full((ngroups,), float("-inf"), device=q.device).scatter_reduce_(
-            0, group_of, q.amax(dim=2).reshape(-1), "amax")
-        size = (high - low + 1).long().cpu().numpy()
+        """Channel classes, symbol groups and their frequency tables of the K pairs
+        (is_key=True), the V pairs (False) or all 2L pairs (None, K first: what the stream holds)."""
+        qz = self.quantized or self.quantize()
+        pairs = slice(None) if is_key is None else \
+            (slice(0, self.nlayers) if is_key else slice(self.nlayers, None))
+        classes = channel_classes(qz.abs_sum[pairs], self.x.shape[1])
+        low, size = group_ranges(classes, qz.qmin[pairs], qz.qmax[pairs])
         if int(size.max()) > MAX_ALPHABET:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
-        layout = layout.with_ranges(low.long().cpu().numpy(), size)
-        q.sub_(low[group_of].reshape(npairs, nch, 1))  # symbols in [0, n) per group
-        qi = q.to(torch.int32)
-        offset = layout.group_values("freq_start").to(q.device, torch.int32)[group_of]
-        sample = qi[:, :, ::HIST_STRIDE] + offset.reshape(npairs, nch, 1)
-        counts = torch.bincount(sample.reshape(-1), minlength=layout.total_size()).cpu().numpy()
-        rows = layout.perm.to(q.device) + torch.arange(npairs, device=q.device)[:, None] * nch
-        symbols = qi.view(-1, ntok).index_select(0, rows.reshape(-1))
-        tables = SymbolTables(layout, classes.cpu(), symbols.view(npairs, nch, ntok).cpu().numpy(),
-                              _to_u16(counts.astype(np.int64), layout))
-        self.tables[is_key] = tables
-        return tables
+        layout = CodeLayout.build(classes, low, size, self.block_starts)
+        counts = self.kernels.histogram(qz.q[pairs], layout)
+        return SymbolTables(layout, classes, rans.normalize(counts, layout))
 
 
-def _to_u16(counts: np.ndarray, layout: coder.SymbolLayout) -> np.ndarray:
-    """Scale each group's counts so that its largest fits in 16 bits (nonzero stays nonzero)."""
-    starts = layout.group_values("freq_start").numpy()
-    sizes = layout.group_values("size").numpy()
-    peak = np.repeat(np.maximum.reduceat(counts, starts), sizes)
-    scaled = np.where(peak > 65535, -(-counts * 65535 // np.maximum(peak, 1)), counts)
-    return scaled.astype(np.int32)
+def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor,
+                  chunk_size: int, coder: Kernels | None = None) -> CacheGenEncoderOutput:
+    """Encode kv [2, L, T, C] (any float dtype; CPU, or CUDA whose data is moved to the host) in
+    independent token blocks of `chunk_size` tokens with the CPU rANS coder (native kernels, or
+    the reference `coder` given). Returns the flat encoder output (num_heads=1, head_size=C)."""
+    ntok = kv.shape[2]
+    blocks = [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
+    impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
+                               block_tokens=blocks, kernels=coder, reuse_buffers=True)
+    impl.quantize()
+    assert impl.quantized is not None
+    tables = impl.compute_cdf()
+    encoded = impl.kernels.encode(impl.quantized.q, tables.layout, tables.freqs)
+    lengths = torch.from_numpy(encoded.lengths.reshape(len(blocks), -1))
+    starts = torch.cat([torch.zeros(len(blocks), 1, dtype=torch.int64), lengths.cumsum(1)], 1)
+    starts += torch.cat([torch.zeros(1, dtype=torch.int64), lengths.sum(1).cumsum(0)[:-1]])[:, None]
+    nlayers = impl.nlayers
+    exps = torch.from_numpy(impl.exps.astype(np.int16)).reshape(2, nlayers, ntok)
+    layout = tables.layout
+    return CacheGenEncoderOutput(
+        encoded.payload, starts, torch.from_numpy(tables.freqs.astype(np.int32)), exps[0], exps[1],
+        1, kv.shape[3],
+        channel_means=torch.from_numpy(impl.means).to(torch.bfloat16).reshape(2, nlayers, -1),
+        channel_classes=torch.from_numpy(tables.classes).reshape(2, nlayers, -1),
+        symbol_ranges=torch.from_numpy(np.stack([layout.group_low, layout.group_size], 1)
+                                       .astype(np.int32)),
+        key_bins=torch.as_tensor(key_bins, dtype=torch.int32),
+        value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
+        block_tokens=torch.tensor(blocks, dtype=torch.int64), coder=fmt.CODER_RANS,
+        anchor_refinements=torch.from_numpy(impl.refinements))
+
+
+def _check_input(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
+    if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
+        raise ValueError(f"CacheGen encodes KV of shape [2, L, T, C]; got {tuple(kv.shape)}")
+    if kv.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"CacheGen encodes floating-point KV; got {kv.dtype}")
+    if kv.shape[1] != nlayers:
+        raise ValueError(f"KV has {kv.shape[1]} layers, CacheGen config has {nlayers}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
 
 
 def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Tensor,
                     value_bins: torch.Tensor, chunk_size: int) -> CacheGenGPUEncoderOutput:
     """Encode kv [2, L, T, C] (any float dtype and device) in independent token blocks of
-    `chunk_size` tokens. `key_bins` / `value_bins`: [L] bins (from `config`). The output says
-    num_heads=1, head_size=C; callers that know the head split overwrite both."""
-    if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
-        raise ValueError(f"CacheGen encodes KV of shape [2, L, T, C]; got {tuple(kv.shape)}")
-    if kv.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"CacheGen encodes floating-point KV; got {kv.dtype}")
-    if kv.shape[1] != config.nlayers or len(key_bins) != config.nlayers:
-        raise ValueError(f"KV has {kv.shape[1]} layers, CacheGen config has {config.nlayers}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    impl = CacheGenEncoderImpl(fp_k=kv[0], fp_v=kv[1], key_bins=key_bins, value_bins=value_bins)
-    impl.quantize()
-    tables = impl.compute_cdf()
-    layout, symbols = tables.layout, tables.symbols  # symbols: [2L, C, T]
-    models = coder.build_models(layout, tables.freqs)
-    ntok = kv.shape[2]
-    blocks = []
-    for t0 in range(0, ntok, chunk_size):
-        t1 = min(ntok, t0 + chunk_size)
-        streams = [coder.encode_substream(symbols[g, :, t0:t1], layout.groups[g], models)
-                   for g in range(len(layout.groups))]
-        lengths = torch.tensor([s.nbytes for s in streams], dtype=torch.int64)
-        data = np.concatenate(streams).view(np.uint8) if lengths.sum() else np.zeros(0, np.uint8)
-        blocks.append(CacheGenGPUBytestream(torch.from_numpy(data), lengths, t1 - t0))
-    exps = impl.exps.cpu().to(torch.int16).reshape(2, config.nlayers, ntok)
-    ranges = torch.stack([layout.group_values("low"), layout.group_values("size")], 1)
-    return CacheGenGPUEncoderOutput(
-        blocks, torch.from_numpy(tables.freqs), exps[0], exps[1], 1, kv.shape[3],
-        channel_means=impl.means.cpu().to(torch.bfloat16).reshape(2, config.nlayers, -1),
-        channel_classes=tables.classes.reshape(2, config.nlayers, -1),
-        symbol_ranges=ranges.to(torch.int32),
-        key_bins=torch.as_tensor(key_bins, dtype=torch.int32),
-        value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
-    )
+    `chunk_size` tokens: on the CUDA device with nvCOMP where CUDA and nvCOMP are present
+    (`cachegen_gpu`; one block), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
+    `config`). The output says num_heads=1, head_size=C; callers that know the head split
+    overwrite both."""
+    _check_input(kv, config.nlayers, chunk_size)
+    if len(key_bins) != config.nlayers:
+        raise ValueError(f"{len(key_bins)} key bins for {config.nlayers} layers")
+    if gpu.available():
+        return gpu.encode(kv, key_bins, value_bins)
+    return encode_stream(kv, key_bins, value_bins, chunk_size).to_gpu_output()
 
 
 class CacheGenSerializer(Serializer):
     """Bins come from `cachegen_config` if given, else `CacheGenConfig.from_model_name` (the
-    model's fitted table, or the layer-count default)."""
+    model's fitted table, or the layer-count default) scaled by `config.cachegen_quality`.
+    `coder`: the CPU kernels (default: native where available, else the numpy reference)."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 cachegen_config: CacheGenConfig | None = None) -> None:
+                 cachegen_config: CacheGenConfig | None = None, coder: Kernels | None = None) -> None:
+        self.coder = coder
         self.chunk_size = config.chunk_size
         self.num_heads, self.head_size = metadata.kv_shape[3], metadata.kv_shape[4]
-        self.cachegen_config = cachegen_config or CacheGenConfig.from_model_name(
-            metadata.model_name, metadata.num_layers)
+        if cachegen_config is None:
+            cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, metadata.num_layers)
+            if config.cachegen_quality != 1.0:
+                cachegen_config = cachegen_config.scaled(config.cachegen_quality)
+        self.cachegen_config = cachegen_config
         self.key_bins = self.make_key_bins(self.cachegen_config)
         self.value_bins = self.make_value_bins(self.cachegen_config)
 
@@ -216,11 +241,18 @@ class CacheGenSerializer(Serializer):
 
     def to_bytes(self, tensor: torch.Tensor) -> bytes:
         """KV_BLOB chunk [2, L, T, num_heads * head_size] -> blob (header + cachegen stream)."""
+        return b"".join(self.to_parts(tensor))
+
+    def to_parts(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
+        """The blob as [header, stream] (what the tiers write; saves joining them)."""
         if tensor.dim() != 4 or tensor.shape[3] != self.num_heads * self.head_size:
             raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
                              f"; got {tuple(tensor.shape)}")
-        out = encode_function(tensor, self.cachegen_config, self.key_bins, self.value_bins,
-                              max(self.chunk_size, tensor.shape[2]))
+        _check_input(tensor, self.cachegen_config.nlayers, 1)
+        if gpu.available():
+            out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
+        else:
+            out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2], self.coder)
         out.num_heads, out.head_size = self.num_heads, self.head_size
         payload = out.to_bytes()
-        return blob.pack_header("cachegen", tensor.shape, tensor.dtype, payload) + payload
+        return [blob.pack_header("cachegen", tensor.shape, tensor.dtype, payload), payload]

@@ -5,15 +5,15 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
 
     field            type / count           meaning
     magic            4 bytes  b"CGEN"
-    version          u8 (1)
-    flags            u8 (0)
+    version          u8 (2)
+    coder            u8       which entropy coder wrote the payload: 1 rANS (CPU kernels,
+                              `cachegen_rans`), 2 nvCOMP ANS (CUDA, `cachegen_gpu`)
     nlayers          u16      L
     num_heads        u16
     head_size        u16
-    coder_version    u16      constriction major * 256 + minor that built the symbol models
     ntokens          u32      T
     nblocks          u32      B
-    ngroups          u32      N
+    ngroups          u32      N (0 for coder 2)
     key_bins         u16[L]   bins per layer (informational; decoding uses the step exponents)
     value_bins       u16[L]
     block_tokens     u32[B]   tokens per block (sum = T)
@@ -21,50 +21,52 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
                                           quantization
     exp_base         i16[G]               step exponents e[g, t] = exp_base[g] + exp_offset[g, t]
     exp_offset       i8[G*T]              (step = 2 ** (e / 8), see cachegen_quant)
+  coder 1 (rANS):
+    anchor_refine    u8[ceil(B*G*C*3/8)]  3-bit refinement of each block's first token
+                                          ([B, G, C], packed most significant bit first)
     channel_classes  u8[ceil(G*C/2)]      4-bit class per channel, low nibble first
     group_low        i16[N]               lowest symbol of each group
     group_size       u16[N]               alphabet size n of each group (1..4095)
-    frequencies      u16[sum n]           the groups' frequency tables, concatenated
+    frequencies      u16[sum n]           each group's table, summing to 2**12 (cachegen_rans)
     stream_lengths   u32[B*G]             byte length of substream (block b, pair g)
     payload          bytes                the substreams, block-major, then pair order
+  coder 2 (nvCOMP):
+    payload          bytes                nvCOMP's ANS container of the symbols (cachegen_gpu)
 
-Groups are implied by the classes: for each pair g in order, one group per distinct class of
-its channels, in increasing class order (`N` must match). Every substream is a whole number of
-32-bit ANS words (`cachegen_coder`). `unpack` checks every size against the header and raises
-`CorruptBlobError` for anything inconsistent.
-
-The entropy models are rebuilt from the shipped integer tables by constriction, which rounds the
-probabilities to its fixed-point precision; a different constriction release might round
-differently and decode garbage, so a stream written by another major.minor release is refused
-(`CorruptBlobError`: a cache miss, the KV is recomputed) rather than decoded.
+Groups are implied by the classes (`cachegen_layout`; `N` must match). `unpack` checks every size
+against the header and raises `CorruptBlobError` for anything inconsistent; streams of format
+version 1 (constriction's coder, before rANS) raise its subclass `StaleStreamError`: a miss, and
+the store replaces the value.
 """
 
 from __future__ import annotations
 
 import struct
-from importlib.metadata import version
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmcache.storage_backend.serde.serde import CorruptBlobError
+from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 MAGIC = b"CGEN"
-VERSION = 1
+VERSION = 2
+CODER_RANS = 1
+CODER_NVCOMP = 2
+CODERS = {CODER_RANS: "rANS (CPU)", CODER_NVCOMP: "nvCOMP ANS (CUDA)"}
 MAX_ALPHABET = 4095
-NUM_CLASSES = 16
-_HEAD = struct.Struct("<4sBBHHHHIII")
-
-
-def _coder_version() -> int:
-    major, minor = version("constriction").split(".")[:2]
-    return int(major) * 256 + int(minor)
-
-
-CODER_VERSION = _coder_version()
+_HEAD = struct.Struct("<4sBBHHHIII")
 TENSOR_FIELDS = ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
                  "channel_classes", "symbol_ranges")
+
+
+class StaleStreamError(CorruptBlobError):
+    """A CacheGen stream of an older format version, which this release does not decode."""
+
+
+class UnavailableCoderError(ForeignSerdeError):
+    """A valid CacheGen stream whose coder cannot run here (an nvCOMP stream without CUDA or
+    nvCOMP): a miss, but the value is kept for readers that can decode it."""
 
 
 def pack(out: Any) -> bytes:
@@ -78,22 +80,25 @@ def pack(out: Any) -> bytes:
     offsets = exps - base
     if int(offsets.min()) < -128:
         raise ValueError("step exponents of one layer span more than 255 codes")
-    classes = out.channel_classes.reshape(-1).to(torch.uint8)
-    if classes.numel() % 2:
-        classes = torch.cat([classes, classes.new_zeros(1)])
-    packed_classes = classes[0::2] | (classes[1::2] << 4)
-    starts = out.start_indices.long()
-    ranges = out.symbol_ranges.to(torch.int64)
+    ranges = out.symbol_ranges.to(torch.int64).reshape(-1, 2)
     parts = [
-        _HEAD.pack(MAGIC, VERSION, 0, nlayers, out.num_heads, out.head_size, CODER_VERSION, ntokens,
+        _HEAD.pack(MAGIC, VERSION, out.coder, nlayers, out.num_heads, out.head_size, ntokens,
                    len(out.block_tokens), len(ranges)),
         _arr(out.key_bins, np.uint16), _arr(out.value_bins, np.uint16),
         _arr(out.block_tokens, np.uint32),
         out.channel_means.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes(),
-        _arr(base, np.int16), _arr(offsets, np.int8), _arr(packed_classes, np.uint8),
-        _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16), _arr(out.cdf, np.uint16),
-        _arr(starts.diff(dim=1), np.uint32), out.bytestream,
+        _arr(base, np.int16), _arr(offsets, np.int8),
     ]
+    if out.coder == CODER_RANS:
+        classes = out.channel_classes.reshape(-1).to(torch.uint8)
+        if classes.numel() % 2:
+            classes = torch.cat([classes, classes.new_zeros(1)])
+        starts = out.start_indices.long()
+        refine = np.unpackbits(out.anchor_refinements.numpy().reshape(-1, 1), axis=1)[:, -3:]
+        parts += [np.packbits(refine).tobytes(), _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
+                  _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16),
+                  _arr(out.cdf, np.uint16), _arr(starts.diff(dim=1), np.uint32)]
+    parts.append(out.bytestream)
     return b"".join(parts)
 
 
@@ -118,17 +123,21 @@ class _Reader:
 
 def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     """The fields of a `CacheGenEncoderOutput`; raises CorruptBlobError for invalid bytes."""
-    if len(bs) < _HEAD.size:
+    if len(bs) < 6:
         raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
-    magic, fmt_version, _flags, nlayers, heads, head_size, coder, ntokens, nblocks, ngroups = \
-        _HEAD.unpack_from(bs)
+    magic, fmt_version = bytes(bs[:4]), bs[4]
     if magic != MAGIC:
         raise CorruptBlobError("not a cachegen stream (bad magic)")
+    if fmt_version < VERSION:
+        raise StaleStreamError(f"cachegen stream of format version {fmt_version} (before the rANS "
+                               f"coder); this release reads version {VERSION}")
     if fmt_version != VERSION:
         raise CorruptBlobError(f"unsupported cachegen stream version {fmt_version}")
-    if coder != CODER_VERSION:
-        raise CorruptBlobError(f"cachegen stream was coded with constriction {coder >> 8}.{coder & 255}"
-                               f", this is {CODER_VERSION >> 8}.{CODER_VERSION & 255}")
+    if len(bs) < _HEAD.size:
+        raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
+    _, _, coder, nlayers, heads, head_size, ntokens, nblocks, ngroups = _HEAD.unpack_from(bs)
+    if coder not in CODERS:
+        raise CorruptBlobError(f"unknown cachegen coder id {coder}")
     if min(nlayers, heads, head_size, ntokens, nblocks) < 1 or nblocks > ntokens:
         raise CorruptBlobError(f"bad cachegen dims L={nlayers} heads={heads} head_size={head_size} "
                                f"T={ntokens} blocks={nblocks}")
@@ -143,22 +152,40 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     means = r.take(pairs * channels, np.int16, "channel_means")
     base = r.take(pairs, np.int16, "exp_base").astype(np.int16)
     offsets = r.take(pairs * ntokens, np.int8, "exp_offset").reshape(pairs, ntokens)
+    fields = dict(
+        coder=coder, num_heads=heads, head_size=head_size,
+        channel_means=torch.from_numpy(means.copy()).view(torch.bfloat16).reshape(2, nlayers, channels),
+        key_bins=torch.from_numpy(key_bins.astype(np.int32)),
+        value_bins=torch.from_numpy(value_bins.astype(np.int32)),
+        block_tokens=torch.from_numpy(block_tokens.astype(np.int64)),
+    )
+    exps = torch.from_numpy(base[:, None] + offsets.astype(np.int16)).reshape(2, nlayers, ntokens)
+    fields.update(max_tensors_key=exps[0].clone(), max_tensors_value=exps[1].clone())
+    if coder == CODER_NVCOMP:
+        if ngroups:
+            raise CorruptBlobError(f"an nvCOMP-coded stream has no symbol groups, header says {ngroups}")
+        fields.update(bytestream=bytes(r.buf[r.pos:]),
+                      start_indices=torch.tensor([[0, len(r.buf) - r.pos]], dtype=torch.int64),
+                      cdf=torch.empty(0, dtype=torch.int32),
+                      channel_classes=torch.empty(0, dtype=torch.uint8),
+                      symbol_ranges=torch.empty(0, 2, dtype=torch.int32))
+        return fields
+    nrefine = nblocks * pairs * channels
+    bits = np.unpackbits(r.take((3 * nrefine + 7) // 8, np.uint8, "anchor_refine"))[: 3 * nrefine]
+    refine = (bits.reshape(-1, 3) * np.array([4, 2, 1], np.uint8)).sum(axis=1, dtype=np.uint8)
     packed = r.take((pairs * channels + 1) // 2, np.uint8, "channel_classes")
     nibbles = np.empty(packed.size * 2, dtype=np.uint8)
     nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4
     classes = nibbles[: pairs * channels].reshape(pairs, channels)
-    expected_groups = sum(len(np.unique(row)) for row in classes)
-    if ngroups != expected_groups:
-        raise CorruptBlobError(f"header says {ngroups} symbol groups, the classes imply {expected_groups}")
+    present = np.zeros((pairs, 16), bool)
+    present[np.arange(pairs)[:, None], classes] = True
+    if ngroups != int(present.sum()):
+        raise CorruptBlobError(f"header says {ngroups} symbol groups, the classes imply {int(present.sum())}")
     low = r.take(ngroups, np.int16, "group_low")
     size = r.take(ngroups, np.uint16, "group_size")
     if ngroups and (int(size.min()) < 1 or int(size.max()) > MAX_ALPHABET):
         raise CorruptBlobError(f"symbol alphabet sizes must be in [1, {MAX_ALPHABET}]")
     freqs = r.take(int(size.sum(dtype=np.int64)), np.uint16, "frequencies")
-    group_sums = np.add.reduceat(freqs.astype(np.int64), np.r_[0, np.cumsum(size.astype(np.int64))[:-1]]) \
-        if ngroups else np.zeros(0)
-    if ngroups and int(group_sums.min()) < 1:
-        raise CorruptBlobError("a symbol group has an all-zero frequency table")
     lengths = r.take(nblocks * pairs, np.uint32, "stream_lengths").astype(np.int64)
     if np.any(lengths % 4):
         raise CorruptBlobError("substream lengths must be whole 32-bit words")
@@ -166,21 +193,15 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     if r.pos + total != len(r.buf):
         raise CorruptBlobError(f"cachegen payload has {len(r.buf) - r.pos} bytes, "
                                f"the substream lengths say {total}")
-    exps = torch.from_numpy(base.astype(np.int16)[:, None] + offsets.astype(np.int16))
-    exps = exps.reshape(2, nlayers, ntokens)
     starts = np.concatenate([np.zeros((nblocks, 1), np.int64),
                              np.cumsum(lengths.reshape(nblocks, pairs), axis=1)], axis=1)
     starts += np.r_[0, np.cumsum(lengths.reshape(nblocks, pairs).sum(1))[:-1]][:, None]
-    return dict(
+    fields.update(
         bytestream=bytes(r.buf[r.pos:]),
         start_indices=torch.from_numpy(starts),
         cdf=torch.from_numpy(freqs.astype(np.int32)),
-        max_tensors_key=exps[0].clone(), max_tensors_value=exps[1].clone(),
-        num_heads=heads, head_size=head_size,
-        channel_means=torch.from_numpy(means.copy()).view(torch.bfloat16).reshape(2, nlayers, channels),
         channel_classes=torch.from_numpy(classes.copy()).reshape(2, nlayers, channels),
         symbol_ranges=torch.from_numpy(np.stack([low.astype(np.int32), size.astype(np.int32)], 1)),
-        key_bins=torch.from_numpy(key_bins.astype(np.int32)),
-        value_bins=torch.from_numpy(value_bins.astype(np.int32)),
-        block_tokens=torch.from_numpy(block_tokens.astype(np.int64)),
+        anchor_refinements=torch.from_numpy(refine.reshape(nblocks, pairs, channels)),
     )
+    return fields

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from lmcache.config import LMCacheEngineConfig
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.storage_backend.serde import blob, cachegen_format, cachegen_gpu
+from lmcache.storage_backend.serde.cachegen_basics import CacheGenEncoderOutput
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.servers import REPO
 from tests.integration.tiers import disk_worker
@@ -204,3 +207,26 @@ def test_corrupt_cachegen_disk_file_is_a_miss_and_is_removed(engines, tmp_path):
     out = kv.empty_like()
     hit = int(reader.retrieve(tokens, kvcaches=out.layers, slot_mapping=slots).sum())
     assert hit < 40 and not files[0].exists()
+
+
+@pytest.mark.skipif(cachegen_gpu.available(), reason="CUDA and nvCOMP present: it would decode")
+def test_gpu_coded_cachegen_disk_file_on_a_cpu_reader_is_a_miss_and_is_kept(engines, tmp_path):
+    disk = tmp_path / "cg"
+    cfg = {"local_disk": str(disk), "max_local_disk_size": 0.01, "local_disk_serde": "cachegen"}
+    kv, tokens, slots = store(engines(**cfg))
+    files = sorted(disk.glob("*" + SUFFIX))
+    data = files[0].read_bytes()
+    (key_len,) = struct.unpack_from("<I", data, 4)
+    head = 8 + key_len
+    old = blob.unpack(data[head:], "cachegen")
+    stream = CacheGenEncoderOutput.from_bytes(old.payload)
+    stream.coder = cachegen_format.CODER_NVCOMP  # as a CUDA writer with nvCOMP would have coded it
+    stream.bytestream, stream.start_indices = bytes(64), torch.tensor([[0, 64]])
+    stream.symbol_ranges = torch.empty(0, 2, dtype=torch.int32)
+    payload = stream.to_bytes()
+    files[0].write_bytes(data[:head] + blob.pack_header("cachegen", old.shape, old.dtype, payload)
+                         + payload)
+    reader = engines(**cfg)
+    out = kv.empty_like()
+    hit = int(reader.retrieve(tokens, kvcaches=out.layers, slot_mapping=slots).sum())
+    assert hit < 40 and files[0].exists()  # a miss, but kept for readers that can decode it

@@ -61,7 +61,8 @@ def _stream_of(data: bytes) -> CacheGenEncoderOutput:
 def _step_sizes(data: bytes) -> torch.Tensor:
     """The quantization step of every (K/V, layer, token) of a blob: [2, L, T, 1] float32."""
     out = _stream_of(data)
-    return steps(torch.stack([out.max_tensors_key, out.max_tensors_value]))[..., None]
+    exps = torch.stack([out.max_tensors_key, out.max_tensors_value]).numpy()
+    return torch.from_numpy(steps(exps))[..., None]
 
 
 def _assert_within_half_step(original: torch.Tensor, decoded: torch.Tensor, data: bytes) -> None:

@@ -83,3 +83,17 @@ def test_specs_from_bins_merges_runs_and_scaled_clamps() -> None:
     cfg = CacheGenConfig(6, specs, specs)
     assert cfg.scaled(0.01).key_bins() == [2] * 6
     assert cfg.scaled(2).key_bins() == [16, 16, 32, 32, 32, 16]
+
+
+def test_cachegen_quality_scales_the_serializers_bins_and_is_validated(metadata) -> None:
+    from lmcache.config import LMCacheEngineConfig
+    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
+
+    default = CacheGenSerializer(LMCacheEngineConfig.from_defaults(), metadata).cachegen_config
+    finer = CacheGenSerializer(LMCacheEngineConfig.from_defaults(cachegen_quality=2.0),
+                               metadata).cachegen_config
+    assert finer == default.scaled(2.0)
+    assert all(f > d for f, d in zip(finer.key_bins(), default.key_bins()))
+    for bad in (0.1, 5.0):
+        with pytest.raises(ValueError, match="cachegen_quality"):
+            LMCacheEngineConfig.from_defaults(cachegen_quality=bad)

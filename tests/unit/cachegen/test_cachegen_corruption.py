@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 
 from lmcache.storage_backend.serde import blob
+from lmcache.storage_backend.serde import cachegen_decoder as decoder
 from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde.serde import CorruptBlobError
+from lmcache.storage_backend.serde import cachegen_gpu as gpu
+from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 
 @pytest.fixture
@@ -64,20 +69,31 @@ def test_wrong_magic_and_version_are_rejected(serde, good: bytes) -> None:
         serde[1].from_bytes(rewrap(good, bytes(payload)))
 
 
-def test_a_stream_from_another_constriction_release_is_refused(serde, good: bytes) -> None:
-    payload = bytes(blob.unpack(good).payload)
-    fields = list(fmt._HEAD.unpack_from(payload))
-    fields[6] = fmt.CODER_VERSION + 1
-    bad = fmt._HEAD.pack(*fields) + payload[fmt._HEAD.size:]
-    with pytest.raises(CorruptBlobError, match="constriction"):
-        serde[1].from_bytes(rewrap(good, bad))
+def test_a_stream_of_the_previous_format_version_is_a_logged_stale_miss(serde, good: bytes,
+                                                                         caplog) -> None:
+    payload = bytearray(blob.unpack(good).payload)
+    payload[4] = 1  # format version 1: constriction's coder, before rANS
+    decoder.logger.propagate = True
+    decoder._logged.clear()
+    with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
+        for _ in range(3):
+            with pytest.raises(fmt.StaleStreamError, match="version 1"):
+                serde[1].from_bytes(rewrap(good, bytes(payload)))
+    assert sum("version 1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_unknown_coder_id_is_rejected(serde, good: bytes) -> None:
+    payload = bytearray(blob.unpack(good).payload)
+    payload[5] = 9
+    with pytest.raises(CorruptBlobError, match="coder id 9"):
+        serde[1].from_bytes(rewrap(good, bytes(payload)))
 
 
 def test_inconsistent_header_fields_are_rejected(serde, good: bytes) -> None:
     payload = bytes(blob.unpack(good).payload)
     fields = list(fmt._HEAD.unpack_from(payload))
-    for index, value, message in [(7, 0, "bad cachegen dims"), (8, 2, "do not add up"),
-                                  (9, 1, "symbol groups"), (7, 41, "do not add up")]:
+    for index, value, message in [(6, 0, "bad cachegen dims"), (7, 2, "do not add up"),
+                                  (8, 1, "symbol groups"), (6, 41, "do not add up")]:
         changed = list(fields)
         changed[index] = value
         bad = fmt._HEAD.pack(*changed) + payload[fmt._HEAD.size:]
@@ -93,10 +109,10 @@ def test_stream_shape_must_match_the_blob_header(serde, good: bytes) -> None:
         serde[1].from_bytes(other)
 
 
-def test_all_zero_frequency_table_is_rejected(serde, good: bytes, stream_of) -> None:
+def test_a_frequency_table_not_summing_to_the_scale_is_rejected(serde, good: bytes, stream_of) -> None:
     out = stream_of(good)
     out.cdf[: int(out.symbol_ranges[0, 1])] = 0
-    with pytest.raises(CorruptBlobError, match="all-zero frequency"):
+    with pytest.raises(CorruptBlobError, match="do not sum"):
         serde[1].from_bytes(rewrap(good, out.to_bytes()))
 
 
@@ -124,3 +140,35 @@ def test_substream_lengths_must_be_whole_words(serde, good: bytes, stream_of) ->
     out.start_indices[-1, -1] += 1
     with pytest.raises(CorruptBlobError, match="whole 32-bit words"):
         serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
+def gpu_coded(good: bytes, stream_of) -> bytes:
+    """`good` re-written as an nvCOMP-coded stream of the same KV shape (payload: filler bytes)."""
+    out = stream_of(good)
+    out.coder = fmt.CODER_NVCOMP
+    out.bytestream = bytes(range(64))
+    out.start_indices = torch.tensor([[0, 64]])
+    out.symbol_ranges = torch.empty(0, 2, dtype=torch.int32)
+    return rewrap(good, out.to_bytes())
+
+
+@pytest.mark.skipif(gpu.available(), reason="CUDA and nvCOMP present: the stream would be decoded")
+def test_a_gpu_coded_stream_without_cuda_is_a_kept_miss_logged_once(serde, good: bytes, stream_of,
+                                                                    caplog) -> None:
+    data = gpu_coded(good, stream_of)
+    decoder.logger.propagate = True
+    decoder._logged.clear()
+    with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
+        for _ in range(3):
+            with pytest.raises(fmt.UnavailableCoderError, match="nvCOMP") as info:
+                serde[1].from_bytes(data)
+            assert isinstance(info.value, ForeignSerdeError)  # tiers keep it for GPU readers
+    assert sum("nvCOMP" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_gpu_coded_stream_with_symbol_groups_is_rejected(serde, good: bytes, stream_of) -> None:
+    payload = bytearray(blob.unpack(gpu_coded(good, stream_of)).payload)
+    fields = list(fmt._HEAD.unpack_from(payload))
+    fields[8] = 3
+    with pytest.raises(CorruptBlobError, match="no symbol groups"):
+        serde[1].from_bytes(rewrap(good, fmt._HEAD.pack(*fields) + payload[fmt._HEAD.size:]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lmcache.storage_backend.serde import cachegen_quant as cgq
@@ -40,27 +41,50 @@ def test_torch_quant_vectorized_scales_each_token_by_its_max() -> None:
     assert bool((err <= maxes / (bins // 2)[:, None, None] / 2 + 1e-5).all())
 
 
+def _sumsq(x: np.ndarray) -> np.ndarray:
+    return cgq.stats_reference(x.astype(np.float32))[1]
+
+
 def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
-    base = torch.randn(1, 64, 10, generator=torch.Generator().manual_seed(0))
-    x = torch.cat([base, base * 100])
-    exps = cgq.step_exponents(x, torch.tensor([16, 32]))
+    base = np.random.default_rng(0).standard_normal((1, 10, 64)).astype(np.float32)
+    x = np.concatenate([base, base * 100])
+    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 32]))
     ratio = cgq.steps(exps[1]) / cgq.steps(exps[0])  # 100x the RMS, 2x the bins: ~50x the step
-    assert bool(((ratio > 50 / 2 ** (1 / 8)) & (ratio < 50 * 2 ** (1 / 8))).all())
-    rms = base[0].pow(2).mean(0).sqrt()
-    assert torch.allclose(cgq.steps(exps[0]), 8 * rms / 16, rtol=2 ** (1 / 16) - 1 + 1e-6)
-    x[0, :, 3] = 1e-30  # a near-zero token: its exponent is pulled into the pair's window
-    exps = cgq.step_exponents(x, torch.tensor([16, 16]))
+    assert ((ratio > 50 / 2 ** (1 / 8)) & (ratio < 50 * 2 ** (1 / 8))).all()
+    rms = np.sqrt((base[0].astype(np.float64) ** 2).mean(1))
+    assert np.allclose(cgq.steps(exps[0]), 8 * rms / 16, rtol=2 ** (1 / 16) - 1 + 1e-6)
+    x[0, 3] = 1e-30  # a near-zero token: its exponent is pulled into the pair's window
+    exps = cgq.step_exponents(_sumsq(x), 64, np.array([16, 16]))
     assert int(exps[0].max() - exps[0].min()) <= cgq.EXP_WINDOW
 
 
+def test_anchor_symbols_split_an_8x_finer_symbol_into_coarse_and_3_bits() -> None:
+    x = np.random.default_rng(1).standard_normal((2, 3, 32)).astype(np.float32) * 5
+    means = x.mean(axis=1)
+    inv = np.full((2, 3), 1.0, np.float32)
+    coarse, r = cgq.anchor_symbols(x, means, inv)
+    fine = np.rint((x - means[:, None, :]) * 8)
+    assert np.array_equal(coarse.astype(np.int64) * 8 + r, fine)
+    assert r.max() < cgq.ANCHOR_SCALE and r.dtype == np.uint8
+    recon = (coarse + cgq.refinement_values(r)) + means[:, None, :]
+    assert np.abs(recon - x).max() <= 1 / 16 + 1e-5  # half of the anchor's step
+
+
+def test_stats_reference_sums_in_the_defined_order() -> None:
+    x = np.random.default_rng(2).standard_normal((3, 5, 21)).astype(np.float32)
+    colsum, sumsq = cgq.stats_reference(x)
+    assert np.allclose(colsum, x.sum(axis=1), rtol=1e-5)
+    assert np.allclose(sumsq, (x.astype(np.float64) ** 2).sum(axis=2), rtol=1e-12)
+
+
 def test_bound_exponents_keep_symbols_within_qmax() -> None:
-    x = torch.randn(1, 8, 6, generator=torch.Generator().manual_seed(1))
-    x[0, :, 2] = 1e-4  # tiny token whose channels' means are large
-    means = torch.full((1, 8), 50.0)
-    exps = cgq.step_exponents(x, torch.tensor([64]))
-    assert float(cgq.quantize_(x.clone(), means, exps).abs().max()) > cgq.QMAX
+    x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32)
+    x[0, 2] = 1e-4  # tiny token whose channels' means are large
+    means = np.full((1, 8), 50.0, np.float32)
+    exps = cgq.step_exponents(_sumsq(x), 8, np.array([64]))
+    assert cgq.quantize_reference(x, means, cgq.inverse_steps(exps))[4].max() > cgq.QMAX
     exps = cgq.bound_exponents(x, means, exps)
-    assert float(cgq.quantize_(x.clone(), means, exps).abs().max()) <= cgq.QMAX
+    assert cgq.quantize_reference(x, means, cgq.inverse_steps(exps))[4].max() <= cgq.QMAX
 
 
 def test_concat_max_and_collect_bytes() -> None:

@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import create_serde
 from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, CacheGenGPUEncoderOutput
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer, decode_kv
+from lmcache.storage_backend.serde.cachegen_decoder import (
+    CacheGenDeserializer,
+    StreamTables,
+    decode_chunk,
+    decode_kv,
+)
 from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, encode_function
+from lmcache.storage_backend.serde.cachegen_quant import steps
 
 
 def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:
@@ -93,16 +99,37 @@ def test_rejects_non_finite_wrong_shape_and_integer_input(serde, make_kv, dims) 
         ser.to_bytes(torch.zeros(2, nl, 4, hidden, dtype=torch.int32))
 
 
-def test_token_blocks_decode_independently_to_the_same_values(make_kv, dims) -> None:
+def test_token_blocks_decode_independently(make_kv, dims) -> None:
     kv = make_kv(ntokens=100)
     cfg = CacheGenConfig.default_for_layers(dims["nlayers"])
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
-    one = encode_function(kv, cfg, kb, vb, chunk_size=100)
     blocks = encode_function(kv, cfg, kb, vb, chunk_size=32)
     assert [c.ntokens for c in blocks.data_chunks] == [32, 32, 32, 4]
-    assert torch.equal(decode_kv(one, kv.dtype), decode_kv(blocks, kv.dtype))
+    whole = decode_kv(blocks, kv.dtype)
+    tables = StreamTables.of(blocks)
+    for b in (3, 1, 2):  # any block alone, in any order
+        chunk, t0 = blocks.data_chunks[b], 32 * b
+        part = torch.empty(2 * dims["nlayers"], chunk.ntokens, dims["hidden"], dtype=kv.dtype)
+        decode_chunk(tables, chunk, part, t0)
+        expected = whole[:, :, t0:t0 + chunk.ntokens]
+        assert torch.equal(part.view(2, dims["nlayers"], chunk.ntokens, -1), expected)
     again = CacheGenGPUEncoderOutput.from_bytes(blocks.to_bytes())
-    assert torch.equal(decode_kv(again, kv.dtype), decode_kv(blocks, kv.dtype))
+    assert torch.equal(decode_kv(again, kv.dtype), whole)
+
+
+def test_the_first_token_of_each_block_is_an_anchor_8x_finer(make_kv, dims) -> None:
+    kv = make_kv(ntokens=64)
+    cfg = CacheGenConfig.uniform(dims["nlayers"], 16, 16)
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    encoded = encode_function(kv, cfg, kb, vb, chunk_size=32)
+    assert encoded.anchor_refinements.shape == (2, 2 * dims["nlayers"], dims["hidden"])
+    err = (decode_kv(encoded, torch.float32) - kv.float()).abs()
+    exps = torch.stack([encoded.max_tensors_key, encoded.max_tensors_value])
+    step = torch.from_numpy(steps(exps.numpy()))[..., None]
+    rounding = kv.float().abs() * 2.0 ** -8  # of the bf16 input
+    for t in (0, 32):  # anchors: within a sixteenth of a step
+        assert bool((err[:, :, t] <= step[:, :, t] / 16 + rounding[:, :, t] + 1e-6).all())
+    assert float((err / step)[:, :, 1:32].max()) > 0.25  # the others: half a step
 
 
 def test_stream_records_bins_and_head_split(serde, make_kv, stream_of, dims) -> None:

@@ -164,4 +164,5 @@ def test_a_second_engine_in_the_process_takes_the_metric_names_over():
         prom.observe({"counters": {"stored_tokens": 3}}, 0)
     from prometheus_client import REGISTRY
 
-    assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", {"model_name": "smol", "engine": "0"}) == 3
+    labels = {"model_name": "smol", "engine": "0"}
+    assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", labels) == 3

@@ -1,0 +1,502 @@
+/* CacheGen's CPU kernels: the quantizer's data passes and the interleaved rANS coder.
+ *
+ * Python (`lmcache/storage_backend/serde/cachegen_kernels.py`) holds the reference of every
+ * function here in numpy; both produce bit-identical results, so the arithmetic below is fixed:
+ * float32 operations in the stated order, no fused multiply-add (built with -ffp-contract=off),
+ * round-half-to-even everywhere.
+ *
+ * KV is [G][T][C] (G = 2 * layers (K/V, layer) pairs, T tokens, C channels), dtype code
+ * 0 = bf16, 1 = fp16, 2 = fp32. Symbols q are int16 [G][T][C].
+ *
+ * rANS (see cachegen_rans.py for the format): 64-bit states in [L, 2^32 L), L = 2^31, 32-bit
+ * words, PROB_BITS-bit frequencies, LANES interleaved states per substream. A substream codes the
+ * symbols of one (token block, pair) token-major over the pair's coded channels; symbol i uses
+ * lane i % LANES. Words are read front to back: first the LANES initial states (high word, then
+ * low word), then one word whenever a lane's state drops below L after decoding a symbol. A
+ * substream is valid only if every lane ends at L with every word consumed.
+ *
+ * Work is split over pairs / substreams with OpenMP (dynamic schedule); ctypes releases the GIL.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Hot functions are compiled twice, for x86-64-v3 (AVX2, BMI2) and the baseline, and picked at
+ * load time by the CPU (the arithmetic is the same IEEE operations either way, no FMA). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+
+#define PROB_BITS 12
+#define PROB_SCALE (1u << PROB_BITS)
+#define LANES 8 /* the coding loops below hold the 8 states in 8 variables */
+#define RANS_L (1ull << 31)
+#define QLIMIT 32767.0f
+#define RINT_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 half to even */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round half to even; inputs are finite */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One row of C values of any supported dtype -> float32. */
+static inline void load_row(const void *base, int dtype, int64_t offset, int64_t C,
+                            float *restrict out) {
+    if (dtype == 0) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t c = 0; c < C; c++) out[c] = bf16_to_f32(p[c]);
+    } else if (dtype == 1) {
+        const _Float16 *p = (const _Float16 *)base + offset;
+        for (int64_t c = 0; c < C; c++) out[c] = (float)p[c];
+    } else {
+        memcpy(out, (const float *)base + offset, C * sizeof(float));
+    }
+}
+
+/* Pass 1. colsum[g][c] = sum over t (ascending) of x, in float32. sumsq[g][t] = sum over c of
+ * x * x in float64 with 8 partial sums (partial j takes c = j, j + 8, ... in order), combined as
+ * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). */
+HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
+             double *sumsq, int nthreads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * C);
+        if (!row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (!row) continue;
+            float *acc = colsum + g * C;
+            for (int64_t c = 0; c < C; c++) acc[c] = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                load_row(x, dtype, (g * T + t) * C, C, row);
+                for (int64_t c = 0; c < C; c++) acc[c] += row[c];
+                double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                int64_t c = 0;
+                for (; c + 8 <= C; c += 8)
+                    for (int j = 0; j < 8; j++) p[j] += (double)row[c + j] * (double)row[c + j];
+                for (int j = 0; c < C; c++, j++) p[j] += (double)row[c] * (double)row[c];
+                sumsq[g * T + t] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+            }
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)) for every pair with
+ * todo[g] != 0; per channel: abs_sum (sum |q|), qmin, qmax; per token: qpeak (max |q|). */
+HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
+                const float *inv_steps, const uint8_t *todo, int16_t *q, int64_t *abs_sum,
+                int32_t *qmin, int32_t *qmax, int32_t *qpeak, int nthreads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        float *row = (float *)malloc(sizeof(float) * C);
+        int32_t *acc32 = (int32_t *)malloc(sizeof(int32_t) * C);
+        int16_t *lo16 = (int16_t *)malloc(sizeof(int16_t) * C), *hi16 = (int16_t *)malloc(sizeof(int16_t) * C);
+        if (!row || !acc32 || !lo16 || !hi16) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (failed || !todo[g]) continue;
+            const float *restrict mean = means + g * C;
+            int64_t *restrict asum = abs_sum + g * C;
+            int16_t *restrict lo = lo16, *restrict hi = hi16;
+            int32_t *restrict acc = acc32;
+            for (int64_t c = 0; c < C; c++) {
+                asum[c] = 0;
+                acc[c] = 0;
+                lo[c] = 32767;
+                hi[c] = -32767;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                load_row(x, dtype, (g * T + t) * C, C, row);
+                const float inv = inv_steps[g * T + t];
+                int16_t *restrict out = q + (g * T + t) * C;
+                const float *restrict in = row;
+                for (int64_t c = 0; c < C; c++) {
+                    float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
+                    v = v < QLIMIT ? v : QLIMIT;
+                    v = v > -QLIMIT ? v : -QLIMIT;
+                    out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
+                }
+                int16_t peak = 0;
+                for (int64_t c = 0; c < C; c++) {
+                    int16_t s = out[c], neg = (int16_t)-s, a = s > neg ? s : neg;
+                    acc[c] += a;
+                    peak = a > peak ? a : peak;
+                    lo[c] = s < lo[c] ? s : lo[c];
+                    hi[c] = s > hi[c] ? s : hi[c];
+                }
+                qpeak[g * T + t] = peak;
+                if ((t & 0xFFFF) == 0xFFFF || t == T - 1)  /* 65536 * 32767 fits in int32 ... */
+                    for (int64_t c = 0; c < C; c++) {   /* ... so flush every 65536 tokens */
+                        asum[c] += acc[c];
+                        acc[c] = 0;
+                    }
+            }
+            for (int64_t c = 0; c < C; c++) {
+                qmin[g * C + c] = lo[c];
+                qmax[g * C + c] = hi[c];
+            }
+        }
+        free(row);
+        free(acc32);
+        free(lo16);
+        free(hi16);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
+ * group's first table entry minus its lowest symbol). Pair g's entries are the range
+ * [pair_entries[g], pair_entries[g + 1]), so pairs run in parallel without conflicts. */
+HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
+                 const int64_t *pair_entries, int64_t *counts, int nthreads) {
+    int64_t width = 1;
+    for (int64_t g = 0; g < G; g++)
+        if (pair_entries[g + 1] - pair_entries[g] > width) width = pair_entries[g + 1] - pair_entries[g];
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each
+         * other's increments */
+        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
+        if (!part) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (!part) continue;
+            const int64_t lo = pair_entries[g], n = pair_entries[g + 1] - lo;
+            memset(part, 0, sizeof(int32_t) * 4 * width);
+            int32_t *p0 = part - lo, *p1 = part + width - lo, *p2 = part + 2 * width - lo,
+                    *p3 = part + 3 * width - lo;
+            const int64_t *base = sym_base + g * C;
+            for (int64_t t = 0; t < T; t++) {
+                const int16_t *row = q + (g * T + t) * C;
+                int64_t c = 0;
+                for (; c + 4 <= C; c += 4) {
+                    p0[base[c] + row[c]]++;
+                    p1[base[c + 1] + row[c + 1]]++;
+                    p2[base[c + 2] + row[c + 2]]++;
+                    p3[base[c + 3] + row[c + 3]]++;
+                }
+                for (; c < C; c++) p0[base[c] + row[c]]++;
+            }
+            for (int64_t e = 0; e < n; e++)
+                counts[lo + e] = (int64_t)part[e] + part[width + e] + part[2 * width + e] + part[3 * width + e];
+        }
+        free(part);
+    }
+    return failed ? -2 : 0;
+}
+
+/* One table entry for the encoder. x / f is exact for x < 2^63, 1 <= f <= 2^PROB_BITS as
+ * floor(x * m / 2^(64 + l - 1)) with l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64
+ * (Granlund-Montgomery, N = 63); f = 1 takes x itself (m = 0, pass = all ones). Then
+ * x' = (x / f) << PROB_BITS | x % f + cum = x + (x / f) * (2^PROB_BITS - f) + cum. */
+typedef struct {
+    uint64_t m;
+    uint64_t pass;
+    uint64_t x_max; /* renormalize (emit a word) while x >= x_max */
+    uint32_t shift; /* l - 1 */
+    uint32_t cmpl;  /* 2^PROB_BITS - f */
+    uint64_t cum;
+} enc_sym;
+
+static void enc_sym_init(enc_sym *s, uint32_t freq, uint32_t cum) {
+    uint32_t l = 0;
+    while ((1u << l) < freq) l++;
+    if (freq == 1) {
+        s->m = 0;
+        s->pass = ~0ull;
+        s->shift = 0;
+    } else {
+        unsigned __int128 num = (unsigned __int128)1 << (63 + l);
+        s->m = (uint64_t)((num + freq - 1) / freq);
+        s->pass = 0;
+        s->shift = l - 1;
+    }
+    s->cmpl = PROB_SCALE - freq;
+    s->cum = cum;
+    s->x_max = ((RANS_L >> PROB_BITS) << 32) * (uint64_t)freq;
+}
+
+static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
+    uint64_t quot = ((uint64_t)(((unsigned __int128)x * s->m) >> 64) >> s->shift) + (x & s->pass);
+    return x + quot * s->cmpl + s->cum;
+}
+
+/* One encoder step on state X for the row's entry J: emit a word if needed (written ahead into
+ * ptr[-1] always, kept only when emitted: branch-free), then code the symbol. */
+#define ENC_STEP(X, J)                                                                      \
+    do {                                                                                    \
+        const enc_sym *e_ = &tab[ent[J]];                                                   \
+        uint64_t emit_ = (X) >= e_->x_max;                                                  \
+        ptr[-1] = (uint32_t)(X);                                                            \
+        ptr -= emit_;                                                                       \
+        (X) = emit_ ? (X) >> 32 : (X);                                                      \
+        (X) = enc_put((X), e_);                                                             \
+    } while (0)
+
+#define ENC_ANY_LANE(I, J)                                                                  \
+    do {                                                                                    \
+        switch ((I) & (LANES - 1)) {                                                        \
+        case 0: ENC_STEP(x0, J); break;                                                     \
+        case 1: ENC_STEP(x1, J); break;                                                     \
+        case 2: ENC_STEP(x2, J); break;                                                     \
+        case 3: ENC_STEP(x3, J); break;                                                     \
+        case 4: ENC_STEP(x4, J); break;                                                     \
+        case 5: ENC_STEP(x5, J); break;                                                     \
+        case 6: ENC_STEP(x6, J); break;                                                     \
+        default: ENC_STEP(x7, J); break;                                                    \
+        }                                                                                   \
+    } while (0)
+
+/* Substream geometry shared by encoder and decoder. Block b covers tokens
+ * [block_starts[b], block_starts[b + 1]); pair g codes its ncoded[g] channels
+ * chans[g * C + j] (j < ncoded[g]) whose table entries start at sym_base[g * C + chan]. */
+typedef struct {
+    int64_t G, T, C, B;
+    const int64_t *block_starts, *ncoded, *chans, *sym_base;
+} layout_t;
+
+/* Pass 4. Encode substream (b, g) for every b, g into out[region_start[s], region_start[s + 1])
+ * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
+ * offset where its data begins (its data ends at the region's end). freq / cum: per table entry.
+ * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
+HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+              const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
+              const int64_t *sym_base, const uint32_t *freq, const uint32_t *cum, int64_t nsym,
+              uint32_t *out, const int64_t *region_start, int64_t *stream_start, int nthreads) {
+    enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * (nsym > 0 ? nsym : 1));
+    if (!tab) return -2;
+    for (int64_t k = 0; k < nsym; k++)
+        if (freq[k]) enc_sym_init(&tab[k], freq[k], cum[k]);
+    int status = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t s = 0; s < B * G; s++) {
+        int64_t b = s / G, g = s % G, nc = ncoded[g];
+        int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
+        int64_t n = (t1 - t0) * nc;
+        uint32_t *lo = out + region_start[s], *ptr = out + region_start[s + 1];
+        if (n == 0) {
+            stream_start[s] = region_start[s + 1];
+            continue;
+        }
+        const int64_t *ch = chans + g * C, *sb = sym_base + g * C;
+        int64_t *base = (int64_t *)malloc(sizeof(int64_t) * 2 * nc);
+        if (!base) {
+            #pragma omp atomic write
+            status = -2;
+            continue;
+        }
+        int64_t *ent = base + nc;
+        for (int64_t j = 0; j < nc; j++) base[j] = sb[ch[j]];
+        uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
+                 x6 = RANS_L, x7 = RANS_L;
+        int overflow = 0;
+        int64_t i = n - 1;
+        for (int64_t t = t1 - 1; t >= t0; t--) {
+            if (ptr - lo < nc + 1) { /* a row emits at most nc words (plus the slot written ahead) */
+                overflow = 1;
+                break;
+            }
+            const int16_t *row = q + (g * T + t) * C;
+            if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
+                for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
+            for (int64_t j = 0; j < nc; j++) ent[j] = base[j] + row[ch[j]];
+            int64_t j = nc - 1;
+            for (; j >= 0 && (i & (LANES - 1)) != LANES - 1; j--, i--) ENC_ANY_LANE(i, j);
+            for (; j >= LANES - 1; j -= LANES, i -= LANES) {
+                ENC_STEP(x7, j);
+                ENC_STEP(x6, j - 1);
+                ENC_STEP(x5, j - 2);
+                ENC_STEP(x4, j - 3);
+                ENC_STEP(x3, j - 4);
+                ENC_STEP(x2, j - 5);
+                ENC_STEP(x1, j - 6);
+                ENC_STEP(x0, j - 7);
+            }
+            for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j);
+        }
+        uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
+        free(base);
+        if (!overflow && ptr - lo < 2 * LANES) overflow = 1;
+        if (overflow) {
+            #pragma omp atomic write
+            status = -1;
+            continue;
+        }
+        for (int l = LANES - 1; l >= 0; l--) {
+            *--ptr = (uint32_t)x[l];
+            *--ptr = (uint32_t)(x[l] >> 32);
+        }
+        stream_start[s] = ptr - out;
+    }
+    free(tab);
+    return status;
+}
+
+/* One decoder step on state X for coded channel J: decode, renormalize branch-free (reading the
+ * next word always; CHECKED: guard the read and mark the substream broken past its end). */
+#define DEC_STEP(X, J, CHECKED)                                                              \
+    do {                                                                                     \
+        const dec_chan *d_ = &dc[J];                                                         \
+        uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
+        uint32_t local_ = d_->slots[slot_];                                                  \
+        uint32_t packed_ = d_->fc[local_];                                                   \
+        (X) = (uint64_t)(packed_ >> 16) * ((X) >> PROB_BITS) + slot_ - (packed_ & 0xFFFFu);  \
+        uint64_t need_ = (X) < RANS_L;                                                       \
+        if ((CHECKED) && ptr >= len) {                                                       \
+            broken |= (int)need_;                                                            \
+            need_ = 0;                                                                       \
+        }                                                                                    \
+        uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
+        (X) = need_ ? refill_ : (X);                                                         \
+        ptr += (int64_t)need_;                                                               \
+        *d_->out = d_->low + (int32_t)local_;                                                \
+    } while (0)
+
+#define DEC_ANY_LANE(I, J, CHECKED)                                                          \
+    do {                                                                                     \
+        switch ((I) & (LANES - 1)) {                                                         \
+        case 0: DEC_STEP(x0, J, CHECKED); break;                                             \
+        case 1: DEC_STEP(x1, J, CHECKED); break;                                             \
+        case 2: DEC_STEP(x2, J, CHECKED); break;                                             \
+        case 3: DEC_STEP(x3, J, CHECKED); break;                                             \
+        case 4: DEC_STEP(x4, J, CHECKED); break;                                             \
+        case 5: DEC_STEP(x5, J, CHECKED); break;                                             \
+        case 6: DEC_STEP(x6, J, CHECKED); break;                                             \
+        default: DEC_STEP(x7, J, CHECKED); break;                                            \
+        }                                                                                    \
+    } while (0)
+
+typedef struct {
+    const uint16_t *slots; /* the group's slot table */
+    const uint32_t *fc;    /* the group's freq << 16 | cum entries */
+    int32_t *out;          /* where the channel's symbol goes in the row buffer */
+    int32_t low;           /* the group's lowest symbol */
+} dec_chan;
+
+/* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
+ * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
+ * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
+ * local index (coded channels) or group_low[gid] (channels listed in cchans[g * C + k], k <
+ * nconst[g], whose group has a single symbol). slot_sym[gid * PROB_SCALE + slot]: the local
+ * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. The first token of
+ * block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing. Substream s's words:
+ * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
+ * (0 = all valid). */
+HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
+              int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
+              const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
+              const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
+              const int32_t *group_low, const uint16_t *slot_sym, const uint32_t *freqcum,
+              const float *means, const float *steps, const float *refine, void *out, int dtype,
+              int nthreads) {
+    int bad = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
+        int32_t *sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
+        int ok = dc && sym;
+        #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
+        for (int64_t s = 0; s < B * G; s++) {
+            if (!ok) {
+                bad++;
+                continue;
+            }
+            int64_t b = s / G, g = s % G, nc = ncoded[g], nk = nconst[g];
+            int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
+            const float *restrict mean = means + g * C;
+            const int64_t *ch = chans + g * C, *cc = cchans + g * C, *gid = group_of_chan + g * C;
+            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
+            for (int64_t j = 0; j < nc; j++) {
+                int64_t grp = gid[ch[j]];
+                dc[j].slots = slot_sym + grp * PROB_SCALE;
+                dc[j].fc = freqcum + group_start[grp];
+                dc[j].out = sym + ch[j];
+                dc[j].low = group_low[grp];
+            }
+            int64_t n = (t1 - t0) * nc, len = stream_len[s];
+            const uint32_t *w = words + stream_off[s];
+            int broken = n == 0 ? len != 0 : len < 2 * LANES;
+            uint64_t x0, x1, x2, x3, x4, x5, x6, x7;
+            x0 = x1 = x2 = x3 = x4 = x5 = x6 = x7 = RANS_L;
+            if (n && !broken) {
+                x0 = ((uint64_t)w[0] << 32) | w[1];
+                x1 = ((uint64_t)w[2] << 32) | w[3];
+                x2 = ((uint64_t)w[4] << 32) | w[5];
+                x3 = ((uint64_t)w[6] << 32) | w[7];
+                x4 = ((uint64_t)w[8] << 32) | w[9];
+                x5 = ((uint64_t)w[10] << 32) | w[11];
+                x6 = ((uint64_t)w[12] << 32) | w[13];
+                x7 = ((uint64_t)w[14] << 32) | w[15];
+            }
+            int64_t ptr = n ? 2 * LANES : 0, i = 0;
+            for (int64_t t = t0; t < t1 && !broken; t++) {
+                int64_t j = 0;
+                if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */
+                    for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0);
+                    for (; j + LANES <= nc; j += LANES, i += LANES) {
+                        DEC_STEP(x0, j, 0);
+                        DEC_STEP(x1, j + 1, 0);
+                        DEC_STEP(x2, j + 2, 0);
+                        DEC_STEP(x3, j + 3, 0);
+                        DEC_STEP(x4, j + 4, 0);
+                        DEC_STEP(x5, j + 5, 0);
+                        DEC_STEP(x6, j + 6, 0);
+                        DEC_STEP(x7, j + 7, 0);
+                    }
+                }
+                for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1);
+                const float step = steps[g * T + t];
+                int64_t o = (g * T + t) * C;
+                if (t == t0) {
+                    const float *ref = refine + (b * G + g) * C;
+                    for (int64_t c = 0; c < C; c++) {
+                        float v = ((float)sym[c] + ref[c]) * step + mean[c];
+                        if (dtype == 0) ((uint16_t *)out)[o + c] = f32_to_bf16(v);
+                        else if (dtype == 1) ((_Float16 *)out)[o + c] = (_Float16)v;
+                        else ((float *)out)[o + c] = v;
+                    }
+                } else if (dtype == 0) {
+                    uint16_t *restrict dst = (uint16_t *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16((float)sym[c] * step + mean[c]);
+                } else if (dtype == 1) {
+                    _Float16 *restrict dst = (_Float16 *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)((float)sym[c] * step + mean[c]);
+                } else {
+                    float *restrict dst = (float *)out + o;
+                    for (int64_t c = 0; c < C; c++) dst[c] = (float)sym[c] * step + mean[c];
+                }
+            }
+            broken |= (x0 != RANS_L) | (x1 != RANS_L) | (x2 != RANS_L) | (x3 != RANS_L) |
+                      (x4 != RANS_L) | (x5 != RANS_L) | (x6 != RANS_L) | (x7 != RANS_L);
+            bad += broken || ptr != len;
+        }
+        free(dc);
+        free(sym);
+    }
+    return bad;
+}

@@ -1,0 +1,221 @@
+"""CacheGen's data passes on the CPU: native kernels, or the numpy reference with the same results.
+
+`kernels()` returns `NativeKernels` (`lmcache/native/cachegen_kernels.c`: compiled on first use,
+parallel over pairs / substreams with OpenMP, the GIL released) where a C compiler is available
+and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy definitions in
+`cachegen_quant` and `cachegen_rans`). Both produce bit-identical streams and values
+(`tests/unit/cachegen/test_cachegen_kernels.py`); the reference is ~50x slower.
+
+Passes, on KV viewed as ``x: [G, T, C]`` (G = 2 * layers (K/V, layer) pairs, CPU, contiguous):
+`stats` (channel sums, token sums of squares), `quantize` (symbols and their per-channel
+statistics), `histogram` (symbol counts per table entry), `encode` (every substream's rANS
+words) and `decode` (substreams -> dequantized KV in the output dtype, one fused pass, into a
+given buffer if wanted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lmcache import native
+from lmcache.storage_backend.serde import cachegen_quant as quant
+from lmcache.storage_backend.serde import cachegen_rans as rans
+from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
+from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+class Quantized(NamedTuple):
+    q: np.ndarray  # int16 [G, T, C]
+    abs_sum: np.ndarray  # int64 [G, C], sum over tokens of |q|
+    qmin: np.ndarray  # int32 [G, C]
+    qmax: np.ndarray  # int32 [G, C]
+    qpeak: np.ndarray  # int32 [G, T], max |q| of each token
+
+
+class Encoded(NamedTuple):
+    payload: bytes  # every substream's words, substream s = b * G + g in order
+    lengths: np.ndarray  # int64 [B * G], bytes per substream
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers reused across calls: memory written for the first time costs page
+    faults (~3-4 GB/s here), as much as a kernel pass over the same bytes."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        buf = self.buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[name] = np.empty(max(nbytes, 1), np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
+
+
+_scratch = _Scratch()
+
+
+def coded_input(x: torch.Tensor) -> torch.Tensor:
+    """KV [G, T, C] as the kernels read it: CPU, contiguous, bf16 / fp16 / fp32 (fp64 -> fp32)."""
+    if x.dtype not in _DTYPE_CODES:
+        x = x.float()
+    return x.cpu().contiguous()
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels decode into for a requested `dtype` (fp64 goes through fp32)."""
+    return dtype if dtype in _DTYPE_CODES else torch.float32
+
+
+class ReferenceKernels:
+    name = "reference"
+
+    def stats(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        return quant.stats_reference(quant.as_float32(x))
+
+    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
+                 reuse: bool = False) -> Quantized:
+        return Quantized(*quant.quantize_reference(quant.as_float32(x), means, inv_steps))
+
+    def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
+        entries = q.astype(np.int64) + layout.sym_base[:, None, :]
+        return np.bincount(entries.reshape(-1), minlength=layout.num_symbols)
+
+    def encode(self, q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> Encoded:
+        streams = rans.encode_reference(q, layout, freq)
+        return Encoded(b"".join(s.tobytes() for s in streams),
+                       np.array([s.nbytes for s in streams], np.int64))
+
+    def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
+               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
+               ntok: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        words, offsets, nwords = _words(payload, lengths)
+        q = rans.decode_reference(words, offsets, nwords, layout, freq, ntok)
+        floats = quant.dequantize_reference(q, means, steps, layout.block_starts[:-1], refine)
+        values = torch.from_numpy(floats).to(output_dtype(dtype))
+        return values if out is None else out.copy_(values.view(out.shape))
+
+
+class NativeKernels:
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    @staticmethod
+    def _threads() -> int:
+        return max(1, torch.get_num_threads())
+
+    def stats(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        npairs, ntok, nch = x.shape
+        colsum = np.empty((npairs, nch), np.float32)
+        sumsq = np.empty((npairs, ntok), np.float64)
+        rc = self.lib.cg_stats(x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch,
+                               _ptr(colsum), _ptr(sumsq), self._threads())
+        _check(rc, "cg_stats")
+        return colsum, sumsq
+
+    def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
+                 reuse: bool = False) -> Quantized:
+        """`reuse`: the symbols go to this thread's scratch buffer, valid until its next call."""
+        npairs, ntok, nch = x.shape
+        q = _scratch.get("q", (npairs, ntok, nch), np.int16) if reuse else \
+            np.empty((npairs, ntok, nch), np.int16)
+        out = Quantized(q, np.empty((npairs, nch), np.int64),
+                        np.empty((npairs, nch), np.int32), np.empty((npairs, nch), np.int32),
+                        np.empty((npairs, ntok), np.int32))
+        todo = np.ones(npairs, np.uint8)
+        means = np.ascontiguousarray(means, np.float32)
+        inv_steps = np.ascontiguousarray(inv_steps, np.float32)
+        rc = self.lib.cg_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch,
+                                  _ptr(means), _ptr(inv_steps), _ptr(todo), *(_ptr(a) for a in out),
+                                  self._threads())
+        _check(rc, "cg_quantize")
+        return out
+
+    def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
+        counts = np.zeros(layout.num_symbols, np.int64)
+        pair_entries = layout.pair_entries()  # a name keeps it alive during the call
+        rc = self.lib.cg_histogram(_ptr(q), *q.shape, _ptr(layout.sym_base), _ptr(pair_entries),
+                                   _ptr(counts), self._threads())
+        _check(rc, "cg_histogram")
+        return counts
+
+    def encode(self, q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> Encoded:
+        npairs, ntok, nch = q.shape
+        regions = rans.region_starts(layout)
+        out = _scratch.get("words", (int(regions[-1]),), np.uint32)
+        starts = np.empty(len(regions) - 1, np.int64)
+        cum = rans.cumulative(freq, layout)
+        rc = self.lib.cg_encode(_ptr(q), npairs, ntok, nch, layout.num_blocks,
+                                _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans),
+                                _ptr(layout.sym_base), _ptr(freq), _ptr(cum), len(freq), _ptr(out),
+                                _ptr(regions), _ptr(starts), self._threads())
+        _check(rc, "cg_encode")
+        ends = regions[1:]
+        view = memoryview(out.view(np.uint8).data)
+        payload = b"".join(view[4 * s:4 * e] for s, e in zip(starts.tolist(), ends.tolist()))
+        return Encoded(payload, 4 * (ends - starts))
+
+    def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
+               freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
+               ntok: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        words, offsets, nwords = _words(payload, lengths)
+        npairs, nch = layout.group_of.shape
+        dtype = output_dtype(dtype)
+        direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
+        target = out if direct else torch.empty(npairs, ntok, nch, dtype=dtype)
+        assert target is not None
+        slots = rans.slot_table(freq, layout)
+        freqcum = (freq.astype(np.uint32) << 16) | rans.cumulative(freq, layout)
+        means = np.ascontiguousarray(means, np.float32)
+        steps = np.ascontiguousarray(steps, np.float32)
+        refine = np.ascontiguousarray(refine, np.float32)
+        bad = self.lib.cg_decode(
+            _ptr(words), _ptr(offsets), _ptr(nwords), npairs, ntok, nch, layout.num_blocks,
+            _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans), _ptr(layout.nconst),
+            _ptr(layout.cchans), _ptr(layout.group_of), _ptr(layout.group_start),
+            _ptr(layout.group_low), _ptr(slots), _ptr(freqcum), _ptr(means), _ptr(steps),
+            _ptr(refine), target.data_ptr(), _DTYPE_CODES[dtype], self._threads())
+        if bad:
+            raise CorruptBlobError(f"{bad} cachegen substream(s) do not decode to their symbols "
+                                   "(corrupt)")
+        return target if out is None or direct else out.copy_(target.view(out.shape))
+
+
+Kernels = NativeKernels | ReferenceKernels
+
+
+def kernels(use_native: bool = True) -> Kernels:
+    """The native kernels when `use_native` and they can be built, else the numpy reference."""
+    lib = native.load("cachegen_kernels") if use_native else None
+    return NativeKernels(lib) if lib is not None else ReferenceKernels()
+
+
+def _ptr(a: np.ndarray) -> int:
+    """The address of `a`'s data; the caller keeps `a` referenced until the native call returns
+    (never pass a temporary: its memory may be reused by another thread during the call)."""
+    assert a.flags.c_contiguous
+    return a.ctypes.data
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native {what} failed (code {rc})")
+
+
+def _words(payload: bytes | memoryview, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """payload -> (aligned uint32 words, word offset and word count of every substream)."""
+    words = np.frombuffer(payload, dtype=np.uint32)
+    if words.ctypes.data % 4:
+        words = words.copy()
+    nwords = np.asarray(lengths, np.int64) // 4
+    offsets = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
+    return words, offsets, nwords

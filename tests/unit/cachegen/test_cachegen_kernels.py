@@ -1,0 +1,80 @@
+"""The native kernels give bit-identical streams and values to the numpy reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig
+from lmcache.storage_backend.serde.cachegen_decoder import decode_stream
+from lmcache.storage_backend.serde.cachegen_encoder import encode_stream
+from lmcache.storage_backend.serde.cachegen_kernels import NativeKernels, ReferenceKernels, kernels
+from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+NATIVE = kernels()
+pytestmark = pytest.mark.skipif(not isinstance(NATIVE, NativeKernels),
+                                reason="native kernels unavailable (no C compiler)")
+REFERENCE = ReferenceKernels()
+
+
+def test_lmcache_native_0_selects_the_reference(monkeypatch) -> None:
+    from lmcache import native
+
+    assert isinstance(kernels(use_native=False), ReferenceKernels)
+    monkeypatch.setenv("LMCACHE_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", {})  # as in a fresh process
+    assert isinstance(kernels(), ReferenceKernels)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nlayers=st.integers(1, 3), ntokens=st.integers(1, 70), hidden=st.integers(1, 40),
+       chunk=st.integers(1, 80), bins=st.integers(2, 300), scale=st.floats(1e-3, 1e3),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 2**16))
+def test_native_and_reference_streams_and_values_are_identical(
+        make_kv, nlayers: int, ntokens: int, hidden: int, chunk: int, bins: int, scale: float,
+        dtype: torch.dtype, seed: int) -> None:
+    kv = (make_kv(nlayers, ntokens, hidden, torch.float32, seed) * scale).to(dtype)
+    cfg = CacheGenConfig.uniform(nlayers, bins, max(2, bins // 2))
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    native, reference = encode_stream(kv, kb, vb, chunk, NATIVE), encode_stream(kv, kb, vb, chunk, REFERENCE)
+    assert native.to_bytes() == reference.to_bytes()
+    for out_dtype in (dtype, torch.float32):
+        a, b = decode_stream(native, out_dtype, NATIVE), decode_stream(native, out_dtype, REFERENCE)
+        assert a.dtype == out_dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("coder", [NATIVE, REFERENCE], ids=["native", "reference"])
+def test_each_coder_rejects_a_changed_substream_word(make_kv, coder) -> None:
+    cfg = CacheGenConfig.default_for_layers(2)
+    kv = make_kv(2, 48, 16)
+    encoded = encode_stream(kv, torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins()), 16)
+    data = bytearray(encoded.bytestream)
+    data[len(data) // 3] ^= 0x10
+    encoded.bytestream = bytes(data)
+    with pytest.raises(CorruptBlobError, match=r"substream|decode"):
+        decode_stream(encoded, torch.bfloat16, coder)
+
+
+def test_threads_encoding_and_decoding_at_once_get_the_single_thread_results(make_kv) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = CacheGenConfig.default_for_layers(3)
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    inputs = [make_kv(3, 64, 48, seed=s) for s in range(8)]
+    expected = [encode_stream(kv, kb, vb, 32, NATIVE).to_bytes() for kv in inputs]
+
+    def roundtrip(i: int) -> tuple[bytes, torch.Tensor]:
+        encoded = encode_stream(inputs[i], kb, vb, 32, NATIVE)
+        junk = [bytearray(4096 * (1 + i % 5)) for _ in range(50)]  # churn the allocator
+        del junk
+        return encoded.to_bytes(), decode_stream(encoded, torch.bfloat16, NATIVE)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(roundtrip, [i % 8 for i in range(32)]))
+    for i, (data, kv) in enumerate(results):
+        assert data == expected[i % 8]
+        assert torch.equal(kv, decode_stream(encode_stream(inputs[i % 8], kb, vb, 32, NATIVE),
+                                             torch.bfloat16, NATIVE))
