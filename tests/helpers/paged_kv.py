@@ -134,3 +134,24 @@ def build_engine(chunk_size=8, layers=2, heads=2, head_size=4, dtype=torch.bfloa
     connector = connector or VLLMPagedMemGPUConnectorV2(heads * head_size, layers)
     return LMCacheEngine(config, metadata, MixedMemoryAllocator(cpu_bytes),
                          ChunkedTokenDatabase(config, metadata), connector)
+
+
+def chunk_objects(conn, sizes, gaps=False, allocator=None):
+    """Chunk objects for `sizes` tokens each, allocated one after another from one arena (pinned
+    where CUDA exists by default), with a small object between them if `gaps` (not adjacent)."""
+    from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator
+
+    nbytes = sum(conn.get_shape(n).numel() * 2 for n in sizes)
+    alloc = allocator or MixedMemoryAllocator(nbytes + (1 << 20) * len(sizes))
+    objs = []
+    for n in sizes:
+        objs.append(alloc.allocate(conn.get_shape(n), torch.bfloat16, MemoryFormat.KV_BLOB))
+        if gaps:
+            alloc.allocate((8,), torch.uint8, MemoryFormat.BINARY)
+    return objs
+
+
+def request_ranges(sizes):
+    """(starts, ends) of consecutive chunks of `sizes` tokens."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return starts, [s + n for s, n in zip(starts, sizes, strict=True)]

@@ -8,8 +8,7 @@ import threading
 import pytest
 import torch
 
-from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator
-from tests.helpers.paged_kv import LAYOUTS, KVCache, build_engine
+from tests.helpers.paged_kv import LAYOUTS, KVCache, build_engine, chunk_objects, request_ranges
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -28,22 +27,6 @@ def big_cache(layout):
     """8 layers x 8 heads x 128 over 8,192 slots: a 256 MiB request takes milliseconds to move, so
     a missing stream dependency would show as a race."""
     return KVCache(layout, layers=8, heads=8, head_size=128, block_size=16, num_blocks=512, device="cuda")
-
-
-def pinned_objects(conn, sizes, gaps=False):
-    nbytes = sum(conn.get_shape(n).numel() * 2 for n in sizes)
-    alloc = MixedMemoryAllocator(nbytes + (1 << 20) * len(sizes))  # pinned where CUDA exists
-    objs = []
-    for n in sizes:
-        objs.append(alloc.allocate(conn.get_shape(n), torch.bfloat16, MemoryFormat.KV_BLOB))
-        if gaps:
-            alloc.allocate((8,), torch.uint8, MemoryFormat.BINARY)
-    return objs
-
-
-def request(sizes):
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return starts, [s + n for s, n in zip(starts, sizes)]
 
 
 class Done:
@@ -70,9 +53,9 @@ def test_every_layout_round_trips_bit_exact_with_both_kernels(layout, gaps, kern
                          staging_bytes=2 * CHUNK_BYTES)
     assert conn.staged_copier(torch.device("cuda", torch.cuda.current_device())).kernel == kernel
     sizes = [CHUNK] * 5 + [37]
-    starts, ends = request(sizes)
+    starts, ends = request_ranges(sizes)
     slots = src.slots_for(ends[-1])
-    objs = pinned_objects(conn, sizes, gaps)
+    objs = chunk_objects(conn, sizes, gaps)
     stored = Done()
     conn.batched_from_gpu(objs, starts, ends, on_done=stored, **src.kwargs(slots.cuda()))
     stored.wait()
@@ -98,11 +81,11 @@ def test_cuda_blobs_equal_the_cpu_native_path(layout):
     cpu.kvcaches = [t.cpu() if isinstance(t, torch.Tensor) else tuple(x.cpu() for x in t)
                     for t in src.kvcaches]
     sizes = [CHUNK] * 3
-    starts, ends = request(sizes)
+    starts, ends = request_ranges(sizes)
     slots = src.slots_for(ends[-1])
     out = []
     for kv, conn in ((src, src.connector()), (cpu, cpu.connector())):
-        objs = pinned_objects(conn, sizes)
+        objs = chunk_objects(conn, sizes)
         conn.batched_from_gpu(objs, starts, ends, **kv.kwargs(slots))
         out.append(torch.cat([o.tensor.flatten() for o in objs]))
     assert torch.equal(out[0], out[1])
@@ -112,10 +95,10 @@ def test_a_store_returns_once_issued_and_the_callers_stream_waits_for_the_gather
     src = big_cache("flash_attn")
     conn = src.connector(piece_bytes=16 << 20)
     sizes = [256] * 32
-    starts, ends = request(sizes)
+    starts, ends = request_ranges(sizes)
     slots = src.slots_for(ends[-1])
     expected = [src.rows(slots[a:b]) for a, b in zip(starts, ends)]
-    objs = pinned_objects(conn, sizes)
+    objs = chunk_objects(conn, sizes)
     done = Done()
     conn.batched_from_gpu(objs, starts, ends, on_done=done, **src.kwargs(slots))
     for t in src.kvcaches:  # the caller's next work on its stream: must not race the gather
@@ -129,9 +112,9 @@ def test_a_retrieve_orders_the_callers_stream_after_the_scatter_without_host_syn
     src = big_cache("flashinfer")
     conn = src.connector(piece_bytes=16 << 20)
     sizes = [256] * 32
-    starts, ends = request(sizes)
+    starts, ends = request_ranges(sizes)
     slots = src.slots_for(ends[-1])
-    objs = pinned_objects(conn, sizes)
+    objs = chunk_objects(conn, sizes)
     conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
     dst = src.zeros_like()
     done = Done()
@@ -147,7 +130,7 @@ def test_single_object_calls_return_with_the_copy_complete():
     src = cache("kv_tuples")
     conn = src.connector()
     slots = src.slots_for(CHUNK)
-    (obj,) = pinned_objects(conn, [CHUNK])
+    (obj,) = chunk_objects(conn, [CHUNK])
     conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
     assert torch.equal(obj.tensor, src.rows(slots))
     dst = src.zeros_like()
@@ -161,9 +144,9 @@ def test_back_to_back_requests_share_a_bounded_staging_ring():
     pending = []
     for _ in range(6):
         sizes = [CHUNK] * 3
-        starts, ends = request(sizes)
+        starts, ends = request_ranges(sizes)
         slots = src.slots_for(ends[-1])
-        objs = pinned_objects(conn, sizes)
+        objs = chunk_objects(conn, sizes)
         done = Done()
         conn.batched_from_gpu(objs, starts, ends, on_done=done, **src.kwargs(slots))
         pending.append((objs, slots, starts, ends, done))

@@ -15,8 +15,8 @@ from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
 from lmcache.gpu_connector import paged as paged_module
 from lmcache.gpu_connector.spans import ChunkGroup, plan_pieces
 from lmcache.gpu_connector.staged import StagedCopier
-from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
-from tests.helpers.paged_kv import LAYOUTS, KVCache, build_engine
+from lmcache.memory_management import HostMemoryAllocator
+from tests.helpers.paged_kv import LAYOUTS, KVCache, build_engine, chunk_objects, request_ranges
 
 L, H, D, BS, NB = 3, 2, 8, 4, 64
 CHUNK = 16
@@ -27,26 +27,13 @@ def cache(layout, **kw):
     return KVCache(layout, layers=L, heads=H, head_size=D, block_size=BS, num_blocks=NB, **kw)
 
 
-def chunk_objects(conn, sizes, gaps=False):
-    """Objects allocated one after another from one arena (with a small object between them if
-    `gaps`, so they are not adjacent)."""
-    alloc = HostMemoryAllocator(1 << 20)
-    objs = []
-    for n in sizes:
-        objs.append(alloc.allocate(conn.get_shape(n), torch.bfloat16, MemoryFormat.KV_BLOB))
-        if gaps:
-            alloc.allocate((8,), torch.uint8, MemoryFormat.BINARY)
-    return objs
-
-
-def request(sizes):
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return starts, [s + n for s, n in zip(starts, sizes)]
+def chunk_objects_host(conn, sizes, gaps=False):
+    return chunk_objects(conn, sizes, gaps, HostMemoryAllocator(1 << 20))
 
 
 def test_adjacent_objects_are_one_piece_with_one_group_per_run_of_equal_chunks():
     conn = VLLMPagedMemGPUConnectorV2(H * D, L)
-    objs = chunk_objects(conn, [CHUNK, CHUNK, CHUNK, 5])
+    objs = chunk_objects_host(conn, [CHUNK, CHUNK, CHUNK, 5])
     blobs = [o.tensor for o in objs]
     bounds = [0, 16, 32, 48, 53]
     (piece,) = plan_pieces(objs, blobs, bounds)
@@ -61,14 +48,14 @@ def test_adjacent_objects_are_one_piece_with_one_group_per_run_of_equal_chunks()
 
 def test_objects_apart_in_memory_are_separate_pieces():
     conn = VLLMPagedMemGPUConnectorV2(H * D, L)
-    objs = chunk_objects(conn, [CHUNK, CHUNK], gaps=True)
+    objs = chunk_objects_host(conn, [CHUNK, CHUNK], gaps=True)
     pieces = plan_pieces(objs, [o.tensor for o in objs], [0, 16, 32])
     assert [(p.first_token, p.nbytes) for p in pieces] == [(0, CHUNK_BYTES), (16, CHUNK_BYTES)]
 
 
 def test_a_padded_partial_chunk_ends_its_group():
     conn = VLLMPagedMemGPUConnectorV2(H * D, L)
-    objs = chunk_objects(conn, [5, 5, CHUNK])  # 5 tokens = 960 bytes, padded to 1024
+    objs = chunk_objects_host(conn, [5, 5, CHUNK])  # 5 tokens = 960 bytes, padded to 1024
     (piece,) = plan_pieces(objs, [o.tensor for o in objs], [0, 5, 10, 26])
     assert piece.groups == [ChunkGroup(1, 5, 0, 0), ChunkGroup(1, 5, 1024, 5), ChunkGroup(1, CHUNK, 2048, 10)]
 
@@ -80,12 +67,12 @@ def test_staged_path_is_bit_identical_to_the_native_path(layout, gaps):
     a padded partial chunk, -1 slots on retrieve."""
     src = cache(layout)
     sizes = [CHUNK] * 5 + [5, 7] if not gaps else [CHUNK] * 4 + [9]
-    starts, ends = request(sizes)
+    starts, ends = request_ranges(sizes)
     slots = src.slots_for(ends[-1])
     results = []
     for options in ({}, {"staged": True, "piece_bytes": 2 * CHUNK_BYTES, "staging_bytes": 1}):
         conn = src.connector(**options)
-        objs = chunk_objects(conn, sizes, gaps)
+        objs = chunk_objects_host(conn, sizes, gaps)
         conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
         stored = [o.tensor.clone() for o in objs]
         dst = src.zeros_like()
@@ -105,9 +92,9 @@ def test_the_staging_ring_is_bounded_and_reused_across_requests():
     conn = src.connector(staged=True, piece_bytes=CHUNK_BYTES, staging_bytes=3 * CHUNK_BYTES)
     copier = conn.staged_copier(torch.device("cpu"))
     for _ in range(3):
-        starts, ends = request([CHUNK] * 4)
+        starts, ends = request_ranges([CHUNK] * 4)
         slots = src.slots_for(ends[-1])
-        objs = chunk_objects(conn, [CHUNK] * 4)
+        objs = chunk_objects_host(conn, [CHUNK] * 4)
         conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
         assert all(torch.equal(o.tensor, src.rows(slots[a:b])) for o, a, b in zip(objs, starts, ends))
     assert len(copier._slots) == 3 and copier._capacity == CHUNK_BYTES
@@ -122,7 +109,7 @@ def test_lmcache_staged_copy_env_forces_the_staged_path(monkeypatch):
     conn = kv.connector()
     assert conn.staged
     slots = kv.slots_for(CHUNK)
-    obj = chunk_objects(conn, [CHUNK])[0]
+    obj = chunk_objects_host(conn, [CHUNK])[0]
     conn.from_gpu(obj, 0, CHUNK, **kv.kwargs(slots))
     assert calls == [1] and torch.equal(obj.tensor, kv.rows(slots))
     monkeypatch.setenv(paged_module.STAGED_ENV, "0")
@@ -193,7 +180,7 @@ def test_a_triton_kernel_that_cannot_launch_falls_back_to_torch_ops(caplog):
     copier = conn.staged_copier(torch.device("cpu"))
     assert copier.kernel == "triton"
     slots = src.slots_for(CHUNK)
-    obj = chunk_objects(conn, [CHUNK])[0]
+    obj = chunk_objects_host(conn, [CHUNK])[0]
     conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
     assert torch.equal(obj.tensor, src.rows(slots))
     assert copier.kernel == "torch" and "torch ops from now on" in caplog.text
