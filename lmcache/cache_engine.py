@@ -294,7 +294,8 @@ class LMCacheEngine:
                lease_ttl: float = 60.0) -> int:
         """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
         (one name, or a subset of "Hot" (alias "LocalCPUBackend"), "LocalDiskBackend",
-        "RemoteBackend"; None = all; ValueError for an unknown name). A chunk whose write to a
+        "RemoteBackend", "PeerBackend" (alias "P2PBackend"); None = all; ValueError for an
+        unknown name). A chunk whose write to a
         lower tier is still in flight counts (a prefetch or retrieve uses the object being
         written).
 
