@@ -375,9 +375,8 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     do {                                                                                     \
         const dec_chan *d_ = &dc[J];                                                         \
         uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
-        uint32_t local_ = d_->slots[slot_];                                                  \
-        uint32_t packed_ = d_->fc[local_];                                                   \
-        (X) = (uint64_t)(packed_ >> 16) * ((X) >> PROB_BITS) + slot_ - (packed_ & 0xFFFFu);  \
+        uint32_t e_ = d_->next[slot_];                                                       \
+        (X) = (uint64_t)(e_ >> PROB_BITS) * ((X) >> PROB_BITS) + (e_ & (PROB_SCALE - 1));    \
         uint64_t need_ = (X) < RANS_L;                                                       \
         if ((CHECKED) && ptr >= len) {                                                       \
             broken |= (int)need_;                                                            \
@@ -386,7 +385,7 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        *d_->out = d_->low + (int32_t)local_;                                                \
+        *d_->out = d_->low + (int32_t)d_->local[slot_];                                      \
     } while (0)
 
 #define DEC_ANY_LANE(I, J, CHECKED)                                                          \
@@ -404,26 +403,46 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     } while (0)
 
 typedef struct {
-    const uint16_t *slots; /* the group's slot table */
-    const uint32_t *fc;    /* the group's freq << 16 | cum entries */
-    int32_t *out;          /* where the channel's symbol goes in the row buffer */
-    int32_t low;           /* the group's lowest symbol */
+    const uint32_t *next;   /* per slot of the channel's group: f << PROB_BITS | (slot - cum) */
+    const uint16_t *local;  /* per slot: the local index of the symbol owning it */
+    int32_t *out;           /* where the channel's symbol goes in the row buffer */
+    int32_t low;            /* the group's lowest symbol */
 } dec_chan;
+
+/* The slot tables of groups [first, last] (one pair's groups) into next / local (PROB_SCALE
+ * entries per group, in group order). freq: the concatenated tables, already checked to sum to
+ * PROB_SCALE per group (`cachegen_rans.check_tables`). */
+static void dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
+                       int64_t first, int64_t last, uint32_t *next, uint16_t *local) {
+    for (int64_t grp = first; grp <= last; grp++) {
+        uint32_t *nx = next + (grp - first) * PROB_SCALE;
+        uint16_t *lc = local + (grp - first) * PROB_SCALE;
+        const uint32_t *f = freq + group_start[grp];
+        uint32_t slot = 0;
+        for (int64_t k = 0; k < group_size[grp]; k++)
+            for (uint32_t r = 0; r < f[k]; r++, slot++) {
+                nx[slot] = f[k] << PROB_BITS | r;
+                lc[slot] = (uint16_t)k;
+            }
+    }
+}
+
+#define MAX_PAIR_GROUPS 16 /* channel classes: a pair has at most this many groups */
 
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
  * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
- * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
- * local index (coded channels) or group_low[gid] (channels listed in cchans[g * C + k], k <
- * nconst[g], whose group has a single symbol). slot_sym[gid * PROB_SCALE + slot]: the local
- * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. The first token of
- * block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing. Substream s's words:
- * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
- * (0 = all valid). */
+ * belongs to group gid = group_of_chan[g * C + c] (a pair's groups are consecutive, at most
+ * MAX_PAIR_GROUPS); its symbol is group_low[gid] + the decoded local index (coded channels) or
+ * group_low[gid] (channels listed in cchans[g * C + k], k < nconst[g], whose group has a single
+ * symbol). Group gid's frequencies: freq[group_start[gid] .. + group_size[gid]]. The first token
+ * of block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing.
+ * Substream s's words: words[stream_off[s], + stream_len[s]). Returns the number of substreams
+ * that failed to decode (0 = all valid). */
 HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
               int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
-              const int32_t *group_low, const uint16_t *slot_sym, const uint32_t *freqcum,
+              const int64_t *group_size, const int32_t *group_low, const uint32_t *freq,
               const float *means, const float *steps, const float *refine, void *out, int dtype,
               int nthreads) {
     int bad = 0;
@@ -431,7 +450,10 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
         int32_t *sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
-        int ok = dc && sym;
+        uint32_t *next = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        uint16_t *local = (uint16_t *)malloc(sizeof(uint16_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        int ok = dc && sym && next && local;
+        int64_t built = -1; /* the pair whose tables next / local hold */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -442,11 +464,24 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
             const float *restrict mean = means + g * C;
             const int64_t *ch = chans + g * C, *cc = cchans + g * C, *gid = group_of_chan + g * C;
+            int64_t first = gid[0], last = gid[0];
+            for (int64_t c = 1; c < C; c++) {
+                first = gid[c] < first ? gid[c] : first;
+                last = gid[c] > last ? gid[c] : last;
+            }
+            if (last - first >= MAX_PAIR_GROUPS) { /* CodeLayout never builds such a pair */
+                bad++;
+                continue;
+            }
+            if (built != g && nc) {
+                dec_tables(freq, group_start, group_size, first, last, next, local);
+                built = g;
+            }
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
-                dc[j].slots = slot_sym + grp * PROB_SCALE;
-                dc[j].fc = freqcum + group_start[grp];
+                dc[j].next = next + (grp - first) * PROB_SCALE;
+                dc[j].local = local + (grp - first) * PROB_SCALE;
                 dc[j].out = sym + ch[j];
                 dc[j].low = group_low[grp];
             }
@@ -509,6 +544,8 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
         }
         free(dc);
         free(sym);
+        free(next);
+        free(local);
     }
     return bad;
 }
