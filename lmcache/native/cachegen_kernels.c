@@ -369,9 +369,10 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     return status;
 }
 
-/* One decoder step on state X for coded channel J: decode, renormalize branch-free (reading the
- * next word always; CHECKED: guard the read and mark the substream broken past its end). */
-#define DEC_STEP(X, J, CHECKED)                                                              \
+/* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):
+ * decode, renormalize branch-free (reading the next word always; CHECKED: guard the read and mark
+ * the substream broken past its end). */
+#define DEC_STEP(X, J, CHECKED, COL)                                                         \
     do {                                                                                     \
         const dec_chan *d_ = &dc[J];                                                         \
         uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
@@ -385,44 +386,63 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        *d_->out = d_->low + (int32_t)d_->local[slot_];                                      \
+        sym[COL(J)] = d_->symbol[slot_];                                                     \
     } while (0)
 
-#define DEC_ANY_LANE(I, J, CHECKED)                                                          \
+#define DEC_ANY_LANE(I, J, CHECKED, COL)                                                     \
     do {                                                                                     \
         switch ((I) & (LANES - 1)) {                                                         \
-        case 0: DEC_STEP(x0, J, CHECKED); break;                                             \
-        case 1: DEC_STEP(x1, J, CHECKED); break;                                             \
-        case 2: DEC_STEP(x2, J, CHECKED); break;                                             \
-        case 3: DEC_STEP(x3, J, CHECKED); break;                                             \
-        case 4: DEC_STEP(x4, J, CHECKED); break;                                             \
-        case 5: DEC_STEP(x5, J, CHECKED); break;                                             \
-        case 6: DEC_STEP(x6, J, CHECKED); break;                                             \
-        default: DEC_STEP(x7, J, CHECKED); break;                                            \
+        case 0: DEC_STEP(x0, J, CHECKED, COL); break;                                        \
+        case 1: DEC_STEP(x1, J, CHECKED, COL); break;                                        \
+        case 2: DEC_STEP(x2, J, CHECKED, COL); break;                                        \
+        case 3: DEC_STEP(x3, J, CHECKED, COL); break;                                        \
+        case 4: DEC_STEP(x4, J, CHECKED, COL); break;                                        \
+        case 5: DEC_STEP(x5, J, CHECKED, COL); break;                                        \
+        case 6: DEC_STEP(x6, J, CHECKED, COL); break;                                        \
+        default: DEC_STEP(x7, J, CHECKED, COL); break;                                       \
         }                                                                                    \
     } while (0)
 
 typedef struct {
     const uint32_t *next;   /* per slot of the channel's group: f << PROB_BITS | (slot - cum) */
-    const uint16_t *local;  /* per slot: the local index of the symbol owning it */
-    int32_t *out;           /* where the channel's symbol goes in the row buffer */
-    int32_t low;            /* the group's lowest symbol */
+    const int16_t *symbol;  /* per slot: the symbol owning it */
 } dec_chan;
 
-/* The slot tables of groups [first, last] (one pair's groups) into next / local (PROB_SCALE
+/* Decode one row's coded channels into sym (see ENC_ROW for COL). */
+#define DEC_ROW(COL)                                                                         \
+    do {                                                                                     \
+        int64_t j = 0;                                                                       \
+        if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */       \
+            for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0, COL);        \
+            for (; j + LANES <= nc; j += LANES, i += LANES) {                                \
+                DEC_STEP(x0, j, 0, COL);                                                     \
+                DEC_STEP(x1, j + 1, 0, COL);                                                 \
+                DEC_STEP(x2, j + 2, 0, COL);                                                 \
+                DEC_STEP(x3, j + 3, 0, COL);                                                 \
+                DEC_STEP(x4, j + 4, 0, COL);                                                 \
+                DEC_STEP(x5, j + 5, 0, COL);                                                 \
+                DEC_STEP(x6, j + 6, 0, COL);                                                 \
+                DEC_STEP(x7, j + 7, 0, COL);                                                 \
+            }                                                                                \
+        }                                                                                    \
+        for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1, COL);                                 \
+    } while (0)
+
+/* The slot tables of groups [first, last] (one pair's groups) into next / symbol (PROB_SCALE
  * entries per group, in group order). freq: the concatenated tables, already checked to sum to
- * PROB_SCALE per group (`cachegen_rans.check_tables`). */
+ * PROB_SCALE per group (`cachegen_rans.check_tables`); symbols fit int16 (the format's limits). */
 static void dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
-                       int64_t first, int64_t last, uint32_t *next, uint16_t *local) {
+                       const int32_t *group_low, int64_t first, int64_t last, uint32_t *next,
+                       int16_t *symbol) {
     for (int64_t grp = first; grp <= last; grp++) {
         uint32_t *nx = next + (grp - first) * PROB_SCALE;
-        uint16_t *lc = local + (grp - first) * PROB_SCALE;
+        int16_t *sy = symbol + (grp - first) * PROB_SCALE;
         const uint32_t *f = freq + group_start[grp];
         uint32_t slot = 0;
         for (int64_t k = 0; k < group_size[grp]; k++)
             for (uint32_t r = 0; r < f[k]; r++, slot++) {
                 nx[slot] = f[k] << PROB_BITS | r;
-                lc[slot] = (uint16_t)k;
+                sy[slot] = (int16_t)(group_low[grp] + k);
             }
     }
 }
@@ -449,11 +469,11 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
-        int32_t *sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
+        int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
         uint32_t *next = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
-        uint16_t *local = (uint16_t *)malloc(sizeof(uint16_t) * MAX_PAIR_GROUPS * PROB_SCALE);
-        int ok = dc && sym && next && local;
-        int64_t built = -1; /* the pair whose tables next / local hold */
+        int16_t *symbol = (int16_t *)malloc(sizeof(int16_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        int ok = dc && sym && next && symbol;
+        int64_t built = -1; /* the pair whose tables next / symbol hold */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -474,16 +494,14 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
                 continue;
             }
             if (built != g && nc) {
-                dec_tables(freq, group_start, group_size, first, last, next, local);
+                dec_tables(freq, group_start, group_size, group_low, first, last, next, symbol);
                 built = g;
             }
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
                 dc[j].next = next + (grp - first) * PROB_SCALE;
-                dc[j].local = local + (grp - first) * PROB_SCALE;
-                dc[j].out = sym + ch[j];
-                dc[j].low = group_low[grp];
+                dc[j].symbol = symbol + (grp - first) * PROB_SCALE;
             }
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
@@ -502,21 +520,10 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             }
             int64_t ptr = n ? 2 * LANES : 0, i = 0;
             for (int64_t t = t0; t < t1 && !broken; t++) {
-                int64_t j = 0;
-                if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */
-                    for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0);
-                    for (; j + LANES <= nc; j += LANES, i += LANES) {
-                        DEC_STEP(x0, j, 0);
-                        DEC_STEP(x1, j + 1, 0);
-                        DEC_STEP(x2, j + 2, 0);
-                        DEC_STEP(x3, j + 3, 0);
-                        DEC_STEP(x4, j + 4, 0);
-                        DEC_STEP(x5, j + 5, 0);
-                        DEC_STEP(x6, j + 6, 0);
-                        DEC_STEP(x7, j + 7, 0);
-                    }
-                }
-                for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1);
+                if (nc == C)
+                    DEC_ROW(COL_ALL);
+                else
+                    DEC_ROW(COL_LISTED);
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
                 if (t == t0) {
@@ -545,7 +552,7 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
         free(dc);
         free(sym);
         free(next);
-        free(local);
+        free(symbol);
     }
     return bad;
 }

@@ -185,6 +185,8 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     size = r.take(ngroups, np.uint16, "group_size")
     if ngroups and (int(size.min()) < 1 or int(size.max()) > MAX_ALPHABET):
         raise CorruptBlobError(f"symbol alphabet sizes must be in [1, {MAX_ALPHABET}]")
+    if ngroups and int((low.astype(np.int64) + size).max()) > 32768:  # the coders' int16 symbols
+        raise CorruptBlobError("a symbol group reaches past the 16-bit symbol range")
     freqs = r.take(int(size.sum(dtype=np.int64)), np.uint16, "frequencies")
     lengths = r.take(nblocks * pairs, np.uint32, "stream_lengths").astype(np.int64)
     if np.any(lengths % 4):
