@@ -212,45 +212,46 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
 
 /* One table entry for the encoder. x / f is exact for x < 2^63, 1 <= f <= 2^PROB_BITS as
  * floor(x * m / 2^(64 + l - 1)) with l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64
- * (Granlund-Montgomery, N = 63); f = 1 takes x itself (m = 0, pass = all ones). Then
- * x' = (x / f) << PROB_BITS | x % f + cum = x + (x / f) * (2^PROB_BITS - f) + cum. */
+ * (Granlund-Montgomery, N = 63). Then
+ * x' = (x / f) << PROB_BITS | x % f + cum = x + (x / f) * (2^PROB_BITS - f) + cum. f = 1 uses
+ * m = 2^64 - 1, l - 1 = 0, which gives x - 1 instead of x (x >= 1): its bias adds the missing
+ * 2^PROB_BITS - 1. 24-byte entries, one pointer per coded channel to its group's entries. */
 typedef struct {
     uint64_t m;
-    uint64_t pass;
     uint64_t x_max; /* renormalize (emit a word) while x >= x_max */
-    uint32_t shift; /* l - 1 */
-    uint32_t cmpl;  /* 2^PROB_BITS - f */
-    uint64_t cum;
+    uint32_t bias;  /* cum, plus 2^PROB_BITS - 1 when f = 1 (see enc_put) */
+    uint16_t cmpl;  /* 2^PROB_BITS - f */
+    uint16_t shift; /* l - 1 */
 } enc_sym;
 
 static void enc_sym_init(enc_sym *s, uint32_t freq, uint32_t cum) {
     uint32_t l = 0;
     while ((1u << l) < freq) l++;
+    s->cmpl = (uint16_t)(PROB_SCALE - freq);
     if (freq == 1) {
-        s->m = 0;
-        s->pass = ~0ull;
+        s->m = ~0ull;
         s->shift = 0;
+        s->bias = cum + s->cmpl;
     } else {
         unsigned __int128 num = (unsigned __int128)1 << (63 + l);
         s->m = (uint64_t)((num + freq - 1) / freq);
-        s->pass = 0;
-        s->shift = l - 1;
+        s->shift = (uint16_t)(l - 1);
+        s->bias = cum;
     }
-    s->cmpl = PROB_SCALE - freq;
-    s->cum = cum;
     s->x_max = ((RANS_L >> PROB_BITS) << 32) * (uint64_t)freq;
 }
 
 static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
-    uint64_t quot = ((uint64_t)(((unsigned __int128)x * s->m) >> 64) >> s->shift) + (x & s->pass);
-    return x + quot * s->cmpl + s->cum;
+    uint64_t quot = (uint64_t)(((unsigned __int128)x * s->m) >> 64) >> s->shift;
+    return x + quot * s->cmpl + s->bias;
 }
 
-/* One encoder step on state X for the row's entry J: emit a word if needed (written ahead into
- * ptr[-1] always, kept only when emitted: branch-free), then code the symbol. */
-#define ENC_STEP(X, J)                                                                      \
+/* One encoder step on state X for the row's coded channel J (column COL(J) of the row): emit a
+ * word if needed (written ahead into ptr[-1] always, kept only when emitted: branch-free), then
+ * code the symbol. */
+#define ENC_STEP(X, J, COL)                                                                 \
     do {                                                                                    \
-        const enc_sym *e_ = &tab[ent[J]];                                                   \
+        const enc_sym *e_ = base[J] + row[COL(J)];                                          \
         uint64_t emit_ = (X) >= e_->x_max;                                                  \
         ptr[-1] = (uint32_t)(X);                                                            \
         ptr -= emit_;                                                                       \
@@ -258,18 +259,40 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
         (X) = enc_put((X), e_);                                                             \
     } while (0)
 
-#define ENC_ANY_LANE(I, J)                                                                  \
+#define ENC_ANY_LANE(I, J, COL)                                                             \
     do {                                                                                    \
         switch ((I) & (LANES - 1)) {                                                        \
-        case 0: ENC_STEP(x0, J); break;                                                     \
-        case 1: ENC_STEP(x1, J); break;                                                     \
-        case 2: ENC_STEP(x2, J); break;                                                     \
-        case 3: ENC_STEP(x3, J); break;                                                     \
-        case 4: ENC_STEP(x4, J); break;                                                     \
-        case 5: ENC_STEP(x5, J); break;                                                     \
-        case 6: ENC_STEP(x6, J); break;                                                     \
-        default: ENC_STEP(x7, J); break;                                                    \
+        case 0: ENC_STEP(x0, J, COL); break;                                                \
+        case 1: ENC_STEP(x1, J, COL); break;                                                \
+        case 2: ENC_STEP(x2, J, COL); break;                                                \
+        case 3: ENC_STEP(x3, J, COL); break;                                                \
+        case 4: ENC_STEP(x4, J, COL); break;                                                \
+        case 5: ENC_STEP(x5, J, COL); break;                                                \
+        case 6: ENC_STEP(x6, J, COL); break;                                                \
+        default: ENC_STEP(x7, J, COL); break;                                               \
         }                                                                                   \
+    } while (0)
+
+/* Code one row's channels, last to first (i: the substream index of channel j's symbol). A pair
+ * whose channels are all coded reads column j directly (COL_ALL); otherwise through its list of
+ * coded channels (COL_LISTED): the indirection costs ~15% of the coder's time. */
+#define COL_ALL(J) (J)
+#define COL_LISTED(J) ch[J]
+#define ENC_ROW(COL)                                                                        \
+    do {                                                                                    \
+        int64_t j = nc - 1;                                                                 \
+        for (; j >= 0 && (i & (LANES - 1)) != LANES - 1; j--, i--) ENC_ANY_LANE(i, j, COL); \
+        for (; j >= LANES - 1; j -= LANES, i -= LANES) {                                    \
+            ENC_STEP(x7, j, COL);                                                           \
+            ENC_STEP(x6, j - 1, COL);                                                       \
+            ENC_STEP(x5, j - 2, COL);                                                       \
+            ENC_STEP(x4, j - 3, COL);                                                       \
+            ENC_STEP(x3, j - 4, COL);                                                       \
+            ENC_STEP(x2, j - 5, COL);                                                       \
+            ENC_STEP(x1, j - 6, COL);                                                       \
+            ENC_STEP(x0, j - 7, COL);                                                       \
+        }                                                                                   \
+        for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j, COL);                                   \
     } while (0)
 
 /* Substream geometry shared by encoder and decoder. Block b covers tokens
@@ -304,14 +327,13 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
             continue;
         }
         const int64_t *ch = chans + g * C, *sb = sym_base + g * C;
-        int64_t *base = (int64_t *)malloc(sizeof(int64_t) * 2 * nc);
+        const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * nc);
         if (!base) {
             #pragma omp atomic write
             status = -2;
             continue;
         }
-        int64_t *ent = base + nc;
-        for (int64_t j = 0; j < nc; j++) base[j] = sb[ch[j]];
+        for (int64_t j = 0; j < nc; j++) base[j] = tab + sb[ch[j]];
         uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
                  x6 = RANS_L, x7 = RANS_L;
         int overflow = 0;
@@ -324,20 +346,10 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
             const int16_t *row = q + (g * T + t) * C;
             if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
                 for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
-            for (int64_t j = 0; j < nc; j++) ent[j] = base[j] + row[ch[j]];
-            int64_t j = nc - 1;
-            for (; j >= 0 && (i & (LANES - 1)) != LANES - 1; j--, i--) ENC_ANY_LANE(i, j);
-            for (; j >= LANES - 1; j -= LANES, i -= LANES) {
-                ENC_STEP(x7, j);
-                ENC_STEP(x6, j - 1);
-                ENC_STEP(x5, j - 2);
-                ENC_STEP(x4, j - 3);
-                ENC_STEP(x3, j - 4);
-                ENC_STEP(x2, j - 5);
-                ENC_STEP(x1, j - 6);
-                ENC_STEP(x0, j - 7);
-            }
-            for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j);
+            if (nc == C)
+                ENC_ROW(COL_ALL);
+            else
+                ENC_ROW(COL_LISTED);
         }
         uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
         free(base);
@@ -357,15 +369,15 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     return status;
 }
 
-/* One decoder step on state X for coded channel J: decode, renormalize branch-free (reading the
- * next word always; CHECKED: guard the read and mark the substream broken past its end). */
-#define DEC_STEP(X, J, CHECKED)                                                              \
+/* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):
+ * decode, renormalize branch-free (reading the next word always; CHECKED: guard the read and mark
+ * the substream broken past its end). */
+#define DEC_STEP(X, J, CHECKED, COL)                                                         \
     do {                                                                                     \
         const dec_chan *d_ = &dc[J];                                                         \
         uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
-        uint32_t local_ = d_->slots[slot_];                                                  \
-        uint32_t packed_ = d_->fc[local_];                                                   \
-        (X) = (uint64_t)(packed_ >> 16) * ((X) >> PROB_BITS) + slot_ - (packed_ & 0xFFFFu);  \
+        uint32_t e_ = d_->next[slot_];                                                       \
+        (X) = (uint64_t)(e_ >> PROB_BITS) * ((X) >> PROB_BITS) + (e_ & (PROB_SCALE - 1));    \
         uint64_t need_ = (X) < RANS_L;                                                       \
         if ((CHECKED) && ptr >= len) {                                                       \
             broken |= (int)need_;                                                            \
@@ -374,52 +386,94 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        *d_->out = d_->low + (int32_t)local_;                                                \
+        sym[COL(J)] = d_->symbol[slot_];                                                     \
     } while (0)
 
-#define DEC_ANY_LANE(I, J, CHECKED)                                                          \
+#define DEC_ANY_LANE(I, J, CHECKED, COL)                                                     \
     do {                                                                                     \
         switch ((I) & (LANES - 1)) {                                                         \
-        case 0: DEC_STEP(x0, J, CHECKED); break;                                             \
-        case 1: DEC_STEP(x1, J, CHECKED); break;                                             \
-        case 2: DEC_STEP(x2, J, CHECKED); break;                                             \
-        case 3: DEC_STEP(x3, J, CHECKED); break;                                             \
-        case 4: DEC_STEP(x4, J, CHECKED); break;                                             \
-        case 5: DEC_STEP(x5, J, CHECKED); break;                                             \
-        case 6: DEC_STEP(x6, J, CHECKED); break;                                             \
-        default: DEC_STEP(x7, J, CHECKED); break;                                            \
+        case 0: DEC_STEP(x0, J, CHECKED, COL); break;                                        \
+        case 1: DEC_STEP(x1, J, CHECKED, COL); break;                                        \
+        case 2: DEC_STEP(x2, J, CHECKED, COL); break;                                        \
+        case 3: DEC_STEP(x3, J, CHECKED, COL); break;                                        \
+        case 4: DEC_STEP(x4, J, CHECKED, COL); break;                                        \
+        case 5: DEC_STEP(x5, J, CHECKED, COL); break;                                        \
+        case 6: DEC_STEP(x6, J, CHECKED, COL); break;                                        \
+        default: DEC_STEP(x7, J, CHECKED, COL); break;                                       \
         }                                                                                    \
     } while (0)
 
 typedef struct {
-    const uint16_t *slots; /* the group's slot table */
-    const uint32_t *fc;    /* the group's freq << 16 | cum entries */
-    int32_t *out;          /* where the channel's symbol goes in the row buffer */
-    int32_t low;           /* the group's lowest symbol */
+    const uint32_t *next;   /* per slot of the channel's group: f << PROB_BITS | (slot - cum) */
+    const int16_t *symbol;  /* per slot: the symbol owning it */
 } dec_chan;
+
+/* Decode one row's coded channels into sym (see ENC_ROW for COL). */
+#define DEC_ROW(COL)                                                                         \
+    do {                                                                                     \
+        int64_t j = 0;                                                                       \
+        if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */       \
+            for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0, COL);        \
+            for (; j + LANES <= nc; j += LANES, i += LANES) {                                \
+                DEC_STEP(x0, j, 0, COL);                                                     \
+                DEC_STEP(x1, j + 1, 0, COL);                                                 \
+                DEC_STEP(x2, j + 2, 0, COL);                                                 \
+                DEC_STEP(x3, j + 3, 0, COL);                                                 \
+                DEC_STEP(x4, j + 4, 0, COL);                                                 \
+                DEC_STEP(x5, j + 5, 0, COL);                                                 \
+                DEC_STEP(x6, j + 6, 0, COL);                                                 \
+                DEC_STEP(x7, j + 7, 0, COL);                                                 \
+            }                                                                                \
+        }                                                                                    \
+        for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1, COL);                                 \
+    } while (0)
+
+/* The slot tables of groups [first, last] (one pair's groups) into next / symbol (PROB_SCALE
+ * entries per group, in group order). freq: the concatenated tables, already checked to sum to
+ * PROB_SCALE per group (`cachegen_rans.check_tables`); symbols fit int16 (the format's limits). */
+static void dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
+                       const int32_t *group_low, int64_t first, int64_t last, uint32_t *next,
+                       int16_t *symbol) {
+    for (int64_t grp = first; grp <= last; grp++) {
+        uint32_t *nx = next + (grp - first) * PROB_SCALE;
+        int16_t *sy = symbol + (grp - first) * PROB_SCALE;
+        const uint32_t *f = freq + group_start[grp];
+        uint32_t slot = 0;
+        for (int64_t k = 0; k < group_size[grp]; k++)
+            for (uint32_t r = 0; r < f[k]; r++, slot++) {
+                nx[slot] = f[k] << PROB_BITS | r;
+                sy[slot] = (int16_t)(group_low[grp] + k);
+            }
+    }
+}
+
+#define MAX_PAIR_GROUPS 16 /* channel classes: a pair has at most this many groups */
 
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
  * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
- * belongs to group gid = group_of_chan[g * C + c]; its symbol is group_low[gid] + the decoded
- * local index (coded channels) or group_low[gid] (channels listed in cchans[g * C + k], k <
- * nconst[g], whose group has a single symbol). slot_sym[gid * PROB_SCALE + slot]: the local
- * index owning a slot; freqcum[group_start[gid] + local] = freq << 16 | cum. The first token of
- * block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing. Substream s's words:
- * words[stream_off[s], + stream_len[s]). Returns the number of substreams that failed to decode
- * (0 = all valid). */
+ * belongs to group gid = group_of_chan[g * C + c] (a pair's groups are consecutive, at most
+ * MAX_PAIR_GROUPS); its symbol is group_low[gid] + the decoded local index (coded channels) or
+ * group_low[gid] (channels listed in cchans[g * C + k], k < nconst[g], whose group has a single
+ * symbol). Group gid's frequencies: freq[group_start[gid] .. + group_size[gid]]. The first token
+ * of block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing.
+ * Substream s's words: words[stream_off[s], + stream_len[s]). Returns the number of substreams
+ * that failed to decode (0 = all valid). */
 HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
               int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
-              const int32_t *group_low, const uint16_t *slot_sym, const uint32_t *freqcum,
+              const int64_t *group_size, const int32_t *group_low, const uint32_t *freq,
               const float *means, const float *steps, const float *refine, void *out, int dtype,
               int nthreads) {
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
-        int32_t *sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
-        int ok = dc && sym;
+        int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
+        uint32_t *next = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        int16_t *symbol = (int16_t *)malloc(sizeof(int16_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        int ok = dc && sym && next && symbol;
+        int64_t built = -1; /* the pair whose tables next / symbol hold */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -430,13 +484,24 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
             const float *restrict mean = means + g * C;
             const int64_t *ch = chans + g * C, *cc = cchans + g * C, *gid = group_of_chan + g * C;
+            int64_t first = gid[0], last = gid[0];
+            for (int64_t c = 1; c < C; c++) {
+                first = gid[c] < first ? gid[c] : first;
+                last = gid[c] > last ? gid[c] : last;
+            }
+            if (last - first >= MAX_PAIR_GROUPS) { /* CodeLayout never builds such a pair */
+                bad++;
+                continue;
+            }
+            if (built != g && nc) {
+                dec_tables(freq, group_start, group_size, group_low, first, last, next, symbol);
+                built = g;
+            }
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
-                dc[j].slots = slot_sym + grp * PROB_SCALE;
-                dc[j].fc = freqcum + group_start[grp];
-                dc[j].out = sym + ch[j];
-                dc[j].low = group_low[grp];
+                dc[j].next = next + (grp - first) * PROB_SCALE;
+                dc[j].symbol = symbol + (grp - first) * PROB_SCALE;
             }
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
@@ -455,21 +520,10 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             }
             int64_t ptr = n ? 2 * LANES : 0, i = 0;
             for (int64_t t = t0; t < t1 && !broken; t++) {
-                int64_t j = 0;
-                if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */
-                    for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0);
-                    for (; j + LANES <= nc; j += LANES, i += LANES) {
-                        DEC_STEP(x0, j, 0);
-                        DEC_STEP(x1, j + 1, 0);
-                        DEC_STEP(x2, j + 2, 0);
-                        DEC_STEP(x3, j + 3, 0);
-                        DEC_STEP(x4, j + 4, 0);
-                        DEC_STEP(x5, j + 5, 0);
-                        DEC_STEP(x6, j + 6, 0);
-                        DEC_STEP(x7, j + 7, 0);
-                    }
-                }
-                for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1);
+                if (nc == C)
+                    DEC_ROW(COL_ALL);
+                else
+                    DEC_ROW(COL_LISTED);
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
                 if (t == t0) {
@@ -497,6 +551,8 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
         }
         free(dc);
         free(sym);
+        free(next);
+        free(symbol);
     }
     return bad;
 }

@@ -22,6 +22,7 @@ it allocates after reading the header.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,21 +64,24 @@ class Blob:
     payload: memoryview
 
 
-def _checksum(head: bytes | memoryview, payload: bytes | memoryview) -> int:
+def _checksum(head: bytes | memoryview, payload: bytes | memoryview | Sequence[bytes | memoryview]
+              ) -> int:
     h = xxhash.xxh3_64(head)
-    h.update(payload)
+    for part in [payload] if isinstance(payload, (bytes, memoryview)) else payload:
+        h.update(part)
     return h.intdigest()
 
 
 def pack_header(serde: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
-                payload: bytes | memoryview) -> bytes:
+                payload: bytes | memoryview | Sequence[bytes | memoryview]) -> bytes:
+    """The header for `payload` (one buffer, or the pieces that follow the header in order)."""
     if len(shape) > MAX_NDIM:
         raise ValueError(f"cannot serialize a {len(shape)}-D tensor (at most {MAX_NDIM} dims)")
     if dtype not in DTYPE_CODES:
         raise ValueError(f"cannot serialize dtype {dtype}")
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
-    head = _FIXED.pack(MAGIC, VERSION, SERDE_IDS[serde], DTYPE_CODES[dtype], len(shape), *dims,
-                       len(payload))
+    size = len(payload) if isinstance(payload, (bytes, memoryview)) else sum(len(p) for p in payload)
+    head = _FIXED.pack(MAGIC, VERSION, SERDE_IDS[serde], DTYPE_CODES[dtype], len(shape), *dims, size)
     return head + struct.pack("<Q", _checksum(head, payload))
 
 

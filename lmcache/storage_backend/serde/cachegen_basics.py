@@ -242,6 +242,10 @@ class CacheGenEncoderOutput:
     def to_bytes(self) -> bytes:
         return fmt.pack(self)
 
+    def to_parts(self) -> list[bytes]:
+        """`to_bytes` as [the stream's header and tables, the substreams] (not joined)."""
+        return fmt.pack_parts(self)
+
     @staticmethod
     def from_bytes(bs: bytes | bytearray | memoryview) -> CacheGenEncoderOutput:
         return CacheGenEncoderOutput(**fmt.unpack(bs))

@@ -244,7 +244,8 @@ class CacheGenSerializer(Serializer):
         return b"".join(self.to_parts(tensor))
 
     def to_parts(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
-        """The blob as [header, stream] (what the tiers write; saves joining them)."""
+        """The blob as [header, stream header and tables, substreams] (what the tiers write;
+        saves joining them)."""
         if tensor.dim() != 4 or tensor.shape[3] != self.num_heads * self.head_size:
             raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
                              f"; got {tuple(tensor.shape)}")
@@ -254,5 +255,5 @@ class CacheGenSerializer(Serializer):
         else:
             out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2], self.coder)
         out.num_heads, out.head_size = self.num_heads, self.head_size
-        payload = out.to_bytes()
-        return [blob.pack_header("cachegen", tensor.shape, tensor.dtype, payload), payload]
+        parts: list[bytes | memoryview] = list(out.to_parts())
+        return [blob.pack_header("cachegen", tensor.shape, tensor.dtype, parts), *parts]

@@ -71,6 +71,12 @@ class UnavailableCoderError(ForeignSerdeError):
 
 def pack(out: Any) -> bytes:
     """Serialize a `CacheGenEncoderOutput` (fields as documented in `cachegen_basics`)."""
+    return b"".join(pack_parts(out))
+
+
+def pack_parts(out: Any) -> list[bytes]:
+    """`pack`'s bytes as [everything before the substreams, the substreams] (the encoder's
+    payload is not copied)."""
     nlayers, ntokens = out.max_tensors_key.shape
     if max(nlayers, out.num_heads, out.head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
         raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
@@ -98,8 +104,7 @@ def pack(out: Any) -> bytes:
         parts += [np.packbits(refine).tobytes(), _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
                   _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16),
                   _arr(out.cdf, np.uint16), _arr(starts.diff(dim=1), np.uint32)]
-    parts.append(out.bytestream)
-    return b"".join(parts)
+    return [b"".join(parts), out.bytestream]
 
 
 def _arr(t: torch.Tensor, dtype: type) -> bytes:
@@ -185,6 +190,8 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     size = r.take(ngroups, np.uint16, "group_size")
     if ngroups and (int(size.min()) < 1 or int(size.max()) > MAX_ALPHABET):
         raise CorruptBlobError(f"symbol alphabet sizes must be in [1, {MAX_ALPHABET}]")
+    if ngroups and int((low.astype(np.int64) + size).max()) > 32768:  # the coders' int16 symbols
+        raise CorruptBlobError("a symbol group reaches past the 16-bit symbol range")
     freqs = r.take(int(size.sum(dtype=np.int64)), np.uint16, "frequencies")
     lengths = r.take(nblocks * pairs, np.uint32, "stream_lengths").astype(np.int64)
     if np.any(lengths % 4):

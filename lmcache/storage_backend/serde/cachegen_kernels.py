@@ -173,8 +173,7 @@ class NativeKernels:
         direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
         target = out if direct else torch.empty(npairs, ntok, nch, dtype=dtype)
         assert target is not None
-        slots = rans.slot_table(freq, layout)
-        freqcum = (freq.astype(np.uint32) << 16) | rans.cumulative(freq, layout)
+        freq = np.ascontiguousarray(freq, np.uint32)
         means = np.ascontiguousarray(means, np.float32)
         steps = np.ascontiguousarray(steps, np.float32)
         refine = np.ascontiguousarray(refine, np.float32)
@@ -182,7 +181,7 @@ class NativeKernels:
             _ptr(words), _ptr(offsets), _ptr(nwords), npairs, ntok, nch, layout.num_blocks,
             _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans), _ptr(layout.nconst),
             _ptr(layout.cchans), _ptr(layout.group_of), _ptr(layout.group_start),
-            _ptr(layout.group_low), _ptr(slots), _ptr(freqcum), _ptr(means), _ptr(steps),
+            _ptr(layout.group_size), _ptr(layout.group_low), _ptr(freq), _ptr(means), _ptr(steps),
             _ptr(refine), target.data_ptr(), _DTYPE_CODES[dtype], self._threads())
         if bad:
             raise CorruptBlobError(f"{bad} cachegen substream(s) do not decode to their symbols "

@@ -86,13 +86,19 @@ class CodeLayout:
         low = np.ascontiguousarray(low, np.int32)
         start = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
         coded = size[group_of] > 1
+        if coded.all():  # the usual case: both channel lists are each pair's channels in order
+            chans = np.broadcast_to(np.arange(coded.shape[1], dtype=np.int64), coded.shape).copy()
+            cchans = chans
+        else:
+            chans = np.argsort(~coded, axis=1, kind="stable").astype(np.int64)
+            cchans = np.argsort(coded, axis=1, kind="stable").astype(np.int64)
         return CodeLayout(
             block_starts=np.asarray(block_starts, np.int64), group_of=group_of, group_low=low,
             group_size=size, group_start=start,
             ncoded=coded.sum(axis=1).astype(np.int64),
-            chans=np.argsort(~coded, axis=1, kind="stable").astype(np.int64),
+            chans=chans,
             nconst=(~coded).sum(axis=1).astype(np.int64),
-            cchans=np.argsort(coded, axis=1, kind="stable").astype(np.int64),
+            cchans=cchans,
             sym_base=(start - low)[group_of].astype(np.int64),
         )
 

@@ -54,8 +54,8 @@ def normalize(counts: np.ndarray, layout: CodeLayout) -> np.ndarray:
         raise ValueError("a symbol group has no symbols to count")
     freq = np.where(occurs, 1 + counts * (PROB_SCALE - nonzero[gidx]) // total[gidx], 0)
     rest = PROB_SCALE - np.add.reduceat(freq, starts)
-    order = np.lexsort((-np.arange(len(counts)), counts, gidx))  # per group: ascending count
-    top = order[np.cumsum(sizes) - 1]  # the group's most frequent symbol (first of ties)
+    most = np.flatnonzero(counts == np.maximum.reduceat(counts, starts)[gidx])
+    top = most[np.searchsorted(most, starts)]  # the group's most frequent symbol (first of ties)
     freq[top] += rest
     return freq.astype(np.uint32)
 

@@ -116,6 +116,15 @@ def test_a_frequency_table_not_summing_to_the_scale_is_rejected(serde, good: byt
         serde[1].from_bytes(rewrap(good, out.to_bytes()))
 
 
+def test_a_symbol_group_past_the_16_bit_range_is_rejected(serde, good: bytes, stream_of) -> None:
+    out = stream_of(good)
+    out.symbol_ranges[0, 0] = 32767 - int(out.symbol_ranges[0, 1]) + 2  # its top symbol is 32768
+    with pytest.raises(CorruptBlobError, match="16-bit"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))
+    out.symbol_ranges[0, 0] -= 1  # top symbol 32767: parses (and decodes to garbage, not a crash)
+    serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
 def test_substream_missing_its_last_word_is_rejected(serde, good: bytes, stream_of) -> None:
     out = stream_of(good)
     lengths = np.diff(out.start_indices.numpy(), axis=1)[0]

@@ -46,6 +46,24 @@ def test_native_and_reference_streams_and_values_are_identical(
         assert a.dtype == out_dtype and torch.equal(a, b)
 
 
+def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv) -> None:
+    """The native coder reads the symbols of a pair whose channels are all coded directly and
+    those of a pair with single-symbol (uncoded) channels through its channel list: both must
+    give the reference's stream."""
+    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenEncoderImpl
+
+    kv = make_kv(2, 96, 64)
+    kv[0, 1, :, 5:9] = kv[0, 1, 0, 5:9]  # K of layer 1: four channels constant over the tokens
+    cfg = CacheGenConfig.default_for_layers(2)
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    layout = CacheGenEncoderImpl(kv=kv, key_bins=kb, value_bins=vb).compute_cdf().layout
+    assert layout.ncoded[1] < 64 and (layout.ncoded[[0, 2, 3]] == 64).all()
+    native, reference = encode_stream(kv, kb, vb, 48, NATIVE), encode_stream(kv, kb, vb, 48, REFERENCE)
+    assert native.to_bytes() == reference.to_bytes()
+    assert torch.equal(decode_stream(native, torch.bfloat16, NATIVE),
+                       decode_stream(native, torch.bfloat16, REFERENCE))
+
+
 @pytest.mark.parametrize("coder", [NATIVE, REFERENCE], ids=["native", "reference"])
 def test_each_coder_rejects_a_changed_substream_word(make_kv, coder) -> None:
     cfg = CacheGenConfig.default_for_layers(2)
