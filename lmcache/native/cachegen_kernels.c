@@ -429,22 +429,28 @@ typedef struct {
     } while (0)
 
 /* The slot tables of groups [first, last] (one pair's groups) into next / symbol (PROB_SCALE
- * entries per group, in group order). freq: the concatenated tables, already checked to sum to
- * PROB_SCALE per group (`cachegen_rans.check_tables`); symbols fit int16 (the format's limits). */
-static void dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
-                       const int32_t *group_low, int64_t first, int64_t last, uint32_t *next,
-                       int16_t *symbol) {
+ * entries per group, in group order). freq: the concatenated tables (`cachegen_rans.check_tables`
+ * has checked that each sums to PROB_SCALE; checked again here, so that no caller can make this
+ * write past the tables); symbols fit int16 (the format's limits). Returns 0, or -1 for a group
+ * whose frequencies do not sum to PROB_SCALE. */
+static int dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
+                      const int32_t *group_low, int64_t first, int64_t last, uint32_t *next,
+                      int16_t *symbol) {
     for (int64_t grp = first; grp <= last; grp++) {
         uint32_t *nx = next + (grp - first) * PROB_SCALE;
         int16_t *sy = symbol + (grp - first) * PROB_SCALE;
         const uint32_t *f = freq + group_start[grp];
         uint32_t slot = 0;
-        for (int64_t k = 0; k < group_size[grp]; k++)
+        for (int64_t k = 0; k < group_size[grp]; k++) {
+            if (f[k] > PROB_SCALE - slot) return -1;
             for (uint32_t r = 0; r < f[k]; r++, slot++) {
                 nx[slot] = f[k] << PROB_BITS | r;
                 sy[slot] = (int16_t)(group_low[grp] + k);
             }
+        }
+        if (slot != PROB_SCALE) return -1;
     }
+    return 0;
 }
 
 #define MAX_PAIR_GROUPS 16 /* channel classes: a pair has at most this many groups */
@@ -494,7 +500,11 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
                 continue;
             }
             if (built != g && nc) {
-                dec_tables(freq, group_start, group_size, group_low, first, last, next, symbol);
+                built = -1;
+                if (dec_tables(freq, group_start, group_size, group_low, first, last, next, symbol)) {
+                    bad++;
+                    continue;
+                }
                 built = g;
             }
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];

@@ -64,6 +64,23 @@ def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv)
                        decode_stream(native, torch.bfloat16, REFERENCE))
 
 
+def test_the_native_decoder_checks_its_tables_itself(make_kv) -> None:
+    """Frequency tables that do not sum to the scale never reach the native decoder through the
+    stream parser; called directly with such tables it reports corrupt substreams (it must not
+    write its slot tables out of bounds)."""
+    from lmcache.storage_backend.serde.cachegen_decoder import StreamTables
+
+    cfg = CacheGenConfig.default_for_layers(2)
+    encoded = encode_stream(make_kv(2, 32, 16), torch.tensor(cfg.key_bins()),
+                            torch.tensor(cfg.value_bins()), 32)
+    tables = StreamTables.of(encoded)
+    lengths = encoded.start_indices.long().diff(dim=1).reshape(-1).numpy()
+    for bad in (tables.freq * 2, tables.freq // 2):
+        with pytest.raises(CorruptBlobError, match="do not decode"):
+            NATIVE.decode(encoded.bytestream, lengths, tables.layout, bad, tables.means, tables.steps,
+                          tables.refine, 32, torch.bfloat16)
+
+
 @pytest.mark.parametrize("coder", [NATIVE, REFERENCE], ids=["native", "reference"])
 def test_each_coder_rejects_a_changed_substream_word(make_kv, coder) -> None:
     cfg = CacheGenConfig.default_for_layers(2)
