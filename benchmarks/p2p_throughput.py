@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tier_throughput import CHUNK, CHUNK_BYTES, OUT, Setup, medians
@@ -36,7 +37,7 @@ from lmcache.server.client import LMCacheClient
 from tests.helpers.servers import Valkey
 
 
-def p2p_config(lookup_url: str) -> dict[str, object]:
+def p2p_config(lookup_url: str) -> dict[str, Any]:
     return {"enable_p2p": True, "lookup_url": lookup_url, "distributed_url": "127.0.0.1:0",
             "remote_timeout": 30.0}
 
