@@ -66,6 +66,23 @@ def arena_buffer(shape: torch.Size) -> MemoryObj:
     return obj
 
 
+def time_chunk(ser: CacheGenSerializer, de: CacheGenDeserializer, chunk: torch.Tensor, repeats: int
+               ) -> tuple[float, float, bytes]:
+    """Median seconds of `to_bytes` and of `from_bytes_to` (into an arena buffer) of `chunk`,
+    alternating, and the serialized bytes."""
+    target = arena_buffer(chunk.shape)
+    per_enc, per_dec = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data = ser.to_bytes(chunk)
+        per_enc.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        obj = de.from_bytes_to(data, lambda *_, buf=target: buf)
+        per_dec.append(time.perf_counter() - t0)
+        assert obj is target
+    return statistics.median(per_enc), statistics.median(per_dec), data
+
+
 def measure(label: str, chunks: list[torch.Tensor], shape: tuple[int, int, int], repeats: int) -> dict:
     from lmcache.storage_backend.serde.cachegen_kernels import NativeKernels, ReferenceKernels, kernels
 
@@ -76,18 +93,9 @@ def measure(label: str, chunks: list[torch.Tensor], shape: tuple[int, int, int],
     ref_ser, ref_de = serde_pair(label, shape, ReferenceKernels())
     enc, dec, nbytes, values, blob_bytes = [], [], 0, 0, 0
     for chunk in chunks:
-        target = arena_buffer(chunk.shape)
-        per_enc, per_dec = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            data = ser.to_bytes(chunk)
-            per_enc.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            obj = de.from_bytes_to(data, lambda *_, buf=target: buf)
-            per_dec.append(time.perf_counter() - t0)
-            assert obj is target
-        enc.append(statistics.median(per_enc))
-        dec.append(statistics.median(per_dec))
+        t_enc, t_dec, data = time_chunk(ser, de, chunk, repeats)
+        enc.append(t_enc)
+        dec.append(t_dec)
         nbytes += chunk.numel() * 2
         values += chunk.numel()
         blob_bytes += len(data)
@@ -150,17 +158,9 @@ def worker(chunks_file: str, repeats: int) -> None:
         enc = dec = 0.0
         nbytes = 0
         for chunk in chunks:
-            target = arena_buffer(chunk.shape)
-            per_enc, per_dec = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                data = ser.to_bytes(chunk)
-                per_enc.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                de.from_bytes_to(data, lambda *_, buf=target: buf)
-                per_dec.append(time.perf_counter() - t0)
-            enc += statistics.median(per_enc)
-            dec += statistics.median(per_dec)
+            t_enc, t_dec, data = time_chunk(ser, de, chunk, repeats)
+            enc += t_enc
+            dec += t_dec
             nbytes += len(data)
         values = sum(c.numel() for c in chunks)
         out[label] = {"encode_MBps": 2 * values / enc / 1e6, "decode_MBps": 2 * values / dec / 1e6,
