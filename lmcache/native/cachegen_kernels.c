@@ -295,15 +295,9 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
         for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j, COL);                                   \
     } while (0)
 
-/* Substream geometry shared by encoder and decoder. Block b covers tokens
- * [block_starts[b], block_starts[b + 1]); pair g codes its ncoded[g] channels
- * chans[g * C + j] (j < ncoded[g]) whose table entries start at sym_base[g * C + chan]. */
-typedef struct {
-    int64_t G, T, C, B;
-    const int64_t *block_starts, *ncoded, *chans, *sym_base;
-} layout_t;
-
-/* Pass 4. Encode substream (b, g) for every b, g into out[region_start[s], region_start[s + 1])
+/* Pass 4. Encode substream (b, g) for every b, g (block b covers tokens [block_starts[b],
+ * block_starts[b + 1]); pair g codes its ncoded[g] channels chans[g * C + j], j < ncoded[g],
+ * whose table entries start at sym_base[g * C + chan]) into out[region_start[s], region_start[s + 1])
  * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
  * offset where its data begins (its data ends at the region's end). freq / cum: per table entry.
  * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
@@ -372,12 +366,15 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
 /* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):
  * decode, renormalize branch-free (reading the next word always; CHECKED: guard the read and mark
  * the substream broken past its end). */
+typedef uint16_t dec_index;
+
 #define DEC_STEP(X, J, CHECKED, COL)                                                         \
     do {                                                                                     \
         const dec_chan *d_ = &dc[J];                                                         \
         uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
-        uint32_t e_ = d_->next[slot_];                                                       \
-        (X) = (uint64_t)(e_ >> PROB_BITS) * ((X) >> PROB_BITS) + (e_ & (PROB_SCALE - 1));    \
+        uint32_t k_ = d_->index[slot_];                                                      \
+        uint32_t e_ = d_->entry[k_];                                                         \
+        (X) = (uint64_t)(e_ >> 16) * ((X) >> PROB_BITS) + slot_ - (e_ & 0xFFFFu);            \
         uint64_t need_ = (X) < RANS_L;                                                       \
         if ((CHECKED) && ptr >= len) {                                                       \
             broken |= (int)need_;                                                            \
@@ -386,7 +383,7 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        sym[COL(J)] = d_->symbol[slot_];                                                     \
+        sym[COL(J)] = d_->low + (int32_t)k_;                                                 \
     } while (0)
 
 #define DEC_ANY_LANE(I, J, CHECKED, COL)                                                     \
@@ -404,8 +401,9 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     } while (0)
 
 typedef struct {
-    const uint32_t *next;   /* per slot of the channel's group: f << PROB_BITS | (slot - cum) */
-    const int16_t *symbol;  /* per slot: the symbol owning it */
+    const dec_index *index; /* per slot of the channel's group: the local index k owning it */
+    const uint32_t *entry;  /* per local index of the group: f << 16 | cum */
+    int32_t low;            /* the group's lowest symbol (local index 0) */
 } dec_chan;
 
 /* Decode one row's coded channels into sym (see ENC_ROW for COL). */
@@ -428,25 +426,23 @@ typedef struct {
         for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1, COL);                                 \
     } while (0)
 
-/* The slot tables of groups [first, last] (one pair's groups) into next / symbol (PROB_SCALE
- * entries per group, in group order). freq: the concatenated tables (`cachegen_rans.check_tables`
- * has checked that each sums to PROB_SCALE; checked again here, so that no caller can make this
- * write past the tables); symbols fit int16 (the format's limits). Returns 0, or -1 for a group
- * whose frequencies do not sum to PROB_SCALE. */
+/* The decoder tables of groups [first, last] (one pair's groups): index gets PROB_SCALE slots
+ * per group (in group order), entry the group's entries f << 16 | cum at entry + group_start[grp]
+ * - group_start[first]. freq: the concatenated tables (`cachegen_rans.check_tables` has checked
+ * that each sums to PROB_SCALE; checked again here, so that no caller can make this write past
+ * the tables). Returns 0, or -1 for a group whose frequencies do not sum to PROB_SCALE. */
 static int dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
-                      const int32_t *group_low, int64_t first, int64_t last, uint32_t *next,
-                      int16_t *symbol) {
+                      int64_t first, int64_t last, dec_index *index, uint32_t *entry) {
     for (int64_t grp = first; grp <= last; grp++) {
-        uint32_t *nx = next + (grp - first) * PROB_SCALE;
-        int16_t *sy = symbol + (grp - first) * PROB_SCALE;
+        dec_index *ix = index + (grp - first) * PROB_SCALE;
+        uint32_t *en = entry + (group_start[grp] - group_start[first]);
         const uint32_t *f = freq + group_start[grp];
         uint32_t slot = 0;
         for (int64_t k = 0; k < group_size[grp]; k++) {
             if (f[k] > PROB_SCALE - slot) return -1;
-            for (uint32_t r = 0; r < f[k]; r++, slot++) {
-                nx[slot] = f[k] << PROB_BITS | r;
-                sy[slot] = (int16_t)(group_low[grp] + k);
-            }
+            en[k] = f[k] << 16 | slot;
+            for (uint32_t r = 0; r < f[k]; r++) ix[slot + r] = (dec_index)k;
+            slot += f[k];
         }
         if (slot != PROB_SCALE) return -1;
     }
@@ -476,10 +472,10 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
         int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
-        uint32_t *next = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
-        int16_t *symbol = (int16_t *)malloc(sizeof(int16_t) * MAX_PAIR_GROUPS * PROB_SCALE);
-        int ok = dc && sym && next && symbol;
-        int64_t built = -1; /* the pair whose tables next / symbol hold */
+        dec_index *index = (dec_index *)malloc(sizeof(dec_index) * MAX_PAIR_GROUPS * PROB_SCALE);
+        uint32_t *entry = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        int ok = dc && sym && index && entry;
+        int64_t built = -1; /* the pair whose tables index / entry hold */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -501,7 +497,7 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             }
             if (built != g && nc) {
                 built = -1;
-                if (dec_tables(freq, group_start, group_size, group_low, first, last, next, symbol)) {
+                if (dec_tables(freq, group_start, group_size, first, last, index, entry)) {
                     bad++;
                     continue;
                 }
@@ -510,8 +506,9 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
             for (int64_t j = 0; j < nc; j++) {
                 int64_t grp = gid[ch[j]];
-                dc[j].next = next + (grp - first) * PROB_SCALE;
-                dc[j].symbol = symbol + (grp - first) * PROB_SCALE;
+                dc[j].index = index + (grp - first) * PROB_SCALE;
+                dc[j].entry = entry + (group_start[grp] - group_start[first]);
+                dc[j].low = group_low[grp];
             }
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
@@ -561,8 +558,8 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
         }
         free(dc);
         free(sym);
-        free(next);
-        free(symbol);
+        free(index);
+        free(entry);
     }
     return bad;
 }
