@@ -40,7 +40,8 @@ def _cachegen_signatures(lib: ctypes.CDLL) -> None:
     dims = [_I64, _I64, _I64]
     signatures = {
         "cg_stats": [_PTR, _INT, *dims, _PTR, _PTR, _INT],
-        "cg_quantize": [_PTR, _INT, *dims, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+        "cg_quantize": [_PTR, _INT, *dims, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                        _INT],
         "cg_histogram": [_PTR, *dims, _PTR, _PTR, _PTR, _INT],
         "cg_encode": [_PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                       _INT],

@@ -34,6 +34,7 @@
 #define LANES 8 /* the coding loops below hold the 8 states in 8 variables */
 #define RANS_L (1ull << 31)
 #define QLIMIT 32767.0f
+#define ANCHOR_LIMIT 2048.0f /* QMAX + 1 (cachegen_quant) */
 #define RINT_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 half to even */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -98,11 +99,13 @@ HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, floa
     return failed ? -2 : 0;
 }
 
-/* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)) for every pair with
- * todo[g] != 0; per channel: abs_sum (sum |q|), qmin, qmax; per token: qpeak (max |q|). */
+/* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)), except on anchor tokens
+ * (anchor_of[t] = a >= 0): there fine = rint(clamp(that product, +-(QMAX + 1)) * 8), q = fine >> 3
+ * (floor) and refine[a][g][c] = fine & 7. Per channel: abs_sum (sum |q|), qmin, qmax; per token:
+ * qpeak (max |q|). */
 HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
-                const float *inv_steps, const uint8_t *todo, int16_t *q, int64_t *abs_sum,
-                int32_t *qmin, int32_t *qmax, int32_t *qpeak, int nthreads) {
+                const float *inv_steps, const int64_t *anchor_of, int16_t *q, int64_t *abs_sum,
+                int32_t *qmin, int32_t *qmax, int32_t *qpeak, uint8_t *refine, int nthreads) {
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
@@ -115,7 +118,7 @@ HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, c
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++) {
-            if (failed || !todo[g]) continue;
+            if (failed) continue;
             const float *restrict mean = means + g * C;
             int64_t *restrict asum = abs_sum + g * C;
             int16_t *restrict lo = lo16, *restrict hi = hi16;
@@ -131,11 +134,23 @@ HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, c
                 const float inv = inv_steps[g * T + t];
                 int16_t *restrict out = q + (g * T + t) * C;
                 const float *restrict in = row;
-                for (int64_t c = 0; c < C; c++) {
-                    float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
-                    v = v < QLIMIT ? v : QLIMIT;
-                    v = v > -QLIMIT ? v : -QLIMIT;
-                    out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
+                if (anchor_of[t] >= 0) {
+                    uint8_t *restrict ref = refine + (anchor_of[t] * G + g) * C;
+                    for (int64_t c = 0; c < C; c++) {
+                        float v = (in[c] - mean[c]) * inv;
+                        v = v < ANCHOR_LIMIT ? v : ANCHOR_LIMIT;
+                        v = v > -ANCHOR_LIMIT ? v : -ANCHOR_LIMIT;
+                        int32_t fine = (int32_t)((v * 8.0f + RINT_MAGIC) - RINT_MAGIC);
+                        out[c] = (int16_t)(fine >> 3); /* arithmetic shift: floor(fine / 8) */
+                        ref[c] = (uint8_t)(fine & 7);
+                    }
+                } else {
+                    for (int64_t c = 0; c < C; c++) {
+                        float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
+                        v = v < QLIMIT ? v : QLIMIT;
+                        v = v > -QLIMIT ? v : -QLIMIT;
+                        out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
+                    }
                 }
                 int16_t peak = 0;
                 for (int64_t c = 0; c < C; c++) {

@@ -128,17 +128,12 @@ class CacheGenEncoderImpl:
         self.means = quant.channel_means(colsum, x.shape[1])
         bins = np.concatenate([self.key_bins, self.value_bins])
         self.exps = quant.step_exponents(sumsq, x.shape[2], bins)
-        quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
-        if int(quantized.qpeak.max()) >= quant.QMAX:  # (anchors may round one further)
-            self.exps = quant.bound_exponents(quant.as_float32(x), self.means, self.exps)
-            quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), self.reuse)
         anchors = self.block_starts[:-1]
-        coarse, self.refinements = quant.anchor_symbols(
-            quant.as_float32(x[:, anchors]), self.means, quant.inverse_steps(self.exps[:, anchors]))
-        quantized.q[:, anchors] = coarse
-        np.minimum(quantized.qmin, coarse.min(axis=1), out=quantized.qmin)
-        np.maximum(quantized.qmax, coarse.max(axis=1), out=quantized.qmax)
-        self.refinements = self.refinements.transpose(1, 0, 2).copy()
+        quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), anchors, self.reuse)
+        if int(quantized.qpeak.max()) >= quant.QMAX:
+            self.exps = quant.bound_exponents(quant.as_float32(x), self.means, self.exps)
+            quantized = k.quantize(x, self.means, quant.inverse_steps(self.exps), anchors, self.reuse)
+        self.refinements = quantized.refine
         self.quantized = quantized
         return quantized
 

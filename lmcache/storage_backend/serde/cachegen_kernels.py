@@ -37,6 +37,7 @@ class Quantized(NamedTuple):
     qmin: np.ndarray  # int32 [G, C]
     qmax: np.ndarray  # int32 [G, C]
     qpeak: np.ndarray  # int32 [G, T], max |q| of each token
+    refine: np.ndarray  # uint8 [A, G, C], the anchor tokens' refinements
 
 
 class Encoded(NamedTuple):
@@ -81,8 +82,8 @@ class ReferenceKernels:
         return quant.stats_reference(quant.as_float32(x))
 
     def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
-                 reuse: bool = False) -> Quantized:
-        return Quantized(*quant.quantize_reference(quant.as_float32(x), means, inv_steps))
+                 anchors: np.ndarray, reuse: bool = False) -> Quantized:
+        return Quantized(*quant.quantize_reference(quant.as_float32(x), means, inv_steps, anchors))
 
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
         entries = q.astype(np.int64) + layout.sym_base[:, None, :]
@@ -123,20 +124,22 @@ class NativeKernels:
         return colsum, sumsq
 
     def quantize(self, x: torch.Tensor, means: np.ndarray, inv_steps: np.ndarray,
-                 reuse: bool = False) -> Quantized:
+                 anchors: np.ndarray, reuse: bool = False) -> Quantized:
         """`reuse`: the symbols go to this thread's scratch buffer, valid until its next call."""
         npairs, ntok, nch = x.shape
         q = _scratch.get("q", (npairs, ntok, nch), np.int16) if reuse else \
             np.empty((npairs, ntok, nch), np.int16)
         out = Quantized(q, np.empty((npairs, nch), np.int64),
                         np.empty((npairs, nch), np.int32), np.empty((npairs, nch), np.int32),
-                        np.empty((npairs, ntok), np.int32))
-        todo = np.ones(npairs, np.uint8)
+                        np.empty((npairs, ntok), np.int32),
+                        np.empty((len(anchors), npairs, nch), np.uint8))
+        anchor_of = np.full(ntok, -1, np.int64)
+        anchor_of[anchors] = np.arange(len(anchors))
         means = np.ascontiguousarray(means, np.float32)
         inv_steps = np.ascontiguousarray(inv_steps, np.float32)
         rc = self.lib.cg_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch,
-                                  _ptr(means), _ptr(inv_steps), _ptr(todo), *(_ptr(a) for a in out),
-                                  self._threads())
+                                  _ptr(means), _ptr(inv_steps), _ptr(anchor_of),
+                                  *(_ptr(a) for a in out), self._threads())
         _check(rc, "cg_quantize")
         return out
 

@@ -110,16 +110,19 @@ def inverse_steps(exps: np.ndarray) -> np.ndarray:
     return np.exp2(np.asarray(exps, np.float64) / -STEPS_PER_OCTAVE).astype(np.float32)
 
 
-def quantize_reference(x: np.ndarray, means: np.ndarray, inv_steps: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The definition `cg_quantize` follows. x float32 [G, T, C], means [G, C], inv_steps [G, T]
-    -> (q int16 [G, T, C], abs_sum int64 [G, C], qmin int32 [G, C], qmax int32 [G, C],
-    qpeak int32 [G, T] (max |q| of each token))."""
+def quantize_reference(x: np.ndarray, means: np.ndarray, inv_steps: np.ndarray,
+                       anchors: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The definition `cg_quantize` follows. x float32 [G, T, C], means [G, C], inv_steps [G, T],
+    anchor token indices [A] -> (q int16 [G, T, C] (anchor rows: their coarse symbols), abs_sum
+    int64 [G, C], qmin int32 [G, C], qmax int32 [G, C], qpeak int32 [G, T] (max |q| of each
+    token), refinements uint8 [A, G, C]), the statistics taken over q as returned."""
     v = (x - means[:, None, :]) * inv_steps[:, :, None]
     q = np.rint(np.clip(v, -32767.0, 32767.0)).astype(np.int32)
+    coarse, refine = _split_anchors(v[:, anchors])
+    q[:, anchors] = coarse
     a = np.abs(q)
     return (q.astype(np.int16), a.sum(axis=1, dtype=np.int64), q.min(axis=1), q.max(axis=1),
-            a.max(axis=2))
+            a.max(axis=2), refine.transpose(1, 0, 2).copy())
 
 
 def bound_exponents(x: np.ndarray, means: np.ndarray, exps: np.ndarray) -> np.ndarray:
@@ -141,10 +144,15 @@ def anchor_symbols(x: np.ndarray, means: np.ndarray, inv_steps: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Anchor tokens x float32 [G, A, C], means [G, C], inv_steps [G, A] -> (coarse symbols q
     int16 [G, A, C], refinements r uint8 [G, A, C] in [0, ANCHOR_SCALE))."""
-    v = np.clip((x - means[:, None, :]) * inv_steps[:, :, None], -QMAX - 1, QMAX + 1)
-    fine = np.rint(v * np.float32(ANCHOR_SCALE)).astype(np.int32)
+    coarse, refine = _split_anchors((x - means[:, None, :]) * inv_steps[:, :, None])
+    return coarse.astype(np.int16), refine
+
+
+def _split_anchors(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scaled anchor values v = (x - mean) / step float32 -> (coarse int32, refinement uint8)."""
+    fine = np.rint(np.clip(v, -QMAX - 1, QMAX + 1) * np.float32(ANCHOR_SCALE)).astype(np.int32)
     coarse = np.floor_divide(fine, ANCHOR_SCALE)
-    return coarse.astype(np.int16), (fine - coarse * ANCHOR_SCALE).astype(np.uint8)
+    return coarse, (fine - coarse * ANCHOR_SCALE).astype(np.uint8)
 
 
 def refinement_values(r: np.ndarray) -> np.ndarray:
