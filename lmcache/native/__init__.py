@@ -43,8 +43,11 @@ def _cachegen_signatures(lib: ctypes.CDLL) -> None:
         "cg_quantize": [_PTR, _INT, *dims, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                         _INT],
         "cg_histogram": [_PTR, *dims, _PTR, _PTR, _PTR, _INT],
-        "cg_encode": [_PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                      _INT],
+        "cg_group_ranges": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
+        "cg_layout": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+        "cg_normalize": [_PTR, _I64, _PTR, _PTR, _PTR],
+        "cg_encode": [_PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _INT],
         "cg_decode": [_PTR, _PTR, _PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                       _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
     }

@@ -225,6 +225,102 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
     return failed ? -2 : 0;
 }
 
+/* Symbol groups (cachegen_layout): channel c of pair g is in class classes[g][c] < NUM_CLASSES;
+ * a pair's groups are its classes that occur, in increasing order, numbered across pairs in pair
+ * order. group_ranges: each group's lowest symbol and alphabet size from its channels' qmin /
+ * qmax into low / size (room for G * NUM_CLASSES groups); returns the number of groups. */
+#define NUM_CLASSES 16
+
+int cg_group_ranges(const uint8_t *classes, const int32_t *qmin, const int32_t *qmax, int64_t G,
+                    int64_t C, int32_t *low, int64_t *size) {
+    int64_t n = 0;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t lo[NUM_CLASSES], hi[NUM_CLASSES];
+        for (int k = 0; k < NUM_CLASSES; k++) {
+            lo[k] = INT32_MAX;
+            hi[k] = INT32_MIN;
+        }
+        for (int64_t c = 0; c < C; c++) {
+            int k = classes[g * C + c] & (NUM_CLASSES - 1);
+            lo[k] = qmin[g * C + c] < lo[k] ? qmin[g * C + c] : lo[k];
+            hi[k] = qmax[g * C + c] > hi[k] ? qmax[g * C + c] : hi[k];
+        }
+        for (int k = 0; k < NUM_CLASSES; k++)
+            if (lo[k] <= hi[k]) {
+                low[n] = lo[k];
+                size[n++] = (int64_t)hi[k] - lo[k] + 1;
+            }
+    }
+    return (int)n;
+}
+
+/* `CodeLayout.build`'s arrays from the classes and the groups' low / size (see CodeLayout):
+ * group_start [N], and per pair ncoded, nconst and per channel group_of, chans, cchans, sym_base.
+ * Returns 0, or -1 if a class is out of range or the classes imply other than N groups. */
+int cg_layout(const uint8_t *classes, int64_t G, int64_t C, int64_t N, const int32_t *low,
+              const int64_t *size, int64_t *group_start, int64_t *group_of, int64_t *ncoded,
+              int64_t *chans, int64_t *nconst, int64_t *cchans, int64_t *sym_base) {
+    int64_t n = 0, start = 0;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t id[NUM_CLASSES];
+        for (int k = 0; k < NUM_CLASSES; k++) id[k] = -1;
+        for (int64_t c = 0; c < C; c++) {
+            if (classes[g * C + c] >= NUM_CLASSES) return -1;
+            id[classes[g * C + c]] = 0;
+        }
+        for (int k = 0; k < NUM_CLASSES; k++)
+            if (id[k] == 0) {
+                if (n == N) return -1;
+                id[k] = n;
+                group_start[n] = start;
+                start += size[n++];
+            }
+        int64_t nc = 0, nk = 0;
+        for (int64_t c = 0; c < C; c++) {
+            int64_t grp = id[classes[g * C + c]];
+            group_of[g * C + c] = grp;
+            sym_base[g * C + c] = group_start[grp] - low[grp];
+            if (size[grp] > 1)
+                chans[g * C + nc++] = c;
+            else
+                cchans[g * C + nk++] = c;
+        }
+        for (int64_t c = 0, j = nc, k = nk; c < C; c++) /* then the others, in channel order */
+            if (size[id[classes[g * C + c]]] > 1)
+                cchans[g * C + k++] = c;
+            else
+                chans[g * C + j++] = c;
+        ncoded[g] = nc;
+        nconst[g] = nk;
+    }
+    return n == N ? 0 : -1;
+}
+
+/* `cachegen_rans.normalize`: counts [entries] -> freq: each group's counts scaled to sum to
+ * PROB_SCALE, 1 + count * (PROB_SCALE - k) / total (floor) for the k symbols that occur, 0 for the
+ * others, the remainder added to the group's most frequent symbol (the first of ties). Returns 0,
+ * or -1 if a group has no counts. */
+int cg_normalize(const int64_t *counts, int64_t N, const int64_t *group_start,
+                 const int64_t *group_size, uint32_t *freq) {
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t *cnt = counts + group_start[n];
+        uint32_t *f = freq + group_start[n];
+        int64_t total = 0, k = 0, top = 0, used = 0;
+        for (int64_t e = 0; e < group_size[n]; e++) {
+            total += cnt[e];
+            k += cnt[e] > 0;
+            top = cnt[e] > cnt[top] ? e : top;
+        }
+        if (total == 0) return -1;
+        for (int64_t e = 0; e < group_size[n]; e++) {
+            f[e] = cnt[e] > 0 ? (uint32_t)(1 + cnt[e] * (PROB_SCALE - k) / total) : 0;
+            used += f[e];
+        }
+        f[top] += (uint32_t)(PROB_SCALE - used);
+    }
+    return 0;
+}
+
 /* One table entry for the encoder. x / f is exact for x < 2^63, 1 <= f <= 2^PROB_BITS as
  * floor(x * m / 2^(64 + l - 1)) with l = ceil(log2 f) and m = ceil(2^(63 + l) / f) < 2^64
  * (Granlund-Montgomery, N = 63). Then
@@ -314,16 +410,24 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
  * block_starts[b + 1]); pair g codes its ncoded[g] channels chans[g * C + j], j < ncoded[g],
  * whose table entries start at sym_base[g * C + chan]) into out[region_start[s], region_start[s + 1])
  * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
- * offset where its data begins (its data ends at the region's end). freq / cum: per table entry.
+ * offset where its data begins (its data ends at the region's end). freq: per table entry, the
+ * N groups' tables at group_start[n], group_size[n] entries each.
  * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
 HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
               const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
-              const int64_t *sym_base, const uint32_t *freq, const uint32_t *cum, int64_t nsym,
-              uint32_t *out, const int64_t *region_start, int64_t *stream_start, int nthreads) {
+              const int64_t *sym_base, const uint32_t *freq, int64_t N, const int64_t *group_start,
+              const int64_t *group_size, uint32_t *out, const int64_t *region_start,
+              int64_t *stream_start, int nthreads) {
+    int64_t nsym = N ? group_start[N - 1] + group_size[N - 1] : 0;
     enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * (nsym > 0 ? nsym : 1));
     if (!tab) return -2;
-    for (int64_t k = 0; k < nsym; k++)
-        if (freq[k]) enc_sym_init(&tab[k], freq[k], cum[k]);
+    for (int64_t n = 0; n < N; n++) {
+        uint32_t cum = 0;
+        for (int64_t e = group_start[n]; e < group_start[n] + group_size[n]; e++) {
+            if (freq[e]) enc_sym_init(&tab[e], freq[e], cum);
+            cum += freq[e];
+        }
+    }
     int status = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int64_t s = 0; s < B * G; s++) {

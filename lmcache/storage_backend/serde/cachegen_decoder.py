@@ -71,7 +71,8 @@ class StreamTables:
     refine: np.ndarray
 
     @staticmethod
-    def of(encoded: CacheGenEncoderOutput | CacheGenGPUEncoderOutput) -> StreamTables:
+    def of(encoded: CacheGenEncoderOutput | CacheGenGPUEncoderOutput,
+           coder: Kernels | None = None) -> StreamTables:
         nlayers, ntok = encoded.max_tensors_key.shape
         classes = encoded.channel_classes.reshape(2 * nlayers, -1).numpy()
         ranges = encoded.symbol_ranges.numpy()
@@ -79,7 +80,7 @@ class StreamTables:
             torch.tensor([c.ntokens for c in encoded.data_chunks])
         starts = np.concatenate([[0], np.cumsum(block_tokens.numpy())])
         try:
-            layout = CodeLayout.build(classes, ranges[:, 0], ranges[:, 1], starts)
+            layout = (coder or kernels()).layout(classes, ranges[:, 0], ranges[:, 1], starts)
         except ValueError as e:
             raise CorruptBlobError(f"cachegen symbol groups: {e}") from e
         freq = np.ascontiguousarray(encoded.cdf.numpy(), np.uint32)
@@ -142,7 +143,7 @@ def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Ker
         values = gpu.decode(encoded, dtype)
         return values if out is None else out.copy_(values)
     nlayers, ntok = encoded.max_tensors_key.shape
-    tables = StreamTables.of(encoded)
+    tables = StreamTables.of(encoded, coder)
     starts = encoded.start_indices.long()
     if int(starts[0, 0]) != 0 or (len(starts) > 1 and bool((starts[1:, 0] != starts[:-1, -1]).any())):
         raise CorruptBlobError("cachegen token blocks are not contiguous in the payload")

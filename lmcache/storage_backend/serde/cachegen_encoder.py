@@ -35,7 +35,6 @@ from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde import cachegen_format as fmt
 from lmcache.storage_backend.serde import cachegen_gpu as gpu
 from lmcache.storage_backend.serde import cachegen_quant as quant
-from lmcache.storage_backend.serde import cachegen_rans as rans
 from lmcache.storage_backend.serde.cachegen_basics import (
     CacheGenConfig,
     CacheGenEncoderOutput,
@@ -43,11 +42,7 @@ from lmcache.storage_backend.serde.cachegen_basics import (
 )
 from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
 from lmcache.storage_backend.serde.cachegen_kernels import Kernels, Quantized, coded_input, kernels
-from lmcache.storage_backend.serde.cachegen_layout import (
-    CodeLayout,
-    channel_classes,
-    group_ranges,
-)
+from lmcache.storage_backend.serde.cachegen_layout import CodeLayout, channel_classes
 from lmcache.storage_backend.serde.serde import Serializer
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -143,13 +138,13 @@ class CacheGenEncoderImpl:
         qz = self.quantized or self.quantize()
         pairs = slice(None) if is_key is None else \
             (slice(0, self.nlayers) if is_key else slice(self.nlayers, None))
+        k = self.kernels
         classes = channel_classes(qz.abs_sum[pairs], self.x.shape[1])
-        low, size = group_ranges(classes, qz.qmin[pairs], qz.qmax[pairs])
+        low, size = k.group_ranges(classes, qz.qmin[pairs], qz.qmax[pairs])
         if int(size.max()) > MAX_ALPHABET:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
-        layout = CodeLayout.build(classes, low, size, self.block_starts)
-        counts = self.kernels.histogram(qz.q[pairs], layout)
-        return SymbolTables(layout, classes, rans.normalize(counts, layout))
+        layout = k.layout(classes, low, size, self.block_starts)
+        return SymbolTables(layout, classes, k.normalize(k.histogram(qz.q[pairs], layout), layout))
 
 
 def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor,

@@ -25,7 +25,7 @@ import torch
 from lmcache import native
 from lmcache.storage_backend.serde import cachegen_quant as quant
 from lmcache.storage_backend.serde import cachegen_rans as rans
-from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
+from lmcache.storage_backend.serde.cachegen_layout import NUM_CLASSES, CodeLayout, group_ranges
 from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -85,6 +85,17 @@ class ReferenceKernels:
                  anchors: np.ndarray, reuse: bool = False) -> Quantized:
         return Quantized(*quant.quantize_reference(quant.as_float32(x), means, inv_steps, anchors))
 
+    def group_ranges(self, classes: np.ndarray, qmin: np.ndarray, qmax: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        return group_ranges(classes, qmin, qmax)
+
+    def layout(self, classes: np.ndarray, low: np.ndarray, size: np.ndarray,
+               block_starts: np.ndarray) -> CodeLayout:
+        return CodeLayout.build(classes, low, size, block_starts)
+
+    def normalize(self, counts: np.ndarray, layout: CodeLayout) -> np.ndarray:
+        return rans.normalize(counts, layout)
+
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
         entries = q.astype(np.int64) + layout.sym_base[:, None, :]
         return np.bincount(entries.reshape(-1), minlength=layout.num_symbols)
@@ -143,6 +154,46 @@ class NativeKernels:
         _check(rc, "cg_quantize")
         return out
 
+    def group_ranges(self, classes: np.ndarray, qmin: np.ndarray, qmax: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        npairs, nch = classes.shape
+        classes, qmin, qmax = (np.ascontiguousarray(a, t) for a, t in
+                               ((classes, np.uint8), (qmin, np.int32), (qmax, np.int32)))
+        low = np.empty(npairs * NUM_CLASSES, np.int32)
+        size = np.empty(npairs * NUM_CLASSES, np.int64)
+        n = self.lib.cg_group_ranges(_ptr(classes), _ptr(qmin), _ptr(qmax), npairs, nch, _ptr(low),
+                                     _ptr(size))
+        return low[:n], size[:n]
+
+    def layout(self, classes: np.ndarray, low: np.ndarray, size: np.ndarray,
+               block_starts: np.ndarray) -> CodeLayout:
+        """`CodeLayout.build`; raises ValueError if the classes imply other than len(low) groups."""
+        npairs, nch = classes.shape
+        classes = np.ascontiguousarray(classes, np.uint8)
+        low = np.ascontiguousarray(low, np.int32)
+        size = np.ascontiguousarray(size, np.int64)
+        if len(low) != len(size):
+            raise ValueError(f"{len(low)} symbol lows for {len(size)} sizes")
+        per_chan = [np.empty((npairs, nch), np.int64) for _ in range(4)]
+        group_of, chans, cchans, sym_base = per_chan
+        start = np.empty(len(low), np.int64)
+        ncoded, nconst = np.empty(npairs, np.int64), np.empty(npairs, np.int64)
+        rc = self.lib.cg_layout(_ptr(classes), npairs, nch, len(low), _ptr(low), _ptr(size),
+                                _ptr(start), _ptr(group_of), _ptr(ncoded), _ptr(chans), _ptr(nconst),
+                                _ptr(cchans), _ptr(sym_base))
+        if rc:
+            raise ValueError(f"{len(low)} symbol ranges do not match the groups the classes imply")
+        return CodeLayout(np.asarray(block_starts, np.int64), group_of, low, size, start, ncoded,
+                          chans, nconst, cchans, sym_base)
+
+    def normalize(self, counts: np.ndarray, layout: CodeLayout) -> np.ndarray:
+        counts = np.ascontiguousarray(counts, np.int64)
+        freq = np.empty(len(counts), np.uint32)
+        if self.lib.cg_normalize(_ptr(counts), len(layout.group_start), _ptr(layout.group_start),
+                                 _ptr(layout.group_size), _ptr(freq)):
+            raise ValueError("a symbol group has no symbols to count")
+        return freq
+
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
         counts = np.zeros(layout.num_symbols, np.int64)
         pair_entries = layout.pair_entries()  # a name keeps it alive during the call
@@ -156,10 +207,11 @@ class NativeKernels:
         regions = rans.region_starts(layout)
         out = _scratch.get("words", (int(regions[-1]),), np.uint32)
         starts = np.empty(len(regions) - 1, np.int64)
-        cum = rans.cumulative(freq, layout)
+        freq = np.ascontiguousarray(freq, np.uint32)
         rc = self.lib.cg_encode(_ptr(q), npairs, ntok, nch, layout.num_blocks,
                                 _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans),
-                                _ptr(layout.sym_base), _ptr(freq), _ptr(cum), len(freq), _ptr(out),
+                                _ptr(layout.sym_base), _ptr(freq), len(layout.group_start),
+                                _ptr(layout.group_start), _ptr(layout.group_size), _ptr(out),
                                 _ptr(regions), _ptr(starts), self._threads())
         _check(rc, "cg_encode")
         ends = regions[1:]

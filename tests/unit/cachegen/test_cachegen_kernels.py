@@ -113,3 +113,39 @@ def test_threads_encoding_and_decoding_at_once_get_the_single_thread_results(mak
         assert data == expected[i % 8]
         assert torch.equal(kv, decode_stream(encode_stream(inputs[i % 8], kb, vb, 32, NATIVE),
                                              torch.bfloat16, NATIVE))
+
+
+@settings(max_examples=40, deadline=None)
+@given(npairs=st.integers(1, 5), nch=st.integers(1, 40), ntok=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_native_group_tables_equal_the_reference(npairs: int, nch: int, ntok: int, seed: int) -> None:
+    """Groups, layout (pairs with single-symbol channels included) and frequency tables."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-3, 4, (npairs, ntok, nch)).astype(np.int16)
+    q[:, :, rng.random(nch) < 0.3] = rng.integers(-3, 4)  # constant channels: one-symbol groups
+    classes = rng.integers(0, 16, (npairs, nch)).astype(np.uint8)
+    classes[:, rng.random(nch) < 0.5] = 0  # channels sharing groups
+    qmin, qmax = q.min(axis=1).astype(np.int32), q.max(axis=1).astype(np.int32)
+    low, size = NATIVE.group_ranges(classes, qmin, qmax)
+    ref_low, ref_size = REFERENCE.group_ranges(classes, qmin, qmax)
+    assert low.tolist() == ref_low.tolist() and size.tolist() == ref_size.tolist()
+    starts = np.array([0, ntok])
+    layout, ref_layout = NATIVE.layout(classes, low, size, starts), REFERENCE.layout(classes, low, size, starts)
+    for name in ("group_of", "group_low", "group_size", "group_start", "ncoded", "chans", "nconst",
+                 "cchans", "sym_base"):
+        assert getattr(layout, name).tolist() == getattr(ref_layout, name).tolist(), name
+    counts = REFERENCE.histogram(q, layout)
+    assert NATIVE.normalize(counts, layout).tolist() == REFERENCE.normalize(counts, layout).tolist()
+
+
+def test_native_layout_rejects_ranges_that_do_not_match_the_classes() -> None:
+    import numpy as np
+
+    classes = np.array([[0, 3, 3]], np.uint8)  # two groups
+    for low, size in ((np.array([0]), np.array([2])), (np.array([0, 0, 0]), np.array([2, 2, 2]))):
+        for coder in (NATIVE, REFERENCE):
+            with pytest.raises(ValueError):
+                coder.layout(classes, low, size, np.array([0, 4]))
+    with pytest.raises(ValueError):
+        NATIVE.layout(np.array([[16]], np.uint8), np.array([0]), np.array([2]), np.array([0, 4]))
