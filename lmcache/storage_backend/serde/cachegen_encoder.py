@@ -160,15 +160,16 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
     assert impl.quantized is not None
     tables = impl.compute_cdf()
     encoded = impl.kernels.encode(impl.quantized.q, tables.layout, tables.freqs)
-    lengths = torch.from_numpy(encoded.lengths.reshape(len(blocks), -1))
-    starts = torch.cat([torch.zeros(len(blocks), 1, dtype=torch.int64), lengths.cumsum(1)], 1)
-    starts += torch.cat([torch.zeros(1, dtype=torch.int64), lengths.sum(1).cumsum(0)[:-1]])[:, None]
+    lengths = encoded.lengths.reshape(len(blocks), -1)
+    starts = np.zeros((len(blocks), lengths.shape[1] + 1), np.int64)
+    np.cumsum(lengths, axis=1, out=starts[:, 1:])
+    starts += np.r_[0, np.cumsum(starts[:-1, -1])][:, None]  # blocks one after another
     nlayers = impl.nlayers
     exps = torch.from_numpy(impl.exps.astype(np.int16)).reshape(2, nlayers, ntok)
     layout = tables.layout
     return CacheGenEncoderOutput(
-        encoded.payload, starts, torch.from_numpy(tables.freqs.astype(np.int32)), exps[0], exps[1],
-        1, kv.shape[3],
+        encoded.payload, torch.from_numpy(starts), torch.from_numpy(tables.freqs.astype(np.int32)),
+        exps[0], exps[1], 1, kv.shape[3],
         channel_means=torch.from_numpy(impl.means).to(torch.bfloat16).reshape(2, nlayers, -1),
         channel_classes=torch.from_numpy(tables.classes).reshape(2, nlayers, -1),
         symbol_ranges=torch.from_numpy(np.stack([layout.group_low, layout.group_size], 1)

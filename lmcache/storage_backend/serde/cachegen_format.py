@@ -100,11 +100,32 @@ def pack_parts(out: Any) -> list[bytes]:
         if classes.numel() % 2:
             classes = torch.cat([classes, classes.new_zeros(1)])
         starts = out.start_indices.long()
-        refine = np.unpackbits(out.anchor_refinements.numpy().reshape(-1, 1), axis=1)[:, -3:]
-        parts += [np.packbits(refine).tobytes(), _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
+        parts += [_pack3(out.anchor_refinements.numpy().reshape(-1)),
+                  _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
                   _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16),
                   _arr(out.cdf, np.uint16), _arr(starts.diff(dim=1), np.uint32)]
     return [b"".join(parts), out.bytestream]
+
+
+_SHIFTS3 = np.arange(21, -1, -3, dtype=np.uint32)  # 8 values of 3 bits in 3 bytes, first value highest
+
+
+def _pack3(values: np.ndarray) -> bytes:
+    """3-bit values (uint8 < 8) -> ceil(3 n / 8) bytes, most significant bit first."""
+    n = len(values)
+    padded = np.zeros(-(-n // 8) * 8, np.uint32)
+    padded[:n] = values
+    word = (padded.reshape(-1, 8) << _SHIFTS3).sum(axis=1, dtype=np.uint32)
+    return np.stack([word >> 16, word >> 8, word], axis=1).astype(np.uint8).tobytes()[:(3 * n + 7) // 8]
+
+
+def _unpack3(data: np.ndarray, n: int) -> np.ndarray:
+    """`_pack3`'s inverse: the first n values (uint8)."""
+    padded = np.zeros(-(-len(data) // 3) * 3, np.uint32)
+    padded[:len(data)] = data
+    b = padded.reshape(-1, 3)
+    word = b[:, 0] << 16 | b[:, 1] << 8 | b[:, 2]
+    return ((word[:, None] >> _SHIFTS3) & 7).astype(np.uint8).reshape(-1)[:n]
 
 
 def _arr(t: torch.Tensor, dtype: type) -> bytes:
@@ -176,8 +197,7 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
                       symbol_ranges=torch.empty(0, 2, dtype=torch.int32))
         return fields
     nrefine = nblocks * pairs * channels
-    bits = np.unpackbits(r.take((3 * nrefine + 7) // 8, np.uint8, "anchor_refine"))[: 3 * nrefine]
-    refine = (bits.reshape(-1, 3) * np.array([4, 2, 1], np.uint8)).sum(axis=1, dtype=np.uint8)
+    refine = _unpack3(r.take((3 * nrefine + 7) // 8, np.uint8, "anchor_refine"), nrefine)
     packed = r.take((pairs * channels + 1) // 2, np.uint8, "channel_classes")
     nibbles = np.empty(packed.size * 2, dtype=np.uint8)
     nibbles[0::2], nibbles[1::2] = packed & 15, packed >> 4

@@ -89,10 +89,10 @@ def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray) -> np.ndarray:
     if not np.isfinite(sumsq).all():
         raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
     rms = np.sqrt(sumsq / nch)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore"):  # rms 0: log2 -inf, clipped to -EXP_LIMIT
         target = np.log2(rms * (RANGE_IN_RMS / np.asarray(bins, np.float64))[:, None])
-    exps = np.round(np.nan_to_num(target, neginf=-EXP_LIMIT) * STEPS_PER_OCTAVE)
-    return _windowed(np.clip(exps, -EXP_LIMIT, EXP_LIMIT).astype(np.int32))
+    exps = np.clip(np.rint(target * STEPS_PER_OCTAVE), -EXP_LIMIT, EXP_LIMIT)
+    return _windowed(exps.astype(np.int32))
 
 
 def _windowed(exps: np.ndarray) -> np.ndarray:

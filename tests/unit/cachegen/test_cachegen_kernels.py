@@ -131,7 +131,8 @@ def test_native_group_tables_equal_the_reference(npairs: int, nch: int, ntok: in
     ref_low, ref_size = REFERENCE.group_ranges(classes, qmin, qmax)
     assert low.tolist() == ref_low.tolist() and size.tolist() == ref_size.tolist()
     starts = np.array([0, ntok])
-    layout, ref_layout = NATIVE.layout(classes, low, size, starts), REFERENCE.layout(classes, low, size, starts)
+    layout = NATIVE.layout(classes, low, size, starts)
+    ref_layout = REFERENCE.layout(classes, low, size, starts)
     for name in ("group_of", "group_low", "group_size", "group_start", "ncoded", "chans", "nconst",
                  "cchans", "sym_base"):
         assert getattr(layout, name).tolist() == getattr(ref_layout, name).tolist(), name
