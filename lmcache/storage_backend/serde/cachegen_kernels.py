@@ -250,7 +250,10 @@ Kernels = NativeKernels | ReferenceKernels
 def kernels(use_native: bool = True) -> Kernels:
     """The native kernels when `use_native` and they can be built, else the numpy reference."""
     lib = native.load("cachegen_kernels") if use_native else None
-    return NativeKernels(lib) if lib is not None else ReferenceKernels()
+    if lib is None:
+        return ReferenceKernels()
+    native.tune_malloc()
+    return NativeKernels(lib)
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -150,3 +150,20 @@ def test_native_layout_rejects_ranges_that_do_not_match_the_classes() -> None:
                 coder.layout(classes, low, size, np.array([0, 4]))
     with pytest.raises(ValueError):
         NATIVE.layout(np.array([[16]], np.uint8), np.array([0]), np.array([2]), np.array([0, 4]))
+
+
+@pytest.mark.parametrize("setting, expected", [("1", "True"), ("0", "False")])
+def test_malloc_tuning_is_applied_once_per_process_unless_turned_off(setting: str, expected: str) -> None:
+    """glibc keeps the memory an encode frees for the next (see `native.tune_malloc`); a fresh
+    process, as the setting is process-wide."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt thresholds are glibc's")
+    code = "from lmcache import native; print(native.tune_malloc(), native.tune_malloc())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "LMCACHE_MALLOC_TUNING": setting}, check=True)
+    assert out.stdout.split() == [expected, expected]
