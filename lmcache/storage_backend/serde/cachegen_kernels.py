@@ -7,10 +7,11 @@ and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy definitions 
 (`tests/unit/cachegen/test_cachegen_kernels.py`); the reference is ~50x slower.
 
 Passes, on KV viewed as ``x: [G, T, C]`` (G = 2 * layers (K/V, layer) pairs, CPU, contiguous):
-`stats` (channel sums, token sums of squares), `quantize` (symbols and their per-channel
-statistics), `histogram` (symbol counts per table entry), `encode` (every substream's rANS
-words) and `decode` (substreams -> dequantized KV in the output dtype, one fused pass, into a
-given buffer if wanted).
+`stats` (channel sums, token sums of squares), `quantize` (symbols, anchor refinements and the
+per-channel statistics), `group_ranges` / `layout` (symbol groups and `CodeLayout`, also used by
+the decoder), `histogram` (symbol counts per table entry), `normalize` (frequency tables),
+`encode` (every substream's rANS words) and `decode` (substreams -> dequantized KV in the output
+dtype, one fused pass, into a given buffer if wanted).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Groups of one pair are numbered in increasing class order, pairs in order; group
 its channels decode to that symbol. A *substream* codes one (token block, pair): the symbols of
 the pair's coded channels, token-major (`cachegen_rans`).
 
-All arrays are numpy, built without Python loops over groups (the decoder builds this per chunk).
+All arrays are numpy, built without Python loops over groups (the decoder builds this per chunk);
+this module is the definition, which the native kernels' `cg_group_ranges` / `cg_layout` follow.
 """
 
 from __future__ import annotations
