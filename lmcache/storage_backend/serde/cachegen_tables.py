@@ -11,7 +11,9 @@ text lands at KL <= 0.0075 (on the ten evaluation texts: worst 0.0065 at 2.94 bi
 For SmolLM2-135M the keys of the middle and late layers (17-26) are the most sensitive, values
 need 4-10x fewer bins than keys, and non-English text is the most sensitive genre (its summed
 single-layer KL is 4-9x that of the others); layer 0 is among the least sensitive, unlike the
-"early layers need more bins" rule that the default for unknown models follows.
+"early layers need more bins" rule of the CacheGen paper. The default for models without a table
+(`CacheGenConfig.default_for_layers`) is therefore flat, its K / V bins the cheapest pair that
+meets the same target on SmolLM2 (`cachegen_calibrate.py --layer-count-default`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmcache.storage_backend.serde.cachegen_basics import (
+    DEFAULT_KEY_BINS,
+    DEFAULT_VALUE_BINS,
     CacheGenConfig,
     QuantizationSpec,
     specs_from_bins,
@@ -46,12 +48,12 @@ def test_config_rejects_specs_past_the_last_layer_and_empty_lists() -> None:
         CacheGenConfig(0, [], [])
 
 
-def test_default_gives_early_layers_and_keys_more_bins() -> None:
+def test_default_gives_every_layer_the_same_bins_and_keys_more() -> None:
     cfg = CacheGenConfig.default_for_layers(10)
     keys, values = cfg.key_bins(), cfg.value_bins()
-    assert keys[0] > keys[-1] and values[0] > values[-1]
-    assert all(k > v for k, v in zip(keys, values))
-    assert len(keys) == 10
+    assert keys == [DEFAULT_KEY_BINS] * 10 and values == [DEFAULT_VALUE_BINS] * 10
+    assert DEFAULT_KEY_BINS > DEFAULT_VALUE_BINS
+    assert CacheGenConfig.from_model_name("some/unknown-model", 10).key_bins() == keys
 
 
 @pytest.mark.parametrize("nlayers", [1, 2, 3, 7, 80])
