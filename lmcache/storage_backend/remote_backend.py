@@ -10,7 +10,9 @@ stored) when the store fails, logs one warning per incident, and does not try th
 again until a backoff delay has passed (`backoff` / `max_backoff` URL options). The failing part
 is the connector's `failure_domain` of the key: the whole server, or one node of a cluster.
 Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain; the
-values of a batched get are read off the socket straight into arena buffers. A write is a plain
+values of a batched get are read off the socket straight into arena buffers, or, for a serde that
+decodes (CacheGen), read whole and decoded on the tier's decode thread while the next values
+arrive, so transfer and decode overlap instead of adding up. A write is a plain
 SET (no EXISTS first: the value for a key never changes, so writing it again is harmless).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TypeVar
 
@@ -32,7 +35,7 @@ from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
+from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream, read_blob, read_exact
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
 
@@ -62,6 +65,9 @@ class RemoteBackend(LowerTierBackend):
         self._count_lock = threading.Lock()
         self.num_corrupt = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
+        # decodes of a batch's values run here while the connector reads the next ones
+        self._decodes = None if self.deserializer.raw_payload else \
+            ThreadPoolExecutor(1, thread_name_prefix="lmcache-remote-decode")
 
     @classmethod
     def create(cls, ctx: TierContext) -> RemoteBackend | None:
@@ -143,11 +149,13 @@ class RemoteBackend(LowerTierBackend):
         return out
 
     def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """One pipelined request per failure domain; values stream into arena buffers."""
+        """One pipelined request per failure domain; values stream into arena buffers (or are
+        decoded on the decode thread as they arrive, see the module doc)."""
         out: list[MemoryObj | None] = [None] * len(keys)
         made: list[MemoryObj] = []  # every object read, also by an attempt that failed later
+        decoding: list[Future[BlobRead]] = []
 
-        def read(stream: ReadStream, length: int) -> MemoryObj | BlobError | None:
+        def read_now(stream: ReadStream, length: int) -> BlobRead:
             try:
                 obj = self._read_blob(stream, length)
             except (CorruptBlobError, ForeignSerdeError) as e:
@@ -156,15 +164,25 @@ class RemoteBackend(LowerTierBackend):
                 made.append(obj)
             return obj
 
+        def read(stream: ReadStream, length: int) -> BlobRead | Future[BlobRead]:
+            if self._decodes is None:
+                return read_now(stream, length)
+            data = read_exact(stream, length)
+            decoding.append(self._decodes.submit(read_now, BufferStream(data), length))
+            return decoding[-1]
+
+        done = False
         try:
             for group in self._by_domain(keys):
                 rks = [rk for _, rk in group]
-                misses: list[MemoryObj | BlobError | None] = [None] * len(rks)
+                misses: list[BlobRead | Future[BlobRead]] = [None] * len(rks)
                 values = self._call(rks[0], partial(self.connector.get_many_into, rks, read), misses)
                 for (i, rk), value in zip(group, values, strict=True):
                     out[i] = self._verified(rk, partial(_unwrap, value))
+            done = True
         finally:
-            kept = {id(obj) for obj in out if obj is not None}
+            wait(decoding)  # also those of a batch that failed: their objects are released below
+            kept = {id(obj) for obj in out if obj is not None} if done else set()
             release_all([obj for obj in made if id(obj) not in kept])
         return out
 
@@ -191,13 +209,17 @@ class RemoteBackend(LowerTierBackend):
         self._call(remote_key, lambda: self.connector.delete(remote_key), False)
 
     def _close(self) -> None:
+        if self._decodes is not None:
+            self._decodes.shutdown(wait=True)
         self.connector.close()
 
 
 BlobError = CorruptBlobError | ForeignSerdeError
+BlobRead = MemoryObj | BlobError | None  # what reading one value gives
 
 
-def _unwrap(value: MemoryObj | BlobError | None) -> MemoryObj | None:
-    if isinstance(value, (CorruptBlobError, ForeignSerdeError)):
-        raise value
-    return value
+def _unwrap(value: BlobRead | Future[BlobRead]) -> MemoryObj | None:
+    got = value.result() if isinstance(value, Future) else value  # a decode's own failure
+    if isinstance(got, (CorruptBlobError, ForeignSerdeError)):   # (not a bad blob) raises here
+        raise got
+    return got

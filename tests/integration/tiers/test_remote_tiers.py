@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from redis.crc import key_slot
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator
+from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator, release_all
 from lmcache.storage_backend.remote_backend import RemoteBackend
 from lmcache.utils import CacheEngineKey
 
@@ -105,6 +106,61 @@ def test_every_serde_round_trips_through_valkey(valkey, tier, serde):
     assert reader.hit(1) and reader.hit(2)
     assert not tier(valkey.url, serde="naive" if serde != "naive" else "torch").hit(1)  # foreign: a miss
     assert redis.Redis(port=valkey.port).dbsize() == 2  # ... and left alone
+
+
+@pytest.mark.parametrize("serde", ["cachegen", "torch"])
+def test_a_batch_of_a_decoding_serde_decodes_off_the_reading_thread(valkey, tier, serde):
+    """Values of a serde that decodes are decoded on the tier's decode thread while the next ones
+    arrive; the batch is what single gets give, in order, with misses and corrupt values."""
+    tier(valkey.url, serde=serde).put(*range(5))
+    r = redis.Redis(port=valkey.port)
+    r.set(key(3).to_string(), r.get(key(3).to_string())[:-1])  # truncated: corrupt
+    reader = tier(valkey.url, serde=serde)
+    de = reader.backend.deserializer
+    threads: list[str] = []
+    decode = de.from_bytes_to
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    de.from_bytes_to = spy
+    batch = reader.backend.batched_get([key(i) for i in (4, 99, 3, 0, 1, 2)])
+    assert batch[1] is None and batch[2] is None  # a miss; a corrupt value: a miss, deleted
+    assert r.exists(key(3).to_string()) == 0 and reader.backend.num_corrupt == 1
+    assert len(threads) == 4 and all(t.startswith("lmcache-remote-decode") for t in threads)
+    for i, obj in zip((4, 0, 1, 2), (batch[0], *batch[3:]), strict=True):
+        single = reader.backend.get_blocking(key(i))
+        assert torch.equal(obj.tensor, single.tensor)  # the same decode as a single get
+        assert float((obj.tensor.float() - data(i).float()).abs().max()) < 1.0
+        single.ref_count_down()
+        obj.ref_count_down()
+    assert reader.alloc.used_bytes == 0  # every buffer given back
+
+
+def test_a_decode_that_fails_by_itself_raises_and_leaks_no_buffer(valkey, tier):
+    """A decoder fault that is not a bad blob (a bug; no real store produces one) propagates out
+    of the batch, and the values already decoded are given back."""
+    tier(valkey.url, serde="cachegen").put(*range(4))
+    reader = tier(valkey.url, serde="cachegen")
+    de = reader.backend.deserializer
+    decode, calls = de.from_bytes_to, []
+
+    def failing_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("decoder bug")
+        return decode(*args, **kwargs)
+
+    de.from_bytes_to = failing_third
+    with pytest.raises(RuntimeError, match="decoder bug"):
+        reader.backend.batched_get([key(i) for i in range(4)])
+    assert len(calls) == 4 and reader.alloc.used_bytes == 0
+    de.from_bytes_to = decode
+    batch = reader.backend.batched_get([key(i) for i in range(4)])  # the store is still fine
+    assert all(obj is not None for obj in batch)
+    release_all(batch)
+    assert reader.alloc.used_bytes == 0
 
 
 def test_namespace_and_ttl_options(valkey, tier):
