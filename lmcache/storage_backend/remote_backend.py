@@ -35,7 +35,7 @@ from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream, read_blob, read_exact
+from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob, read_whole_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
 from lmcache.utils import CacheEngineKey
 
@@ -155,9 +155,9 @@ class RemoteBackend(LowerTierBackend):
         made: list[MemoryObj] = []  # every object read, also by an attempt that failed later
         decoding: list[Future[BlobRead]] = []
 
-        def read_now(stream: ReadStream, length: int) -> BlobRead:
+        def settle(make: Callable[[], MemoryObj | None]) -> BlobRead:
             try:
-                obj = self._read_blob(stream, length)
+                obj = make()
             except (CorruptBlobError, ForeignSerdeError) as e:
                 return e
             if obj is not None:
@@ -166,9 +166,13 @@ class RemoteBackend(LowerTierBackend):
 
         def read(stream: ReadStream, length: int) -> BlobRead | Future[BlobRead]:
             if self._decodes is None:
-                return read_now(stream, length)
-            data = read_exact(stream, length)
-            decoding.append(self._decodes.submit(read_now, BufferStream(data), length))
+                return settle(partial(self._read_blob, stream, length))
+            try:
+                whole = read_whole_blob(stream, length)
+            except CorruptBlobError as e:
+                return e
+            decode = partial(self.deserializer.from_bytes_to, whole, self.allocate)
+            decoding.append(self._decodes.submit(settle, decode))
             return decoding[-1]
 
         done = False

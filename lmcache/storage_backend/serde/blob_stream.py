@@ -65,15 +65,9 @@ def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deseriali
     """The blob of `blob_len` bytes at the head of `stream`, in a buffer from `allocate` (one
     reference, owned by the caller); None if `allocate` has no room (then the payload is left
     unread). Raises CorruptBlobError (ForeignSerdeError for an intact blob of another serde)."""
-    if blob_len < blob_header.HEADER_SIZE:
-        raise CorruptBlobError(f"blob of {blob_len} bytes is shorter than its header")
-    head = read_exact(stream, blob_header.HEADER_SIZE)
-    header = blob_header.parse_header(head)
-    if blob_len != blob_header.HEADER_SIZE + header.payload_len:
-        raise CorruptBlobError(f"blob has {blob_len - blob_header.HEADER_SIZE} payload bytes, its "
-                               f"header says {header.payload_len}")
+    head, header = _read_header(stream, blob_len)
     if not (header.serde_id == serde_id and deser.raw_payload and header.dtype == deser.dtype):
-        return deser.from_bytes_to(head + read_exact(stream, header.payload_len), allocate)
+        return deser.from_bytes_to(_with_payload(stream, head, header.payload_len), allocate)
     if header.shape.numel() * header.dtype.itemsize != header.payload_len:
         raise CorruptBlobError(f"payload of {header.payload_len} bytes does not hold "
                                f"{header.dtype} {tuple(header.shape)}")
@@ -88,3 +82,29 @@ def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deseriali
         obj.ref_count_down()
         raise
     return obj
+
+
+def read_whole_blob(stream: ReadStream, blob_len: int) -> bytearray:
+    """The blob of `blob_len` bytes at the head of `stream` in one buffer (for a deserializer that
+    needs all of it), its length checked against its header. Raises CorruptBlobError."""
+    head, header = _read_header(stream, blob_len)
+    return _with_payload(stream, head, header.payload_len)
+
+
+def _read_header(stream: ReadStream, blob_len: int) -> tuple[bytearray, blob_header.Header]:
+    if blob_len < blob_header.HEADER_SIZE:
+        raise CorruptBlobError(f"blob of {blob_len} bytes is shorter than its header")
+    head = read_exact(stream, blob_header.HEADER_SIZE)
+    header = blob_header.parse_header(head)
+    if blob_len != blob_header.HEADER_SIZE + header.payload_len:
+        raise CorruptBlobError(f"blob has {blob_len - blob_header.HEADER_SIZE} payload bytes, its "
+                               f"header says {header.payload_len}")
+    return head, header
+
+
+def _with_payload(stream: ReadStream, head: bytearray, payload_len: int) -> bytearray:
+    """`head` followed by the next `payload_len` bytes of `stream`, read in place."""
+    whole = bytearray(len(head) + payload_len)
+    whole[:len(head)] = head
+    readinto_exact(stream, memoryview(whole)[len(head):])
+    return whole
