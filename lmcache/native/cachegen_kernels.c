@@ -65,9 +65,27 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int64_t
     }
 }
 
-/* Pass 1. colsum[g][c] = sum over t (ascending) of x, in float32. sumsq[g][t] = sum over c of
+/* Work on one pair g, inlined into the exported kernels below (so compiled per CPU with them). */
+#define PAIR static inline __attribute__((always_inline))
+
+/* Pass 1 on pair g. colsum[c] = sum over t (ascending) of x, in float32. sumsq[t] = sum over c of
  * x * x in float64 with 8 partial sums (partial j takes c = j, j + 8, ... in order), combined as
- * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). */
+ * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). row: room for C floats. */
+PAIR void stats_pair(const void *x, int dtype, int64_t g, int64_t T, int64_t C, float *row,
+                     float *colsum, double *sumsq) {
+    for (int64_t c = 0; c < C; c++) colsum[c] = 0.0f;
+    for (int64_t t = 0; t < T; t++) {
+        load_row(x, dtype, (g * T + t) * C, C, row);
+        for (int64_t c = 0; c < C; c++) colsum[c] += row[c];
+        double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8)
+            for (int j = 0; j < 8; j++) p[j] += (double)row[c + j] * (double)row[c + j];
+        for (int j = 0; c < C; c++, j++) p[j] += (double)row[c] * (double)row[c];
+        sumsq[t] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    }
+}
+
 HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
              double *sumsq, int nthreads) {
     int failed = 0;
@@ -79,105 +97,142 @@ HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, floa
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < G; g++) {
-            if (!row) continue;
-            float *acc = colsum + g * C;
-            for (int64_t c = 0; c < C; c++) acc[c] = 0.0f;
-            for (int64_t t = 0; t < T; t++) {
-                load_row(x, dtype, (g * T + t) * C, C, row);
-                for (int64_t c = 0; c < C; c++) acc[c] += row[c];
-                double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                int64_t c = 0;
-                for (; c + 8 <= C; c += 8)
-                    for (int j = 0; j < 8; j++) p[j] += (double)row[c + j] * (double)row[c + j];
-                for (int j = 0; c < C; c++, j++) p[j] += (double)row[c] * (double)row[c];
-                sumsq[g * T + t] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-            }
-        }
+        for (int64_t g = 0; g < G; g++)
+            if (row) stats_pair(x, dtype, g, T, C, row, colsum + g * C, sumsq + g * T);
         free(row);
     }
     return failed ? -2 : 0;
 }
 
-/* Pass 2. q = rint(clamp((x - mean[g][c]) * inv_step[g][t], +-32767)), except on anchor tokens
- * (anchor_of[t] = a >= 0): there fine = rint(clamp(that product, +-(QMAX + 1)) * 8), q = fine >> 3
- * (floor) and refine[a][g][c] = fine & 7. Per channel: abs_sum (sum |q|), qmin, qmax; per token:
- * qpeak (max |q|). */
+/* Per-thread buffers of pass 2. */
+typedef struct {
+    float *row;
+    int32_t *acc;
+    int16_t *lo, *hi;
+} quant_buf;
+
+static int quant_buf_alloc(quant_buf *b, int64_t C) {
+    b->row = (float *)malloc(sizeof(float) * C);
+    b->acc = (int32_t *)malloc(sizeof(int32_t) * C);
+    b->lo = (int16_t *)malloc(sizeof(int16_t) * C);
+    b->hi = (int16_t *)malloc(sizeof(int16_t) * C);
+    return b->row && b->acc && b->lo && b->hi ? 0 : -1;
+}
+
+static void quant_buf_free(quant_buf *b) {
+    free(b->row);
+    free(b->acc);
+    free(b->lo);
+    free(b->hi);
+}
+
+/* Pass 2 on pair g: q[t][c] (the pair's rows) = rint(clamp((x - mean[c]) * inv_steps[t],
+ * +-32767)), except on anchor tokens (anchor_of[t] = a >= 0): there fine = rint(clamp(that
+ * product, +-(QMAX + 1)) * 8), q = fine >> 3 (floor) and refine[a * G * C + c] = fine & 7 (refine:
+ * anchor 0's channels of this pair). Per channel: abs_sum (sum |q|), qmin, qmax; per token: qpeak
+ * (max |q|). */
+PAIR void quantize_pair(const void *x, int dtype, int64_t g, int64_t G, int64_t T, int64_t C,
+                        const float *restrict mean, const float *inv_steps,
+                        const int64_t *anchor_of, int16_t *q, uint8_t *refine, int64_t *asum,
+                        int32_t *qmin, int32_t *qmax, int32_t *qpeak, quant_buf *b) {
+    int16_t *restrict lo = b->lo, *restrict hi = b->hi;
+    int32_t *restrict acc = b->acc;
+    for (int64_t c = 0; c < C; c++) {
+        asum[c] = 0;
+        acc[c] = 0;
+        lo[c] = 32767;
+        hi[c] = -32767;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        load_row(x, dtype, (g * T + t) * C, C, b->row);
+        const float inv = inv_steps[t];
+        int16_t *restrict out = q + t * C;
+        const float *restrict in = b->row;
+        if (anchor_of[t] >= 0) {
+            uint8_t *restrict ref = refine + anchor_of[t] * G * C;
+            for (int64_t c = 0; c < C; c++) {
+                float v = (in[c] - mean[c]) * inv;
+                v = v < ANCHOR_LIMIT ? v : ANCHOR_LIMIT;
+                v = v > -ANCHOR_LIMIT ? v : -ANCHOR_LIMIT;
+                int32_t fine = (int32_t)((v * 8.0f + RINT_MAGIC) - RINT_MAGIC);
+                out[c] = (int16_t)(fine >> 3); /* arithmetic shift: floor(fine / 8) */
+                ref[c] = (uint8_t)(fine & 7);
+            }
+        } else {
+            for (int64_t c = 0; c < C; c++) {
+                float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
+                v = v < QLIMIT ? v : QLIMIT;
+                v = v > -QLIMIT ? v : -QLIMIT;
+                out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
+            }
+        }
+        int16_t peak = 0;
+        for (int64_t c = 0; c < C; c++) {
+            int16_t s = out[c], neg = (int16_t)-s, a = s > neg ? s : neg;
+            acc[c] += a;
+            peak = a > peak ? a : peak;
+            lo[c] = s < lo[c] ? s : lo[c];
+            hi[c] = s > hi[c] ? s : hi[c];
+        }
+        qpeak[t] = peak;
+        if ((t & 0xFFFF) == 0xFFFF || t == T - 1)  /* 65536 * 32767 fits in int32 ... */
+            for (int64_t c = 0; c < C; c++) {   /* ... so flush every 65536 tokens */
+                asum[c] += acc[c];
+                acc[c] = 0;
+            }
+    }
+    for (int64_t c = 0; c < C; c++) {
+        qmin[c] = lo[c];
+        qmax[c] = hi[c];
+    }
+}
+
+/* Pass 2 on every pair (see quantize_pair), with means [G][C] and inv_steps [G][T]. */
 HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
                 const float *inv_steps, const int64_t *anchor_of, int16_t *q, int64_t *abs_sum,
                 int32_t *qmin, int32_t *qmax, int32_t *qpeak, uint8_t *refine, int nthreads) {
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
-        float *row = (float *)malloc(sizeof(float) * C);
-        int32_t *acc32 = (int32_t *)malloc(sizeof(int32_t) * C);
-        int16_t *lo16 = (int16_t *)malloc(sizeof(int16_t) * C), *hi16 = (int16_t *)malloc(sizeof(int16_t) * C);
-        if (!row || !acc32 || !lo16 || !hi16) {
+        quant_buf b;
+        if (quant_buf_alloc(&b, C)) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++) {
             if (failed) continue;
-            const float *restrict mean = means + g * C;
-            int64_t *restrict asum = abs_sum + g * C;
-            int16_t *restrict lo = lo16, *restrict hi = hi16;
-            int32_t *restrict acc = acc32;
-            for (int64_t c = 0; c < C; c++) {
-                asum[c] = 0;
-                acc[c] = 0;
-                lo[c] = 32767;
-                hi[c] = -32767;
-            }
-            for (int64_t t = 0; t < T; t++) {
-                load_row(x, dtype, (g * T + t) * C, C, row);
-                const float inv = inv_steps[g * T + t];
-                int16_t *restrict out = q + (g * T + t) * C;
-                const float *restrict in = row;
-                if (anchor_of[t] >= 0) {
-                    uint8_t *restrict ref = refine + (anchor_of[t] * G + g) * C;
-                    for (int64_t c = 0; c < C; c++) {
-                        float v = (in[c] - mean[c]) * inv;
-                        v = v < ANCHOR_LIMIT ? v : ANCHOR_LIMIT;
-                        v = v > -ANCHOR_LIMIT ? v : -ANCHOR_LIMIT;
-                        int32_t fine = (int32_t)((v * 8.0f + RINT_MAGIC) - RINT_MAGIC);
-                        out[c] = (int16_t)(fine >> 3); /* arithmetic shift: floor(fine / 8) */
-                        ref[c] = (uint8_t)(fine & 7);
-                    }
-                } else {
-                    for (int64_t c = 0; c < C; c++) {
-                        float v = (in[c] - mean[c]) * inv; /* finite: the stats pass checked */
-                        v = v < QLIMIT ? v : QLIMIT;
-                        v = v > -QLIMIT ? v : -QLIMIT;
-                        out[c] = (int16_t)(int32_t)((v + RINT_MAGIC) - RINT_MAGIC);
-                    }
-                }
-                int16_t peak = 0;
-                for (int64_t c = 0; c < C; c++) {
-                    int16_t s = out[c], neg = (int16_t)-s, a = s > neg ? s : neg;
-                    acc[c] += a;
-                    peak = a > peak ? a : peak;
-                    lo[c] = s < lo[c] ? s : lo[c];
-                    hi[c] = s > hi[c] ? s : hi[c];
-                }
-                qpeak[g * T + t] = peak;
-                if ((t & 0xFFFF) == 0xFFFF || t == T - 1)  /* 65536 * 32767 fits in int32 ... */
-                    for (int64_t c = 0; c < C; c++) {   /* ... so flush every 65536 tokens */
-                        asum[c] += acc[c];
-                        acc[c] = 0;
-                    }
-            }
-            for (int64_t c = 0; c < C; c++) {
-                qmin[g * C + c] = lo[c];
-                qmax[g * C + c] = hi[c];
-            }
+            quantize_pair(x, dtype, g, G, T, C, means + g * C, inv_steps + g * T, anchor_of,
+                          q + g * T * C, refine + g * C, abs_sum + g * C, qmin + g * C,
+                          qmax + g * C, qpeak + g * T, &b);
         }
-        free(row);
-        free(acc32);
-        free(lo16);
-        free(hi16);
+        quant_buf_free(&b);
     }
     return failed ? -2 : 0;
+}
+
+/* Pass 3 on pair g: out[e - lo] = the number of (t, c) with sym_base[c] + q[t][c] = e, for the
+ * pair's table entries [lo, lo + n). part: 4 * width int32 scratch, width >= n. */
+PAIR void histogram_pair(const int16_t *q, int64_t T, int64_t C, const int64_t *base, int64_t lo,
+                         int64_t n, int32_t *part, int64_t width, int64_t *out) {
+    /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each other's
+     * increments */
+    memset(part, 0, sizeof(int32_t) * 4 * width);
+    int32_t *p0 = part - lo, *p1 = part + width - lo, *p2 = part + 2 * width - lo,
+            *p3 = part + 3 * width - lo;
+    for (int64_t t = 0; t < T; t++) {
+        const int16_t *row = q + t * C;
+        int64_t c = 0;
+        for (; c + 4 <= C; c += 4) {
+            p0[base[c] + row[c]]++;
+            p1[base[c + 1] + row[c + 1]]++;
+            p2[base[c + 2] + row[c + 2]]++;
+            p3[base[c + 3] + row[c + 3]]++;
+        }
+        for (; c < C; c++) p0[base[c] + row[c]]++;
+    }
+    for (int64_t e = 0; e < n; e++)
+        out[e] = (int64_t)part[e] + part[width + e] + part[2 * width + e] + part[3 * width + e];
 }
 
 /* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
@@ -191,8 +246,6 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
-        /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each
-         * other's increments */
         int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
         if (!part) {
             #pragma omp atomic write
@@ -201,24 +254,9 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
         #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++) {
             if (!part) continue;
-            const int64_t lo = pair_entries[g], n = pair_entries[g + 1] - lo;
-            memset(part, 0, sizeof(int32_t) * 4 * width);
-            int32_t *p0 = part - lo, *p1 = part + width - lo, *p2 = part + 2 * width - lo,
-                    *p3 = part + 3 * width - lo;
-            const int64_t *base = sym_base + g * C;
-            for (int64_t t = 0; t < T; t++) {
-                const int16_t *row = q + (g * T + t) * C;
-                int64_t c = 0;
-                for (; c + 4 <= C; c += 4) {
-                    p0[base[c] + row[c]]++;
-                    p1[base[c + 1] + row[c + 1]]++;
-                    p2[base[c + 2] + row[c + 2]]++;
-                    p3[base[c + 3] + row[c + 3]]++;
-                }
-                for (; c < C; c++) p0[base[c] + row[c]]++;
-            }
-            for (int64_t e = 0; e < n; e++)
-                counts[lo + e] = (int64_t)part[e] + part[width + e] + part[2 * width + e] + part[3 * width + e];
+            const int64_t lo = pair_entries[g];
+            histogram_pair(q + g * T * C, T, C, sym_base + g * C, lo, pair_entries[g + 1] - lo,
+                           part, width, counts + lo);
         }
         free(part);
     }
@@ -227,31 +265,83 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
 
 /* Symbol groups (cachegen_layout): channel c of pair g is in class classes[g][c] < NUM_CLASSES;
  * a pair's groups are its classes that occur, in increasing order, numbered across pairs in pair
- * order. group_ranges: each group's lowest symbol and alphabet size from its channels' qmin /
- * qmax into low / size (room for G * NUM_CLASSES groups); returns the number of groups. */
+ * order. */
 #define NUM_CLASSES 16
 
+/* Pair g's groups: each one's lowest symbol and alphabet size from its channels' qmin / qmax into
+ * low / size (room for NUM_CLASSES), and each class's group size into class_size (0: absent).
+ * Returns the number of groups. */
+PAIR int64_t group_ranges_pair(const uint8_t *classes, const int32_t *qmin, const int32_t *qmax,
+                               int64_t C, int32_t *low, int64_t *size, int64_t *class_size) {
+    int32_t lo[NUM_CLASSES], hi[NUM_CLASSES];
+    for (int k = 0; k < NUM_CLASSES; k++) {
+        lo[k] = INT32_MAX;
+        hi[k] = INT32_MIN;
+    }
+    for (int64_t c = 0; c < C; c++) {
+        int k = classes[c] & (NUM_CLASSES - 1);
+        lo[k] = qmin[c] < lo[k] ? qmin[c] : lo[k];
+        hi[k] = qmax[c] > hi[k] ? qmax[c] : hi[k];
+    }
+    int64_t n = 0;
+    for (int k = 0; k < NUM_CLASSES; k++) {
+        class_size[k] = 0;
+        if (lo[k] <= hi[k]) {
+            low[n] = lo[k];
+            size[n++] = class_size[k] = (int64_t)hi[k] - lo[k] + 1;
+        }
+    }
+    return n;
+}
+
+/* group_ranges: every pair's groups into low / size (room for G * NUM_CLASSES groups); returns
+ * the number of groups. */
 int cg_group_ranges(const uint8_t *classes, const int32_t *qmin, const int32_t *qmax, int64_t G,
                     int64_t C, int32_t *low, int64_t *size) {
-    int64_t n = 0;
-    for (int64_t g = 0; g < G; g++) {
-        int32_t lo[NUM_CLASSES], hi[NUM_CLASSES];
-        for (int k = 0; k < NUM_CLASSES; k++) {
-            lo[k] = INT32_MAX;
-            hi[k] = INT32_MIN;
-        }
-        for (int64_t c = 0; c < C; c++) {
-            int k = classes[g * C + c] & (NUM_CLASSES - 1);
-            lo[k] = qmin[g * C + c] < lo[k] ? qmin[g * C + c] : lo[k];
-            hi[k] = qmax[g * C + c] > hi[k] ? qmax[g * C + c] : hi[k];
-        }
-        for (int k = 0; k < NUM_CLASSES; k++)
-            if (lo[k] <= hi[k]) {
-                low[n] = lo[k];
-                size[n++] = (int64_t)hi[k] - lo[k] + 1;
-            }
-    }
+    int64_t n = 0, class_size[NUM_CLASSES];
+    for (int64_t g = 0; g < G; g++)
+        n += group_ranges_pair(classes + g * C, qmin + g * C, qmax + g * C, C, low + n, size + n,
+                               class_size);
     return (int)n;
+}
+
+/* Pair g's part of `CodeLayout.build` (see CodeLayout), its groups numbered from n0 (their
+ * group_start filled): group_of, sym_base, chans, cchans [C], and its numbers of coded and
+ * single-symbol channels. Returns its number of groups, or -1 if a class is out of range or its
+ * groups would pass the N groups there are. */
+PAIR int64_t layout_pair(const uint8_t *classes, int64_t C, int64_t n0, int64_t N,
+                         const int32_t *low, const int64_t *size, const int64_t *group_start,
+                         int64_t *group_of, int64_t *sym_base, int64_t *chans, int64_t *cchans,
+                         int64_t *ncoded, int64_t *nconst) {
+    int64_t id[NUM_CLASSES], n = n0;
+    for (int k = 0; k < NUM_CLASSES; k++) id[k] = -1;
+    for (int64_t c = 0; c < C; c++) {
+        if (classes[c] >= NUM_CLASSES) return -1;
+        id[classes[c]] = 0;
+    }
+    for (int k = 0; k < NUM_CLASSES; k++)
+        if (id[k] == 0) {
+            if (n == N) return -1;
+            id[k] = n++;
+        }
+    int64_t nc = 0, nk = 0;
+    for (int64_t c = 0; c < C; c++) {
+        int64_t grp = id[classes[c]];
+        group_of[c] = grp;
+        sym_base[c] = group_start[grp] - low[grp];
+        if (size[grp] > 1)
+            chans[nc++] = c;
+        else
+            cchans[nk++] = c;
+    }
+    for (int64_t c = 0, j = nc, k = nk; c < C; c++) /* then the others, in channel order */
+        if (size[id[classes[c]]] > 1)
+            cchans[k++] = c;
+        else
+            chans[j++] = c;
+    *ncoded = nc;
+    *nconst = nk;
+    return n - n0;
 }
 
 /* `CodeLayout.build`'s arrays from the classes and the groups' low / size (see CodeLayout):
@@ -260,64 +350,48 @@ int cg_group_ranges(const uint8_t *classes, const int32_t *qmin, const int32_t *
 int cg_layout(const uint8_t *classes, int64_t G, int64_t C, int64_t N, const int32_t *low,
               const int64_t *size, int64_t *group_start, int64_t *group_of, int64_t *ncoded,
               int64_t *chans, int64_t *nconst, int64_t *cchans, int64_t *sym_base) {
-    int64_t n = 0, start = 0;
+    for (int64_t n = 0, start = 0; n < N; n++) {
+        group_start[n] = start;
+        start += size[n];
+    }
+    int64_t n = 0;
     for (int64_t g = 0; g < G; g++) {
-        int64_t id[NUM_CLASSES];
-        for (int k = 0; k < NUM_CLASSES; k++) id[k] = -1;
-        for (int64_t c = 0; c < C; c++) {
-            if (classes[g * C + c] >= NUM_CLASSES) return -1;
-            id[classes[g * C + c]] = 0;
-        }
-        for (int k = 0; k < NUM_CLASSES; k++)
-            if (id[k] == 0) {
-                if (n == N) return -1;
-                id[k] = n;
-                group_start[n] = start;
-                start += size[n++];
-            }
-        int64_t nc = 0, nk = 0;
-        for (int64_t c = 0; c < C; c++) {
-            int64_t grp = id[classes[g * C + c]];
-            group_of[g * C + c] = grp;
-            sym_base[g * C + c] = group_start[grp] - low[grp];
-            if (size[grp] > 1)
-                chans[g * C + nc++] = c;
-            else
-                cchans[g * C + nk++] = c;
-        }
-        for (int64_t c = 0, j = nc, k = nk; c < C; c++) /* then the others, in channel order */
-            if (size[id[classes[g * C + c]]] > 1)
-                cchans[g * C + k++] = c;
-            else
-                chans[g * C + j++] = c;
-        ncoded[g] = nc;
-        nconst[g] = nk;
+        int64_t k = layout_pair(classes + g * C, C, n, N, low, size, group_start, group_of + g * C,
+                                sym_base + g * C, chans + g * C, cchans + g * C, ncoded + g,
+                                nconst + g);
+        if (k < 0) return -1;
+        n += k;
     }
     return n == N ? 0 : -1;
 }
 
-/* `cachegen_rans.normalize`: counts [entries] -> freq: each group's counts scaled to sum to
+/* `cachegen_rans.normalize` of one group: its counts cnt [size] -> f, scaled to sum to
  * PROB_SCALE, 1 + count * (PROB_SCALE - k) / total (floor) for the k symbols that occur, 0 for the
  * others, the remainder added to the group's most frequent symbol (the first of ties). Returns 0,
- * or -1 if a group has no counts. */
+ * or -1 if the group has no counts. */
+static int normalize_group(const int64_t *cnt, int64_t size, uint32_t *f) {
+    int64_t total = 0, k = 0, top = 0, used = 0;
+    for (int64_t e = 0; e < size; e++) {
+        total += cnt[e];
+        k += cnt[e] > 0;
+        top = cnt[e] > cnt[top] ? e : top;
+    }
+    if (total == 0) return -1;
+    for (int64_t e = 0; e < size; e++) {
+        f[e] = cnt[e] > 0 ? (uint32_t)(1 + cnt[e] * (PROB_SCALE - k) / total) : 0;
+        used += f[e];
+    }
+    f[top] += (uint32_t)(PROB_SCALE - used);
+    return 0;
+}
+
+/* counts [entries] -> freq for the N groups at group_start / group_size. Returns 0, or -1 if a
+ * group has no counts. */
 int cg_normalize(const int64_t *counts, int64_t N, const int64_t *group_start,
                  const int64_t *group_size, uint32_t *freq) {
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t *cnt = counts + group_start[n];
-        uint32_t *f = freq + group_start[n];
-        int64_t total = 0, k = 0, top = 0, used = 0;
-        for (int64_t e = 0; e < group_size[n]; e++) {
-            total += cnt[e];
-            k += cnt[e] > 0;
-            top = cnt[e] > cnt[top] ? e : top;
-        }
-        if (total == 0) return -1;
-        for (int64_t e = 0; e < group_size[n]; e++) {
-            f[e] = cnt[e] > 0 ? (uint32_t)(1 + cnt[e] * (PROB_SCALE - k) / total) : 0;
-            used += f[e];
-        }
-        f[top] += (uint32_t)(PROB_SCALE - used);
-    }
+    for (int64_t n = 0; n < N; n++)
+        if (normalize_group(counts + group_start[n], group_size[n], freq + group_start[n]))
+            return -1;
     return 0;
 }
 
@@ -406,6 +480,44 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
         for (; j >= 0; j--, i--) ENC_ANY_LANE(i, j, COL);                                   \
     } while (0)
 
+
+/* The encoder entries of one group's table freq [size] (entries with f = 0 are never used). */
+static void enc_group(const uint32_t *freq, int64_t size, enc_sym *tab) {
+    uint32_t cum = 0;
+    for (int64_t e = 0; e < size; e++) {
+        if (freq[e]) enc_sym_init(&tab[e], freq[e], cum);
+        cum += freq[e];
+    }
+}
+
+/* Pass 4 on one substream: the symbols of tokens [t0, t1) of a pair (q: its rows [T][C]) over its
+ * nc >= 1 coded channels ch[j], whose table entries are base[j][symbol], written backwards from
+ * ptr. Returns where its words begin, or NULL if they would reach below lo. */
+PAIR uint32_t *encode_substream(const int16_t *q, int64_t C, int64_t t0, int64_t t1, int64_t nc,
+                                const int64_t *ch, const enc_sym **base, const uint32_t *lo,
+                                uint32_t *ptr) {
+    uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
+             x6 = RANS_L, x7 = RANS_L;
+    int64_t i = (t1 - t0) * nc - 1;
+    for (int64_t t = t1 - 1; t >= t0; t--) {
+        if (ptr - lo < nc + 1) return NULL; /* a row emits <= nc words (+ the slot written ahead) */
+        const int16_t *row = q + t * C;
+        if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
+            for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
+        if (nc == C)
+            ENC_ROW(COL_ALL);
+        else
+            ENC_ROW(COL_LISTED);
+    }
+    if (ptr - lo < 2 * LANES) return NULL;
+    uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
+    for (int l = LANES - 1; l >= 0; l--) {
+        *--ptr = (uint32_t)x[l];
+        *--ptr = (uint32_t)(x[l] >> 32);
+    }
+    return ptr;
+}
+
 /* Pass 4. Encode substream (b, g) for every b, g (block b covers tokens [block_starts[b],
  * block_starts[b + 1]); pair g codes its ncoded[g] channels chans[g * C + j], j < ncoded[g],
  * whose table entries start at sym_base[g * C + chan]) into out[region_start[s], region_start[s + 1])
@@ -421,24 +533,13 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     int64_t nsym = N ? group_start[N - 1] + group_size[N - 1] : 0;
     enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * (nsym > 0 ? nsym : 1));
     if (!tab) return -2;
-    for (int64_t n = 0; n < N; n++) {
-        uint32_t cum = 0;
-        for (int64_t e = group_start[n]; e < group_start[n] + group_size[n]; e++) {
-            if (freq[e]) enc_sym_init(&tab[e], freq[e], cum);
-            cum += freq[e];
-        }
-    }
+    for (int64_t n = 0; n < N; n++) enc_group(freq + group_start[n], group_size[n], tab + group_start[n]);
     int status = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int64_t s = 0; s < B * G; s++) {
         int64_t b = s / G, g = s % G, nc = ncoded[g];
-        int64_t t0 = block_starts[b], t1 = block_starts[b + 1];
-        int64_t n = (t1 - t0) * nc;
-        uint32_t *lo = out + region_start[s], *ptr = out + region_start[s + 1];
-        if (n == 0) {
-            stream_start[s] = region_start[s + 1];
-            continue;
-        }
+        stream_start[s] = region_start[s + 1];
+        if (nc == 0 || block_starts[b + 1] == block_starts[b]) continue;
         const int64_t *ch = chans + g * C, *sb = sym_base + g * C;
         const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * nc);
         if (!base) {
@@ -447,39 +548,212 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
             continue;
         }
         for (int64_t j = 0; j < nc; j++) base[j] = tab + sb[ch[j]];
-        uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
-                 x6 = RANS_L, x7 = RANS_L;
-        int overflow = 0;
-        int64_t i = n - 1;
-        for (int64_t t = t1 - 1; t >= t0; t--) {
-            if (ptr - lo < nc + 1) { /* a row emits at most nc words (plus the slot written ahead) */
-                overflow = 1;
-                break;
-            }
-            const int16_t *row = q + (g * T + t) * C;
-            if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
-                for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
-            if (nc == C)
-                ENC_ROW(COL_ALL);
-            else
-                ENC_ROW(COL_LISTED);
-        }
-        uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
+        uint32_t *start = encode_substream(q + g * T * C, C, block_starts[b], block_starts[b + 1],
+                                           nc, ch, base, out + region_start[s],
+                                           out + region_start[s + 1]);
         free(base);
-        if (!overflow && ptr - lo < 2 * LANES) overflow = 1;
-        if (overflow) {
+        if (!start) {
             #pragma omp atomic write
             status = -1;
             continue;
         }
-        for (int l = LANES - 1; l >= 0; l--) {
-            *--ptr = (uint32_t)x[l];
-            *--ptr = (uint32_t)(x[l] >> 32);
-        }
-        stream_start[s] = ptr - out;
+        stream_start[s] = start - out;
     }
     free(tab);
     return status;
+}
+
+/* The whole encoder in two calls (`NativeKernels.encode_chunk`), with the results of the passes
+ * above and of the numpy steps between them (`cachegen_quant`, `cachegen_layout`), but each pair's
+ * data read while it is in cache and without a return to Python between passes. */
+#define EXP_LIMIT 800  /* cachegen_quant: exponents e in [-EXP_LIMIT, EXP_LIMIT] ... */
+#define EXP_WINDOW 255 /* ... within EXP_WINDOW of their pair's largest */
+#define QMAX 2047
+
+/* First call: for each pair g (in parallel), pass 1; means[g][c] = colsum / T rounded to bf16;
+ * exponents exps[g][t] = (the number of exp_thr [2 * EXP_LIMIT] entries <= (sumsq / C) * s * s,
+ * s = 8 / bins[g]) - EXP_LIMIT, raised to the pair's largest - EXP_WINDOW; pass 2 with
+ * inv_step_of[e + EXP_LIMIT]; classes[g][c] = the number of class_thr [NUM_CLASSES - 1] entries
+ * <= abs_sum / T + 1/4; the pair's groups (low / size at [g * NUM_CLASSES + k], k < ngroups[g])
+ * and its number of coded channels ncoded[g]. Returns 0; 1 if a token's symbols reach QMAX (its
+ * step needs raising: `cachegen_quant.bound_exponents`, which the passes do); 3 for non-finite
+ * sums; -2 on allocation failure. */
+HOT int cg_encode_prepare(const void *x, int dtype, int64_t G, int64_t T, int64_t C,
+                          const int64_t *bins, const double *exp_thr, const float *inv_step_of,
+                          const double *class_thr, const int64_t *anchor_of, int16_t *q,
+                          float *means, int32_t *exps, uint8_t *refine, uint8_t *classes,
+                          int32_t *low, int64_t *size, int64_t *ngroups, int64_t *ncoded,
+                          int nthreads) {
+    int status = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        quant_buf b;
+        float *colsum = (float *)malloc(sizeof(float) * C), *inv = (float *)malloc(sizeof(float) * T);
+        double *sumsq = (double *)malloc(sizeof(double) * T);
+        int64_t *asum = (int64_t *)malloc(sizeof(int64_t) * C);
+        int32_t *qmin = (int32_t *)malloc(sizeof(int32_t) * C), *qmax = (int32_t *)malloc(sizeof(int32_t) * C);
+        int32_t *qpeak = (int32_t *)malloc(sizeof(int32_t) * T);
+        if (quant_buf_alloc(&b, C) || !colsum || !inv || !sumsq || !asum || !qmin || !qmax || !qpeak) {
+            #pragma omp atomic write
+            status = -2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (status) continue;
+            stats_pair(x, dtype, g, T, C, b.row, colsum, sumsq);
+            int finite = 1;
+            for (int64_t c = 0; c < C; c++) finite &= __builtin_isfinite(colsum[c]);
+            for (int64_t t = 0; t < T; t++) finite &= __builtin_isfinite(sumsq[t]);
+            if (!finite) {
+                #pragma omp atomic write
+                status = 3;
+                continue;
+            }
+            float *mean = means + g * C;
+            for (int64_t c = 0; c < C; c++) mean[c] = bf16_to_f32(f32_to_bf16(colsum[c] / (float)T));
+            const double s = 8.0 / (double)bins[g], s2 = s * s;
+            int32_t *e = exps + g * T, top = -EXP_LIMIT;
+            for (int64_t t = 0; t < T; t++) {
+                const double r2 = (sumsq[t] / (double)C) * s2;
+                int64_t lo = 0, hi = 2 * EXP_LIMIT; /* the number of thresholds <= r2 */
+                while (lo < hi) {
+                    int64_t mid = (lo + hi) / 2;
+                    if (exp_thr[mid] <= r2)
+                        lo = mid + 1;
+                    else
+                        hi = mid;
+                }
+                e[t] = (int32_t)(lo - EXP_LIMIT);
+                top = e[t] > top ? e[t] : top;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                e[t] = e[t] > top - EXP_WINDOW ? e[t] : top - EXP_WINDOW;
+                inv[t] = inv_step_of[e[t] + EXP_LIMIT];
+            }
+            quantize_pair(x, dtype, g, G, T, C, mean, inv, anchor_of, q + g * T * C, refine + g * C,
+                          asum, qmin, qmax, qpeak, &b);
+            int32_t peak = 0;
+            for (int64_t t = 0; t < T; t++) peak = qpeak[t] > peak ? qpeak[t] : peak;
+            if (peak >= QMAX) {
+                #pragma omp atomic write
+                status = 1;
+                continue;
+            }
+            uint8_t *cls = classes + g * C;
+            for (int64_t c = 0; c < C; c++) {
+                const double spread = (double)asum[c] / (double)T + 0.25;
+                int k = 0;
+                while (k < NUM_CLASSES - 1 && class_thr[k] <= spread) k++;
+                cls[c] = (uint8_t)k;
+            }
+            int64_t class_size[NUM_CLASSES], nc = 0;
+            ngroups[g] = group_ranges_pair(cls, qmin, qmax, C, low + g * NUM_CLASSES,
+                                           size + g * NUM_CLASSES, class_size);
+            for (int64_t c = 0; c < C; c++) nc += class_size[cls[c]] > 1;
+            ncoded[g] = nc;
+        }
+        quant_buf_free(&b);
+        free(colsum);
+        free(inv);
+        free(sumsq);
+        free(asum);
+        free(qmin);
+        free(qmax);
+        free(qpeak);
+    }
+    return status;
+}
+
+/* Second call: for each pair g (in parallel), its layout (its groups are group_first[g] ..
+ * group_first[g + 1] - 1 of the N groups low / size / group_start), pass 3, its groups' frequency
+ * tables into freq (cg_normalize), pass 4 of its substreams (b, g) into their regions of out (as
+ * cg_encode); then the substreams are moved together to the start of out, s = b * G + g in order,
+ * lengths[s] receiving each one's bytes. Returns the number of words, or -1 if a region was too
+ * small, -2 on allocation failure, -3 if a group has no symbols, -4 if the classes do not match
+ * the groups. */
+HOT int64_t cg_encode_pairs(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+                            const int64_t *block_starts, const uint8_t *classes, int64_t N,
+                            const int32_t *low, const int64_t *size, const int64_t *group_start,
+                            const int64_t *group_first, uint32_t *freq, uint32_t *out,
+                            const int64_t *region_start, int64_t *lengths, int nthreads) {
+    int64_t width = 1;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t n0 = group_first[g], n1 = group_first[g + 1];
+        if (n0 < 0 || n1 <= n0 || n1 > N) return -4;
+        const int64_t w = group_start[n1 - 1] + size[n1 - 1] - group_start[n0];
+        width = w > width ? w : width;
+    }
+    int64_t *stream_start = (int64_t *)malloc(sizeof(int64_t) * (B * G > 0 ? B * G : 1));
+    if (!stream_start) return -2;
+    int status = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
+    {
+        int64_t *chan_buf = (int64_t *)malloc(sizeof(int64_t) * 4 * C);
+        int64_t *counts = (int64_t *)malloc(sizeof(int64_t) * width);
+        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
+        enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * width);
+        const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * C);
+        if (!chan_buf || !counts || !part || !tab || !base) {
+            #pragma omp atomic write
+            status = -2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < G; g++) {
+            if (status) continue;
+            int64_t *group_of = chan_buf, *sym_base = chan_buf + C, *chans = chan_buf + 2 * C,
+                    *cchans = chan_buf + 3 * C, nc = 0, nk = 0;
+            const int64_t n0 = group_first[g], n1 = group_first[g + 1];
+            if (layout_pair(classes + g * C, C, n0, N, low, size, group_start, group_of, sym_base,
+                            chans, cchans, &nc, &nk) != n1 - n0) {
+                #pragma omp atomic write
+                status = -4;
+                continue;
+            }
+            const int64_t lo = group_start[n0], n = group_start[n1 - 1] + size[n1 - 1] - lo;
+            const int16_t *pq = q + g * T * C;
+            histogram_pair(pq, T, C, sym_base, lo, n, part, width, counts);
+            int empty = 0;
+            for (int64_t grp = n0; grp < n1; grp++) {
+                empty |= normalize_group(counts + group_start[grp] - lo, size[grp], freq + group_start[grp]);
+                enc_group(freq + group_start[grp], size[grp], tab + group_start[grp] - lo);
+            }
+            if (empty) {
+                #pragma omp atomic write
+                status = -3;
+                continue;
+            }
+            for (int64_t j = 0; j < nc; j++) base[j] = tab - lo + sym_base[chans[j]];
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t s = b * G + g;
+                stream_start[s] = region_start[s + 1];
+                if (nc == 0 || block_starts[b + 1] == block_starts[b]) continue;
+                uint32_t *start = encode_substream(pq, C, block_starts[b], block_starts[b + 1], nc,
+                                                   chans, base, out + region_start[s],
+                                                   out + region_start[s + 1]);
+                if (!start) {
+                    #pragma omp atomic write
+                    status = -1;
+                    break;
+                }
+                stream_start[s] = start - out;
+            }
+        }
+        free(chan_buf);
+        free(counts);
+        free(part);
+        free(tab);
+        free(base);
+    }
+    int64_t total = 0;
+    if (status == 0)
+        for (int64_t s = 0; s < B * G; s++) {
+            const int64_t len = region_start[s + 1] - stream_start[s];
+            memmove(out + total, out + stream_start[s], sizeof(uint32_t) * len);
+            lengths[s] = 4 * len;
+            total += len;
+        }
+    free(stream_start);
+    return status ? status : total;
 }
 
 /* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):
@@ -568,12 +842,11 @@ static int dec_tables(const uint32_t *freq, const int64_t *group_start, const in
     return 0;
 }
 
-#define MAX_PAIR_GROUPS 16 /* channel classes: a pair has at most this many groups */
 
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
  * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
  * belongs to group gid = group_of_chan[g * C + c] (a pair's groups are consecutive, at most
- * MAX_PAIR_GROUPS); its symbol is group_low[gid] + the decoded local index (coded channels) or
+ * NUM_CLASSES); its symbol is group_low[gid] + the decoded local index (coded channels) or
  * group_low[gid] (channels listed in cchans[g * C + k], k < nconst[g], whose group has a single
  * symbol). Group gid's frequencies: freq[group_start[gid] .. + group_size[gid]]. The first token
  * of block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing.
@@ -591,8 +864,8 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     {
         dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
         int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
-        dec_index *index = (dec_index *)malloc(sizeof(dec_index) * MAX_PAIR_GROUPS * PROB_SCALE);
-        uint32_t *entry = (uint32_t *)malloc(sizeof(uint32_t) * MAX_PAIR_GROUPS * PROB_SCALE);
+        dec_index *index = (dec_index *)malloc(sizeof(dec_index) * NUM_CLASSES * PROB_SCALE);
+        uint32_t *entry = (uint32_t *)malloc(sizeof(uint32_t) * NUM_CLASSES * PROB_SCALE);
         int ok = dc && sym && index && entry;
         int64_t built = -1; /* the pair whose tables index / entry hold */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
@@ -610,7 +883,7 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
                 first = gid[c] < first ? gid[c] : first;
                 last = gid[c] > last ? gid[c] : last;
             }
-            if (last - first >= MAX_PAIR_GROUPS) { /* CodeLayout never builds such a pair */
+            if (last - first >= NUM_CLASSES) { /* CodeLayout never builds such a pair */
                 bad++;
                 continue;
             }

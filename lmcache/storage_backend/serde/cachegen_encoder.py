@@ -11,11 +11,16 @@ Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)` (
 3. Token blocks of `chunk_size` tokens are entropy-coded independently, one interleaved-rANS
    substream per (block, pair) (`cachegen_rans`), in parallel.
 
+`CacheGenEncoderImpl.code()` runs all three: with the native kernels in one fused pass over each
+(K/V, layer) pair while its data is in cache (`NativeKernels.encode_chunk`), else step by step
+(`code_by_passes`); both give the same stream.
+
 `encode_function` (seed name) and the serializer run the same on the CPU, or on the CUDA device with
 nvCOMP where CUDA and nvCOMP (`lmcache[gpu]`) are present (`cachegen_gpu`; such streams decode
 only where CUDA and nvCOMP are).
 `CacheGenSerializer.to_bytes(kv)` encodes one KV_BLOB chunk ``[2, L, T, C]`` (T <= chunk_size)
-as a single block and wraps the stream in the common blob header (`blob.pack_header`).
+as a single block, packs the coder's arrays (`cachegen_format.pack_fields`) and wraps the stream
+in the common blob header (`blob.pack_header`).
 
 `torch_quant` / `torch_quant_vectorized` are the seed's max-scaled quantizers (one max per tensor /
 per token); the codec itself uses RMS-relative steps (see `cachegen_quant` for why), and the
@@ -41,7 +46,13 @@ from lmcache.storage_backend.serde.cachegen_basics import (
     CacheGenGPUEncoderOutput,
 )
 from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
-from lmcache.storage_backend.serde.cachegen_kernels import Kernels, Quantized, coded_input, kernels
+from lmcache.storage_backend.serde.cachegen_kernels import (
+    ChunkCode,
+    Kernels,
+    Quantized,
+    coded_input,
+    kernels,
+)
 from lmcache.storage_backend.serde.cachegen_layout import CodeLayout, channel_classes
 from lmcache.storage_backend.serde.serde import Serializer
 
@@ -146,6 +157,22 @@ class CacheGenEncoderImpl:
         layout = k.layout(classes, low, size, self.block_starts)
         return SymbolTables(layout, classes, k.normalize(k.histogram(qz.q[pairs], layout), layout))
 
+    def code(self) -> ChunkCode:
+        """Every pass at once: in the kernels' fused encoder where they have one, else (or where
+        it declines) `code_by_passes`; the same results either way."""
+        bins = np.concatenate([self.key_bins, self.value_bins])
+        fused = self.kernels.encode_chunk(self.x, bins, self.block_starts)
+        return fused if fused is not None else self.code_by_passes()
+
+    def code_by_passes(self) -> ChunkCode:
+        """`quantize`, `compute_cdf` (all pairs) and the kernels' `encode`."""
+        qz = self.quantized or self.quantize()
+        tables = self.compute_cdf()
+        layout = tables.layout
+        return ChunkCode(self.means, self.exps, self.refinements, tables.classes, layout.group_low,
+                         layout.group_size, tables.freqs,
+                         self.kernels.encode(qz.q, layout, tables.freqs))
+
 
 def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor,
                   chunk_size: int, coder: Kernels | None = None) -> CacheGenEncoderOutput:
@@ -153,31 +180,36 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
     independent token blocks of `chunk_size` tokens with the CPU rANS coder (native kernels, or
     the reference `coder` given). Returns the flat encoder output (num_heads=1, head_size=C)."""
     ntok = kv.shape[2]
-    blocks = [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
-    impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
-                               block_tokens=blocks, kernels=coder, reuse_buffers=True)
-    impl.quantize()
-    assert impl.quantized is not None
-    tables = impl.compute_cdf()
-    encoded = impl.kernels.encode(impl.quantized.q, tables.layout, tables.freqs)
-    lengths = encoded.lengths.reshape(len(blocks), -1)
+    blocks = _blocks(ntok, chunk_size)
+    code = _code(kv, key_bins, value_bins, blocks, coder)
+    lengths = code.encoded.lengths.reshape(len(blocks), -1)
     starts = np.zeros((len(blocks), lengths.shape[1] + 1), np.int64)
     np.cumsum(lengths, axis=1, out=starts[:, 1:])
     starts += np.r_[0, np.cumsum(starts[:-1, -1])][:, None]  # blocks one after another
-    nlayers = impl.nlayers
-    exps = torch.from_numpy(impl.exps.astype(np.int16)).reshape(2, nlayers, ntok)
-    layout = tables.layout
+    nlayers = kv.shape[1]
+    exps = torch.from_numpy(code.exps.astype(np.int16)).reshape(2, nlayers, ntok)
     return CacheGenEncoderOutput(
-        encoded.payload, torch.from_numpy(starts), torch.from_numpy(tables.freqs.astype(np.int32)),
-        exps[0], exps[1], 1, kv.shape[3],
-        channel_means=torch.from_numpy(impl.means).to(torch.bfloat16).reshape(2, nlayers, -1),
-        channel_classes=torch.from_numpy(tables.classes).reshape(2, nlayers, -1),
-        symbol_ranges=torch.from_numpy(np.stack([layout.group_low, layout.group_size], 1)
-                                       .astype(np.int32)),
+        code.encoded.payload, torch.from_numpy(starts),
+        torch.from_numpy(code.freqs.astype(np.int32)), exps[0], exps[1], 1, kv.shape[3],
+        channel_means=torch.from_numpy(code.means).to(torch.bfloat16).reshape(2, nlayers, -1),
+        channel_classes=torch.from_numpy(code.classes).reshape(2, nlayers, -1),
+        symbol_ranges=torch.from_numpy(np.stack([code.low, code.size], 1).astype(np.int32)),
         key_bins=torch.as_tensor(key_bins, dtype=torch.int32),
         value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
         block_tokens=torch.tensor(blocks, dtype=torch.int64), coder=fmt.CODER_RANS,
-        anchor_refinements=torch.from_numpy(impl.refinements))
+        anchor_refinements=torch.from_numpy(code.refine))
+
+
+def _blocks(ntok: int, chunk_size: int) -> list[int]:
+    return [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
+
+
+def _code(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, blocks: list[int],
+          coder: Kernels | None) -> ChunkCode:
+    """kv [2, L, T, C] coded in token blocks of the given sizes (CPU rANS coder)."""
+    impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
+                               block_tokens=blocks, kernels=coder, reuse_buffers=True)
+    return impl.code()
 
 
 def _check_input(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
@@ -243,8 +275,15 @@ class CacheGenSerializer(Serializer):
         _check_input(tensor, self.cachegen_config.nlayers, 1)
         if gpu.available():
             out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
-        else:
-            out = encode_stream(tensor, self.key_bins, self.value_bins, tensor.shape[2], self.coder)
-        out.num_heads, out.head_size = self.num_heads, self.head_size
-        parts: list[bytes | memoryview] = list(out.to_parts())
+            out.num_heads, out.head_size = self.num_heads, self.head_size
+            parts: list[bytes | memoryview] = list(out.to_parts())
+        else:  # packed straight from the coder's arrays (no encoder output tensors)
+            code = _code(tensor, self.key_bins, self.value_bins, [tensor.shape[2]], self.coder)
+            tables = fmt.RansTables(code.refine, code.classes, code.low, code.size, code.freqs,
+                                    code.encoded.lengths)
+            parts = list(fmt.pack_fields(
+                fmt.CODER_RANS, self.num_heads, self.head_size, self.key_bins.numpy(),
+                self.value_bins.numpy(), np.array([tensor.shape[2]]),
+                (code.means.view(np.uint32) >> 16).astype(np.uint16), code.exps, tables,
+                code.encoded.payload))
         return [blob.pack_header("cachegen", tensor.shape, tensor.dtype, parts), *parts]

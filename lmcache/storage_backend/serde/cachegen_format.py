@@ -42,7 +42,7 @@ the store replaces the value.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -74,37 +74,64 @@ def pack(out: Any) -> bytes:
     return b"".join(pack_parts(out))
 
 
+class RansTables(NamedTuple):
+    """A rANS-coded stream's fields after the exponents (numpy, any integer dtypes)."""
+
+    refine: np.ndarray  # [B, G, C] anchor refinements (< 8)
+    classes: np.ndarray  # [G, C] channel classes (< 16)
+    low: np.ndarray  # [N] each group's lowest symbol
+    size: np.ndarray  # [N] each group's alphabet size
+    freqs: np.ndarray  # [sum size] the groups' frequency tables
+    lengths: np.ndarray  # [B * G] bytes of each substream
+
+
 def pack_parts(out: Any) -> list[bytes]:
     """`pack`'s bytes as [everything before the substreams, the substreams] (the encoder's
     payload is not copied)."""
     nlayers, ntokens = out.max_tensors_key.shape
-    if max(nlayers, out.num_heads, out.head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
-        raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
-                         f"heads={out.num_heads}, head_size={out.head_size}, T={ntokens}")
     exps = torch.stack([out.max_tensors_key, out.max_tensors_value]).reshape(2 * nlayers, ntokens)
-    base = exps.amax(1, keepdim=True) - 127
+    tables = None
+    if out.coder == CODER_RANS:
+        ranges = _np(out.symbol_ranges.to(torch.int64).reshape(-1, 2))
+        tables = RansTables(_np(out.anchor_refinements), _np(out.channel_classes), ranges[:, 0],
+                            ranges[:, 1], _np(out.cdf), _np(out.start_indices.long().diff(dim=1)))
+    return pack_fields(out.coder, out.num_heads, out.head_size, _np(out.key_bins),
+                       _np(out.value_bins), _np(out.block_tokens),
+                       _np(out.channel_means.to(torch.bfloat16).view(torch.int16)), _np(exps),
+                       tables, out.bytestream)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def pack_fields(coder: int, num_heads: int, head_size: int, key_bins: np.ndarray,
+                value_bins: np.ndarray, block_tokens: np.ndarray, means: np.ndarray,
+                exps: np.ndarray, tables: RansTables | None, payload: bytes) -> list[bytes]:
+    """`pack_parts` from numpy fields: means [G, C] as bf16 bit patterns (int16 / uint16), exps
+    [G, T] step exponents, `tables` for coder 1 (None for coder 2), payload: the coded bytes."""
+    nlayers, ntokens = len(key_bins), exps.shape[1]
+    if max(nlayers, num_heads, head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
+        raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
+                         f"heads={num_heads}, head_size={head_size}, T={ntokens}")
+    base = exps.max(axis=1, keepdims=True).astype(np.int64) - 127
     offsets = exps - base
     if int(offsets.min()) < -128:
         raise ValueError("step exponents of one layer span more than 255 codes")
-    ranges = out.symbol_ranges.to(torch.int64).reshape(-1, 2)
     parts = [
-        _HEAD.pack(MAGIC, VERSION, out.coder, nlayers, out.num_heads, out.head_size, ntokens,
-                   len(out.block_tokens), len(ranges)),
-        _arr(out.key_bins, np.uint16), _arr(out.value_bins, np.uint16),
-        _arr(out.block_tokens, np.uint32),
-        out.channel_means.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes(),
-        _arr(base, np.int16), _arr(offsets, np.int8),
+        _HEAD.pack(MAGIC, VERSION, coder, nlayers, num_heads, head_size, ntokens,
+                   len(block_tokens), 0 if tables is None else len(tables.low)),
+        _arr(key_bins, np.uint16), _arr(value_bins, np.uint16), _arr(block_tokens, np.uint32),
+        _arr(means, np.int16), _arr(base, np.int16), _arr(offsets, np.int8),
     ]
-    if out.coder == CODER_RANS:
-        classes = out.channel_classes.reshape(-1).to(torch.uint8)
-        if classes.numel() % 2:
-            classes = torch.cat([classes, classes.new_zeros(1)])
-        starts = out.start_indices.long()
-        parts += [_pack3(out.anchor_refinements.numpy().reshape(-1)),
-                  _arr(classes[0::2] | (classes[1::2] << 4), np.uint8),
-                  _arr(ranges[:, 0], np.int16), _arr(ranges[:, 1], np.uint16),
-                  _arr(out.cdf, np.uint16), _arr(starts.diff(dim=1), np.uint32)]
-    return [b"".join(parts), out.bytestream]
+    if tables is not None:
+        classes = tables.classes.reshape(-1).astype(np.uint8)
+        if classes.size % 2:
+            classes = np.append(classes, np.uint8(0))
+        parts += [_pack3(tables.refine.reshape(-1)), (classes[0::2] | (classes[1::2] << 4)).tobytes(),
+                  _arr(tables.low, np.int16), _arr(tables.size, np.uint16),
+                  _arr(tables.freqs, np.uint16), _arr(tables.lengths, np.uint32)]
+    return [b"".join(parts), payload]
 
 
 _SHIFTS3 = np.arange(21, -1, -3, dtype=np.uint32)  # 8 values of 3 bits in 3 bytes, first value highest
@@ -128,8 +155,8 @@ def _unpack3(data: np.ndarray, n: int) -> np.ndarray:
     return ((word[:, None] >> _SHIFTS3) & 7).astype(np.uint8).reshape(-1)[:n]
 
 
-def _arr(t: torch.Tensor, dtype: type) -> bytes:
-    return t.cpu().numpy().astype(dtype, copy=False).tobytes()
+def _arr(a: np.ndarray, dtype: type) -> bytes:
+    return np.asarray(a).astype(dtype, copy=False).tobytes()
 
 
 class _Reader:

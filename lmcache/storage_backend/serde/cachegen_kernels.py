@@ -11,7 +11,10 @@ Passes, on KV viewed as ``x: [G, T, C]`` (G = 2 * layers (K/V, layer) pairs, CPU
 per-channel statistics), `group_ranges` / `layout` (symbol groups and `CodeLayout`, also used by
 the decoder), `histogram` (symbol counts per table entry), `normalize` (frequency tables),
 `encode` (every substream's rANS words) and `decode` (substreams -> dequantized KV in the output
-dtype, one fused pass, into a given buffer if wanted).
+dtype, one fused pass, into a given buffer if wanted). `encode_chunk` runs every encoder pass
+and the steps between them (`cachegen_quant.step_exponents`, `cachegen_layout.channel_classes`,
+...) in two native calls, each pair's passes back to back while its data is in cache (native
+only; the reference has no fused form, its caller runs the passes).
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ import torch
 from lmcache import native
 from lmcache.storage_backend.serde import cachegen_quant as quant
 from lmcache.storage_backend.serde import cachegen_rans as rans
-from lmcache.storage_backend.serde.cachegen_layout import NUM_CLASSES, CodeLayout, group_ranges
+from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
+from lmcache.storage_backend.serde.cachegen_layout import (
+    CLASS_THRESHOLDS,
+    NUM_CLASSES,
+    CodeLayout,
+    group_ranges,
+)
 from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -44,6 +53,19 @@ class Quantized(NamedTuple):
 class Encoded(NamedTuple):
     payload: bytes  # every substream's words, substream s = b * G + g in order
     lengths: np.ndarray  # int64 [B * G], bytes per substream
+
+
+class ChunkCode(NamedTuple):
+    """One encode call's result: everything its stream holds (`cachegen_encoder.encode_stream`)."""
+
+    means: np.ndarray  # float32 [G, C], bf16 values
+    exps: np.ndarray  # int32 [G, T], step exponents
+    refine: np.ndarray  # uint8 [B, G, C], the anchor tokens' refinements
+    classes: np.ndarray  # uint8 [G, C]
+    low: np.ndarray  # int32 [N], each group's lowest symbol
+    size: np.ndarray  # int64 [N], each group's alphabet size
+    freqs: np.ndarray  # uint32 [num_symbols], the groups' frequency tables
+    encoded: Encoded
 
 
 class _Scratch(threading.local):
@@ -96,6 +118,11 @@ class ReferenceKernels:
 
     def normalize(self, counts: np.ndarray, layout: CodeLayout) -> np.ndarray:
         return rans.normalize(counts, layout)
+
+    def encode_chunk(self, x: torch.Tensor, bins: np.ndarray, block_starts: np.ndarray
+                     ) -> ChunkCode | None:
+        """No fused encoder: the caller runs the passes (`CacheGenEncoderImpl.code_by_passes`)."""
+        return None
 
     def histogram(self, q: np.ndarray, layout: CodeLayout) -> np.ndarray:
         entries = q.astype(np.int64) + layout.sym_base[:, None, :]
@@ -205,7 +232,7 @@ class NativeKernels:
 
     def encode(self, q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> Encoded:
         npairs, ntok, nch = q.shape
-        regions = rans.region_starts(layout)
+        regions = rans.region_starts(layout.ncoded, layout.block_starts)
         out = _scratch.get("words", (int(regions[-1]),), np.uint32)
         starts = np.empty(len(regions) - 1, np.int64)
         freq = np.ascontiguousarray(freq, np.uint32)
@@ -219,6 +246,56 @@ class NativeKernels:
         view = memoryview(out.view(np.uint8).data)
         payload = b"".join(view[4 * s:4 * e] for s, e in zip(starts.tolist(), ends.tolist()))
         return Encoded(payload, 4 * (ends - starts))
+
+    def encode_chunk(self, x: torch.Tensor, bins: np.ndarray, block_starts: np.ndarray
+                     ) -> ChunkCode | None:
+        """Every pass of the encoder on KV x [G, T, C] (`coded_input`) with bins [G] in token
+        blocks at block_starts [B + 1], in two native calls, each pair's passes while its data is
+        in cache: `CacheGenEncoderImpl.code_by_passes`'s results, or None where a token's step
+        must be raised to bound its symbols (`cachegen_quant.bound_exponents`: rare; the passes
+        do it). Raises ValueError for non-finite KV or an alphabet past the format's limit."""
+        npairs, ntok, nch = x.shape
+        nblocks = len(block_starts) - 1
+        anchor_of = np.full(ntok, -1, np.int64)
+        anchor_of[block_starts[:-1]] = np.arange(nblocks)
+        q = _scratch.get("q", (npairs, ntok, nch), np.int16)
+        bins = np.ascontiguousarray(bins, np.int64)
+        means, exps = np.empty((npairs, nch), np.float32), np.empty((npairs, ntok), np.int32)
+        refine = np.empty((nblocks, npairs, nch), np.uint8)
+        classes = np.empty((npairs, nch), np.uint8)
+        low = np.empty((npairs, NUM_CLASSES), np.int32)
+        size = np.empty((npairs, NUM_CLASSES), np.int64)
+        ngroups, ncoded = np.empty(npairs, np.int64), np.empty(npairs, np.int64)
+        rc = self.lib.cg_encode_prepare(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch, _ptr(bins),
+            _ptr(quant.EXP_THRESHOLDS), _ptr(quant.INVERSE_STEPS), _ptr(CLASS_THRESHOLDS),
+            _ptr(anchor_of), _ptr(q), _ptr(means), _ptr(exps), _ptr(refine), _ptr(classes),
+            _ptr(low), _ptr(size), _ptr(ngroups), _ptr(ncoded), self._threads())
+        if rc == 1:
+            return None
+        if rc == 3:
+            raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
+        _check(rc, "cg_encode_prepare")
+        used = np.arange(NUM_CLASSES) < ngroups[:, None]
+        low, size = low[used], size[used]
+        if int(size.max()) > MAX_ALPHABET:
+            raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
+        group_start = np.zeros(len(size), np.int64)
+        np.cumsum(size[:-1], out=group_start[1:])
+        group_first = np.zeros(npairs + 1, np.int64)
+        np.cumsum(ngroups, out=group_first[1:])
+        regions = rans.region_starts(ncoded, block_starts)
+        words = _scratch.get("words", (int(regions[-1]),), np.uint32)
+        freqs = np.empty(int(size.sum()), np.uint32)
+        lengths = np.empty(nblocks * npairs, np.int64)
+        total = self.lib.cg_encode_pairs(
+            _ptr(q), npairs, ntok, nch, nblocks, _ptr(block_starts), _ptr(classes), len(low),
+            _ptr(low), _ptr(size), _ptr(group_start), _ptr(group_first), _ptr(freqs), _ptr(words),
+            _ptr(regions), _ptr(lengths), self._threads())
+        if total < 0:
+            _check(int(total), "cg_encode_pairs")
+        payload = bytes(memoryview(words.view(np.uint8).data)[:4 * total])
+        return ChunkCode(means, exps, refine, classes, low, size, freqs, Encoded(payload, lengths))
 
     def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
                freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,

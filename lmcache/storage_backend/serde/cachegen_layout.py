@@ -24,13 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 
 NUM_CLASSES = 16
+# class >= k <=> mean |q| + 1/4 >= 2 ** ((k - 4) / 2), k = 1 .. 15
+CLASS_THRESHOLDS = np.exp2((np.arange(1, NUM_CLASSES) - 4) / 2)
 
 
 def channel_classes(abs_sum: np.ndarray, ntok: int) -> np.ndarray:
     """abs_sum int [G, C] (sum over tokens of |q|) -> uint8 classes [G, C] in [0, 16): half-octave
-    bins of the channel's mean |q| (0 for mean |q| < ~0.1)."""
-    spread = abs_sum / float(ntok)
-    return np.clip(np.floor(2 * np.log2(spread + 0.25) + 4), 0, NUM_CLASSES - 1).astype(np.uint8)
+    bins of the channel's mean |q|, ``min(15, max(0, floor(2 * log2(mean + 1/4) + 4)))`` (0 for
+    mean |q| < ~0.1), decided by comparing with `CLASS_THRESHOLDS` (no log2, whose last bit could
+    differ between numpy and the native kernels)."""
+    spread = abs_sum / float(ntok) + 0.25
+    return np.searchsorted(CLASS_THRESHOLDS, spread, side="right").astype(np.uint8)
 
 
 def group_ids(classes: np.ndarray) -> tuple[np.ndarray, int]:

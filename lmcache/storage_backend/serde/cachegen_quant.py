@@ -51,6 +51,11 @@ QMAX = 2047
 EXP_LIMIT = 100 * STEPS_PER_OCTAVE  # steps within 2**-100 .. 2**100
 EXP_WINDOW = 255
 PARTIALS = 8  # sum of squares: 8 partial sums over channels c = j (mod 8)
+# r2 >= EXP_THRESHOLDS[i] <=> 4 * log2(r2) >= i - EXP_LIMIT + 1/2 (see `step_exponents`)
+EXP_THRESHOLDS = np.exp2((np.arange(-EXP_LIMIT, EXP_LIMIT) + 0.5) / (STEPS_PER_OCTAVE / 2))
+# float32 2 ** (-e / 8) of every exponent e, at e + EXP_LIMIT
+INVERSE_STEPS = np.exp2(np.arange(-EXP_LIMIT, EXP_LIMIT + 1, dtype=np.float64)
+                        / -STEPS_PER_OCTAVE).astype(np.float32)
 
 
 def as_float32(x: torch.Tensor) -> np.ndarray:
@@ -83,15 +88,16 @@ def channel_means(colsum: np.ndarray, ntok: int) -> np.ndarray:
 
 
 def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray) -> np.ndarray:
-    """sumsq float64 [G, T], bins [G] -> int32 exponents e [G, T].
+    """sumsq float64 [G, T], bins [G] -> int32 exponents e [G, T], windowed per pair.
 
-    Raises ValueError for non-finite (or absurdly large) inputs."""
+    e = round(8 * log2(8 * rms / bins)) = round(4 * log2(r2)), r2 = sumsq / C * (8 / bins)^2,
+    decided by comparing r2 with `EXP_THRESHOLDS` (no log2, whose last bit could differ between
+    numpy and the native kernels). Raises ValueError for non-finite (or absurdly large) inputs."""
     if not np.isfinite(sumsq).all():
         raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
-    rms = np.sqrt(sumsq / nch)
-    with np.errstate(divide="ignore"):  # rms 0: log2 -inf, clipped to -EXP_LIMIT
-        target = np.log2(rms * (RANGE_IN_RMS / np.asarray(bins, np.float64))[:, None])
-    exps = np.clip(np.rint(target * STEPS_PER_OCTAVE), -EXP_LIMIT, EXP_LIMIT)
+    scale = RANGE_IN_RMS / np.asarray(bins, np.float64)
+    r2 = (sumsq / nch) * (scale * scale)[:, None]
+    exps = np.searchsorted(EXP_THRESHOLDS, r2, side="right") - EXP_LIMIT
     return _windowed(exps.astype(np.int32))
 
 
@@ -107,7 +113,7 @@ def steps(exps: np.ndarray) -> np.ndarray:
 
 def inverse_steps(exps: np.ndarray) -> np.ndarray:
     """int exponents [...] -> float32 2 ** (-e / 8)."""
-    return np.exp2(np.asarray(exps, np.float64) / -STEPS_PER_OCTAVE).astype(np.float32)
+    return INVERSE_STEPS[np.asarray(exps, np.int64) + EXP_LIMIT]
 
 
 def quantize_reference(x: np.ndarray, means: np.ndarray, inv_steps: np.ndarray,

@@ -82,10 +82,12 @@ def slot_table(freq: np.ndarray, layout: CodeLayout) -> np.ndarray:
     return np.repeat(local, freq.astype(np.int64)).astype(np.uint16)
 
 
-def region_starts(layout: CodeLayout) -> np.ndarray:
-    """Word offsets [B * G + 1] of buffer regions large enough for any substream's words."""
-    rows = np.tile(layout.ncoded, layout.num_blocks)  # the native encoder keeps a row's worth free
-    cap = (layout.substream_symbols() * PROB_BITS + 31) // 32 + rows + 3 * LANES + 8
+def region_starts(ncoded: np.ndarray, block_starts: np.ndarray) -> np.ndarray:
+    """Word offsets [B * G + 1] of buffer regions large enough for any substream's words, for
+    pairs with ncoded [G] coded channels and token blocks at block_starts [B + 1]."""
+    rows = np.tile(ncoded, len(block_starts) - 1)  # the native encoder keeps a row's worth free
+    symbols = (np.diff(block_starts)[:, None] * ncoded[None, :]).reshape(-1)
+    cap = (symbols * PROB_BITS + 31) // 32 + rows + 3 * LANES + 8
     return np.concatenate([[0], np.cumsum(cap)]).astype(np.int64)
 
 
@@ -108,7 +110,7 @@ def encode_reference(q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> lis
     """q int16 [G, T, C] -> the words (uint32) of every substream s = b * G + g."""
     entries = _entries(layout, q.astype(np.int64) + layout.sym_base[:, None, :])
     nsub = layout.substream_symbols()
-    regions = region_starts(layout)
+    regions = region_starts(layout.ncoded, layout.block_starts)
     buf = np.zeros(int(regions[-1]), np.uint32)
     ptr = regions[1:].copy()
     cum = cumulative(freq, layout).astype(np.uint64)

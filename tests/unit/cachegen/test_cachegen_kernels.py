@@ -41,9 +41,64 @@ def test_native_and_reference_streams_and_values_are_identical(
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
     native, reference = encode_stream(kv, kb, vb, chunk, NATIVE), encode_stream(kv, kb, vb, chunk, REFERENCE)
     assert native.to_bytes() == reference.to_bytes()
+    _assert_fused_equals_passes(kv, kb, vb, [min(chunk, ntokens - t) for t in range(0, ntokens, chunk)])
     for out_dtype in (dtype, torch.float32):
         a, b = decode_stream(native, out_dtype, NATIVE), decode_stream(native, out_dtype, REFERENCE)
         assert a.dtype == out_dtype and torch.equal(a, b)
+
+
+def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                                blocks: list[int]) -> None:
+    """The native fused encoder gives the native passes' results, field by field."""
+    import numpy as np
+
+    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenEncoderImpl
+
+    def impl() -> CacheGenEncoderImpl:
+        return CacheGenEncoderImpl(kv=kv, key_bins=kb, value_bins=vb, block_tokens=blocks,
+                                   kernels=NATIVE)
+
+    fused, passes = impl().code(), impl().code_by_passes()
+    for name in ("means", "exps", "refine", "classes", "low", "size", "freqs"):
+        a, b = getattr(fused, name), getattr(passes, name)
+        assert a.shape == b.shape and np.array_equal(a, b), name
+    assert fused.encoded.payload == passes.encoded.payload
+    assert fused.encoded.lengths.tolist() == passes.encoded.lengths.tolist()
+
+
+def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv) -> None:
+    """The fused encoder declines a chunk where a token's step must be raised (a token far
+    smaller than its channels' means); the passes code it, still as the reference does."""
+    import numpy as np
+
+    kv = make_kv(2, 40, 32, torch.float32) + 30.0  # channel means ~30 ...
+    kv[:, :, 7] *= 1e-6  # ... token 7 near 0: its RMS step would make |q| ~ 30 / 1e-6
+    cfg = CacheGenConfig.default_for_layers(2)
+    kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
+    x = kv.reshape(4, 40, 32).contiguous()
+    bins = np.concatenate([cfg.key_bins(), cfg.value_bins()])
+    assert NATIVE.encode_chunk(x, bins, np.array([0, 40])) is None
+    native, reference = encode_stream(kv, kb, vb, 40, NATIVE), encode_stream(kv, kb, vb, 40, REFERENCE)
+    assert native.to_bytes() == reference.to_bytes()
+    step = 2.0 ** (native.max_tensors_key[:, 7].float() / 8)  # token 7's raised step, per layer
+    error = (decode_stream(native, torch.float32, NATIVE)[0, :, 7] - kv[0, :, 7]).abs().amax(1)
+    assert (error <= step / 2 * (1 + 1e-4)).all()
+
+
+def test_the_serializer_writes_the_stream_encode_stream_gives(make_kv) -> None:
+    """`CacheGenSerializer` packs the coder's arrays directly: the same bytes as packing
+    `encode_stream`'s output."""
+    from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+    from lmcache.storage_backend.serde import blob
+    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
+
+    kv = make_kv(3, 50, 2 * 8)
+    md = LMCacheEngineMetadata("m", 1, 0, "vllm", torch.bfloat16, (3, 2, 64, 2, 8))
+    for coder in (NATIVE, REFERENCE):
+        ser = CacheGenSerializer(LMCacheEngineConfig.from_defaults(chunk_size=64), md, coder=coder)
+        out = encode_stream(kv, ser.key_bins, ser.value_bins, 50, coder)
+        out.num_heads, out.head_size = 2, 8
+        assert blob.unpack(ser.to_bytes(kv), "cachegen").payload == out.to_bytes()
 
 
 def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv) -> None:

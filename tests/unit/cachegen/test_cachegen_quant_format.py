@@ -58,6 +58,25 @@ def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
     assert int(exps[0].max() - exps[0].min()) <= cgq.EXP_WINDOW
 
 
+def test_exponents_and_classes_by_thresholds_are_the_rounded_logarithms() -> None:
+    """Both are defined by comparisons with precomputed thresholds (exact in numpy and C alike);
+    away from ties they are the rounded logarithms they stand for."""
+    from lmcache.storage_backend.serde.cachegen_layout import channel_classes
+
+    rng = np.random.default_rng(5)
+    sumsq = rng.lognormal(0.0, 6.0, (40, 300))
+    bins = rng.integers(2, 300, 40)
+    rms_scaled = np.sqrt(sumsq / 192) * (8.0 / bins)[:, None]
+    expected = np.clip(np.rint(8 * np.log2(rms_scaled)), -cgq.EXP_LIMIT, cgq.EXP_LIMIT)
+    expected = np.maximum(expected, expected.max(1, keepdims=True) - cgq.EXP_WINDOW)
+    assert np.array_equal(cgq.step_exponents(sumsq, 192, bins), expected)
+    abs_sum = rng.integers(0, 2**20, (40, 192))
+    spread = abs_sum / 256.0 + 0.25
+    expected_classes = np.clip(np.floor(2 * np.log2(spread) + 4), 0, 15)
+    assert np.array_equal(channel_classes(abs_sum, 256), expected_classes)
+    assert channel_classes(np.array([[0, 2**40]]), 1).tolist() == [[0, 15]]
+
+
 def test_anchor_symbols_split_an_8x_finer_symbol_into_coarse_and_3_bits() -> None:
     x = np.random.default_rng(1).standard_normal((2, 3, 32)).astype(np.float32) * 5
     means = x.mean(axis=1)
