@@ -842,7 +842,6 @@ static int dec_tables(const uint32_t *freq, const int64_t *group_start, const in
     return 0;
 }
 
-
 /* Decode every substream and dequantize straight into out ([G][T][C] of dtype):
  * value = (float)symbol * step[g][t] + mean[g][c] rounded to the output dtype. Channel c of pair g
  * belongs to group gid = group_of_chan[g * C + c] (a pair's groups are consecutive, at most
