@@ -50,12 +50,11 @@ def _cachegen_signatures(lib: ctypes.CDLL) -> None:
                       _PTR, _INT],
         "cg_decode": [_PTR, _PTR, _PTR, *dims, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                       _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
-        "cg_encode_prepare": [_PTR, _INT, *dims, *[_PTR] * 14, _INT],
-        "cg_encode_pairs": [_PTR, *dims, _I64, _PTR, _PTR, _I64, *[_PTR] * 8, _INT],
+        "cg_encode_chunk": [_PTR, _INT, *dims, _I64, *[_PTR] * 17, _INT],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = _I64 if name == "cg_encode_pairs" else _INT
+        fn.restype = _I64 if name == "cg_encode_chunk" else _INT
         fn.argtypes = argtypes
 
 

@@ -212,14 +212,13 @@ HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, c
 }
 
 /* Pass 3 on pair g: out[e - lo] = the number of (t, c) with sym_base[c] + q[t][c] = e, for the
- * pair's table entries [lo, lo + n). part: 4 * width int32 scratch, width >= n. */
+ * pair's table entries [lo, lo + n). part: 4 * n int32 scratch. */
 PAIR void histogram_pair(const int16_t *q, int64_t T, int64_t C, const int64_t *base, int64_t lo,
-                         int64_t n, int32_t *part, int64_t width, int64_t *out) {
+                         int64_t n, int32_t *part, int64_t *out) {
     /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each other's
      * increments */
-    memset(part, 0, sizeof(int32_t) * 4 * width);
-    int32_t *p0 = part - lo, *p1 = part + width - lo, *p2 = part + 2 * width - lo,
-            *p3 = part + 3 * width - lo;
+    memset(part, 0, sizeof(int32_t) * 4 * n);
+    int32_t *p0 = part - lo, *p1 = part + n - lo, *p2 = part + 2 * n - lo, *p3 = part + 3 * n - lo;
     for (int64_t t = 0; t < T; t++) {
         const int16_t *row = q + t * C;
         int64_t c = 0;
@@ -232,7 +231,7 @@ PAIR void histogram_pair(const int16_t *q, int64_t T, int64_t C, const int64_t *
         for (; c < C; c++) p0[base[c] + row[c]]++;
     }
     for (int64_t e = 0; e < n; e++)
-        out[e] = (int64_t)part[e] + part[width + e] + part[2 * width + e] + part[3 * width + e];
+        out[e] = (int64_t)part[e] + part[n + e] + part[2 * n + e] + part[3 * n + e];
 }
 
 /* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
@@ -256,7 +255,7 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
             if (!part) continue;
             const int64_t lo = pair_entries[g];
             histogram_pair(q + g * T * C, T, C, sym_base + g * C, lo, pair_entries[g + 1] - lo,
-                           part, width, counts + lo);
+                           part, counts + lo);
         }
         free(part);
     }
@@ -563,37 +562,71 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
     return status;
 }
 
-/* The whole encoder in two calls (`NativeKernels.encode_chunk`), with the results of the passes
- * above and of the numpy steps between them (`cachegen_quant`, `cachegen_layout`), but each pair's
- * data read while it is in cache and without a return to Python between passes. */
-#define EXP_LIMIT 800  /* cachegen_quant: exponents e in [-EXP_LIMIT, EXP_LIMIT] ... */
-#define EXP_WINDOW 255 /* ... within EXP_WINDOW of their pair's largest */
+/* The whole encoder in one call (`NativeKernels.encode_chunk`): the results of the passes above
+ * and of the numpy steps between them (`cachegen_quant`, `cachegen_layout`), each pair's passes
+ * back to back on its own symbols while they are in cache. */
+#define EXP_LIMIT 800     /* cachegen_quant: exponents e in [-EXP_LIMIT, EXP_LIMIT] ... */
+#define EXP_WINDOW 255    /* ... within EXP_WINDOW of their pair's largest */
 #define QMAX 2047
+#define MAX_ALPHABET 4095 /* cachegen_format: symbols per group */
+#define PAIR_ENTRIES (NUM_CLASSES * MAX_ALPHABET) /* table entries a pair can have */
 
-/* First call: for each pair g (in parallel), pass 1; means[g][c] = colsum / T rounded to bf16;
- * exponents exps[g][t] = (the number of exp_thr [2 * EXP_LIMIT] entries <= (sumsq / C) * s * s,
- * s = 8 / bins[g]) - EXP_LIMIT, raised to the pair's largest - EXP_WINDOW; pass 2 with
- * inv_step_of[e + EXP_LIMIT]; classes[g][c] = the number of class_thr [NUM_CLASSES - 1] entries
- * <= abs_sum / T + 1/4; the pair's groups (low / size at [g * NUM_CLASSES + k], k < ngroups[g])
- * and its number of coded channels ncoded[g]. Returns 0; 1 if a token's symbols reach QMAX (its
- * step needs raising: `cachegen_quant.bound_exponents`, which the passes do); 3 for non-finite
- * sums; -2 on allocation failure. */
-HOT int cg_encode_prepare(const void *x, int dtype, int64_t G, int64_t T, int64_t C,
-                          const int64_t *bins, const double *exp_thr, const float *inv_step_of,
-                          const double *class_thr, const int64_t *anchor_of, int16_t *q,
-                          float *means, int32_t *exps, uint8_t *refine, uint8_t *classes,
-                          int32_t *low, int64_t *size, int64_t *ngroups, int64_t *ncoded,
-                          int nthreads) {
+/* A per-thread buffer grown to the largest need seen (0, or -1 if it cannot grow). */
+static int grow(void **buf, int64_t *cap, int64_t need, size_t item) {
+    if (need <= *cap) return 0;
+    void *p = realloc(*buf, item * (size_t)need);
+    if (!p) return -1;
+    *buf = p;
+    *cap = need;
+    return 0;
+}
+
+/* For each pair g (in parallel):
+ * - pass 1; means[g][c] = colsum / T rounded to bf16;
+ * - exponents exps[g][t] = (the number of exp_thr [2 * EXP_LIMIT] entries <= (sumsq / C) * s * s,
+ *   s = 8 / bins[g]) - EXP_LIMIT, raised to the pair's largest - EXP_WINDOW;
+ * - pass 2 with inv_step_of[e + EXP_LIMIT] (anchors and refine as cg_quantize);
+ * - classes[g][c] = the number of class_thr [NUM_CLASSES - 1] entries <= abs_sum / T + 1/4;
+ * - its groups: low / size at [g * NUM_CLASSES + k], k < ngroups[g];
+ * - its layout, pass 3, its groups' frequency tables (cg_normalize) and pass 4 of its substreams
+ *   (b, g), s = b * G + g, into out[region_start[s], region_start[s + 1]) (as cg_encode).
+ * Then the pairs' tables are moved together to the start of freq (room for G * PAIR_ENTRIES; pair
+ * g's are written at g * PAIR_ENTRIES first), and the substreams to the start of out, s in order,
+ * lengths[s] receiving each one's bytes. Returns the number of words; -1 if a region was too
+ * small, -2 on allocation failure, -3 for non-finite sums, -4 if a token's symbols reach QMAX
+ * (its step needs raising: `cachegen_quant.bound_exponents`, which the passes do), -5 for a group
+ * of more than MAX_ALPHABET symbols. */
+HOT int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t C, int64_t B,
+                            const int64_t *block_starts, const int64_t *anchor_of,
+                            const int64_t *bins, const double *exp_thr, const float *inv_step_of,
+                            const double *class_thr, float *means, int32_t *exps, uint8_t *refine,
+                            uint8_t *classes, int32_t *low, int64_t *size, int64_t *ngroups,
+                            uint32_t *freq, uint32_t *out, const int64_t *region_start,
+                            int64_t *lengths, int nthreads) {
+    int64_t *stream_start = (int64_t *)malloc(sizeof(int64_t) * (B * G > 0 ? B * G : 1));
+    int64_t *entries = (int64_t *)malloc(sizeof(int64_t) * (G > 0 ? G : 1));
+    if (!stream_start || !entries) {
+        free(stream_start);
+        free(entries);
+        return -2;
+    }
     int status = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
         quant_buf b;
+        int16_t *q = (int16_t *)malloc(sizeof(int16_t) * T * C);
         float *colsum = (float *)malloc(sizeof(float) * C), *inv = (float *)malloc(sizeof(float) * T);
         double *sumsq = (double *)malloc(sizeof(double) * T);
         int64_t *asum = (int64_t *)malloc(sizeof(int64_t) * C);
+        int64_t *chan_buf = (int64_t *)malloc(sizeof(int64_t) * 4 * C);
         int32_t *qmin = (int32_t *)malloc(sizeof(int32_t) * C), *qmax = (int32_t *)malloc(sizeof(int32_t) * C);
         int32_t *qpeak = (int32_t *)malloc(sizeof(int32_t) * T);
-        if (quant_buf_alloc(&b, C) || !colsum || !inv || !sumsq || !asum || !qmin || !qmax || !qpeak) {
+        const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * C);
+        int64_t *counts = NULL, counts_cap = 0, part_cap = 0, tab_cap = 0;
+        int32_t *part = NULL;
+        enc_sym *tab = NULL;
+        if (quant_buf_alloc(&b, C) || !q || !colsum || !inv || !sumsq || !asum || !chan_buf ||
+            !qmin || !qmax || !qpeak || !base) {
             #pragma omp atomic write
             status = -2;
         }
@@ -606,7 +639,7 @@ HOT int cg_encode_prepare(const void *x, int dtype, int64_t G, int64_t T, int64_
             for (int64_t t = 0; t < T; t++) finite &= __builtin_isfinite(sumsq[t]);
             if (!finite) {
                 #pragma omp atomic write
-                status = 3;
+                status = -3;
                 continue;
             }
             float *mean = means + g * C;
@@ -630,13 +663,13 @@ HOT int cg_encode_prepare(const void *x, int dtype, int64_t G, int64_t T, int64_
                 e[t] = e[t] > top - EXP_WINDOW ? e[t] : top - EXP_WINDOW;
                 inv[t] = inv_step_of[e[t] + EXP_LIMIT];
             }
-            quantize_pair(x, dtype, g, G, T, C, mean, inv, anchor_of, q + g * T * C, refine + g * C,
-                          asum, qmin, qmax, qpeak, &b);
+            quantize_pair(x, dtype, g, G, T, C, mean, inv, anchor_of, q, refine + g * C, asum, qmin,
+                          qmax, qpeak, &b);
             int32_t peak = 0;
             for (int64_t t = 0; t < T; t++) peak = qpeak[t] > peak ? qpeak[t] : peak;
             if (peak >= QMAX) {
                 #pragma omp atomic write
-                status = 1;
+                status = -4;
                 continue;
             }
             uint8_t *cls = classes + g * C;
@@ -646,113 +679,81 @@ HOT int cg_encode_prepare(const void *x, int dtype, int64_t G, int64_t T, int64_
                 while (k < NUM_CLASSES - 1 && class_thr[k] <= spread) k++;
                 cls[c] = (uint8_t)k;
             }
-            int64_t class_size[NUM_CLASSES], nc = 0;
-            ngroups[g] = group_ranges_pair(cls, qmin, qmax, C, low + g * NUM_CLASSES,
-                                           size + g * NUM_CLASSES, class_size);
-            for (int64_t c = 0; c < C; c++) nc += class_size[cls[c]] > 1;
-            ncoded[g] = nc;
-        }
-        quant_buf_free(&b);
-        free(colsum);
-        free(inv);
-        free(sumsq);
-        free(asum);
-        free(qmin);
-        free(qmax);
-        free(qpeak);
-    }
-    return status;
-}
-
-/* Second call: for each pair g (in parallel), its layout (its groups are group_first[g] ..
- * group_first[g + 1] - 1 of the N groups low / size / group_start), pass 3, its groups' frequency
- * tables into freq (cg_normalize), pass 4 of its substreams (b, g) into their regions of out (as
- * cg_encode); then the substreams are moved together to the start of out, s = b * G + g in order,
- * lengths[s] receiving each one's bytes. Returns the number of words, or -1 if a region was too
- * small, -2 on allocation failure, -3 if a group has no symbols, -4 if the classes do not match
- * the groups. */
-HOT int64_t cg_encode_pairs(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
-                            const int64_t *block_starts, const uint8_t *classes, int64_t N,
-                            const int32_t *low, const int64_t *size, const int64_t *group_start,
-                            const int64_t *group_first, uint32_t *freq, uint32_t *out,
-                            const int64_t *region_start, int64_t *lengths, int nthreads) {
-    int64_t width = 1;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t n0 = group_first[g], n1 = group_first[g + 1];
-        if (n0 < 0 || n1 <= n0 || n1 > N) return -4;
-        const int64_t w = group_start[n1 - 1] + size[n1 - 1] - group_start[n0];
-        width = w > width ? w : width;
-    }
-    int64_t *stream_start = (int64_t *)malloc(sizeof(int64_t) * (B * G > 0 ? B * G : 1));
-    if (!stream_start) return -2;
-    int status = 0;
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
-    {
-        int64_t *chan_buf = (int64_t *)malloc(sizeof(int64_t) * 4 * C);
-        int64_t *counts = (int64_t *)malloc(sizeof(int64_t) * width);
-        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
-        enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * width);
-        const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * C);
-        if (!chan_buf || !counts || !part || !tab || !base) {
-            #pragma omp atomic write
-            status = -2;
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < G; g++) {
+            int32_t *lw = low + g * NUM_CLASSES;
+            int64_t *sz = size + g * NUM_CLASSES, class_size[NUM_CLASSES], start[NUM_CLASSES], n = 0;
+            const int64_t ng = ngroups[g] = group_ranges_pair(cls, qmin, qmax, C, lw, sz, class_size);
+            for (int64_t k = 0; k < ng; k++) {
+                start[k] = n;
+                n += sz[k];
+                if (sz[k] > MAX_ALPHABET) {
+                    #pragma omp atomic write
+                    status = -5;
+                }
+            }
             if (status) continue;
             int64_t *group_of = chan_buf, *sym_base = chan_buf + C, *chans = chan_buf + 2 * C,
                     *cchans = chan_buf + 3 * C, nc = 0, nk = 0;
-            const int64_t n0 = group_first[g], n1 = group_first[g + 1];
-            if (layout_pair(classes + g * C, C, n0, N, low, size, group_start, group_of, sym_base,
-                            chans, cchans, &nc, &nk) != n1 - n0) {
+            layout_pair(cls, C, 0, ng, lw, sz, start, group_of, sym_base, chans, cchans, &nc, &nk);
+            if (grow((void **)&counts, &counts_cap, n, sizeof(int64_t)) ||
+                grow((void **)&part, &part_cap, 4 * n, sizeof(int32_t)) ||
+                grow((void **)&tab, &tab_cap, n, sizeof(enc_sym))) {
                 #pragma omp atomic write
-                status = -4;
+                status = -2;
                 continue;
             }
-            const int64_t lo = group_start[n0], n = group_start[n1 - 1] + size[n1 - 1] - lo;
-            const int16_t *pq = q + g * T * C;
-            histogram_pair(pq, T, C, sym_base, lo, n, part, width, counts);
-            int empty = 0;
-            for (int64_t grp = n0; grp < n1; grp++) {
-                empty |= normalize_group(counts + group_start[grp] - lo, size[grp], freq + group_start[grp]);
-                enc_group(freq + group_start[grp], size[grp], tab + group_start[grp] - lo);
+            histogram_pair(q, T, C, sym_base, 0, n, part, counts);
+            uint32_t *f = freq + g * PAIR_ENTRIES;
+            for (int64_t k = 0; k < ng; k++) { /* every group has symbols: normalize succeeds */
+                normalize_group(counts + start[k], sz[k], f + start[k]);
+                enc_group(f + start[k], sz[k], tab + start[k]);
             }
-            if (empty) {
-                #pragma omp atomic write
-                status = -3;
-                continue;
-            }
-            for (int64_t j = 0; j < nc; j++) base[j] = tab - lo + sym_base[chans[j]];
-            for (int64_t b = 0; b < B; b++) {
-                const int64_t s = b * G + g;
-                stream_start[s] = region_start[s + 1];
-                if (nc == 0 || block_starts[b + 1] == block_starts[b]) continue;
-                uint32_t *start = encode_substream(pq, C, block_starts[b], block_starts[b + 1], nc,
-                                                   chans, base, out + region_start[s],
-                                                   out + region_start[s + 1]);
-                if (!start) {
+            entries[g] = n;
+            for (int64_t j = 0; j < nc; j++) base[j] = tab + sym_base[chans[j]];
+            for (int64_t blk = 0; blk < B; blk++) {
+                const int64_t sub = blk * G + g;
+                stream_start[sub] = region_start[sub + 1];
+                if (nc == 0 || block_starts[blk + 1] == block_starts[blk]) continue;
+                uint32_t *first = encode_substream(q, C, block_starts[blk], block_starts[blk + 1],
+                                                   nc, chans, base, out + region_start[sub],
+                                                   out + region_start[sub + 1]);
+                if (!first) {
                     #pragma omp atomic write
                     status = -1;
                     break;
                 }
-                stream_start[s] = start - out;
+                stream_start[sub] = first - out;
             }
         }
+        quant_buf_free(&b);
+        free(q);
+        free(colsum);
+        free(inv);
+        free(sumsq);
+        free(asum);
         free(chan_buf);
+        free(qmin);
+        free(qmax);
+        free(qpeak);
+        free(base);
         free(counts);
         free(part);
         free(tab);
-        free(base);
     }
     int64_t total = 0;
-    if (status == 0)
-        for (int64_t s = 0; s < B * G; s++) {
-            const int64_t len = region_start[s + 1] - stream_start[s];
-            memmove(out + total, out + stream_start[s], sizeof(uint32_t) * len);
-            lengths[s] = 4 * len;
+    if (status == 0) {
+        for (int64_t g = 0, at = 0; g < G; g++) {
+            memmove(freq + at, freq + g * PAIR_ENTRIES, sizeof(uint32_t) * entries[g]);
+            at += entries[g];
+        }
+        for (int64_t sub = 0; sub < B * G; sub++) {
+            const int64_t len = region_start[sub + 1] - stream_start[sub];
+            memmove(out + total, out + stream_start[sub], sizeof(uint32_t) * len);
+            lengths[sub] = 4 * len;
             total += len;
         }
+    }
     free(stream_start);
+    free(entries);
     return status ? status : total;
 }
 

@@ -13,7 +13,7 @@ the decoder), `histogram` (symbol counts per table entry), `normalize` (frequenc
 `encode` (every substream's rANS words) and `decode` (substreams -> dequantized KV in the output
 dtype, one fused pass, into a given buffer if wanted). `encode_chunk` runs every encoder pass
 and the steps between them (`cachegen_quant.step_exponents`, `cachegen_layout.channel_classes`,
-...) in two native calls, each pair's passes back to back while its data is in cache (native
+...) in one native call, each pair's passes back to back while its symbols are in cache (native
 only; the reference has no fused form, its caller runs the passes).
 """
 
@@ -250,52 +250,46 @@ class NativeKernels:
     def encode_chunk(self, x: torch.Tensor, bins: np.ndarray, block_starts: np.ndarray
                      ) -> ChunkCode | None:
         """Every pass of the encoder on KV x [G, T, C] (`coded_input`) with bins [G] in token
-        blocks at block_starts [B + 1], in two native calls, each pair's passes while its data is
-        in cache: `CacheGenEncoderImpl.code_by_passes`'s results, or None where a token's step
-        must be raised to bound its symbols (`cachegen_quant.bound_exponents`: rare; the passes
-        do it). Raises ValueError for non-finite KV or an alphabet past the format's limit."""
+        blocks at block_starts [B + 1], in one native call, each pair's passes back to back while
+        its symbols are in cache: `CacheGenEncoderImpl.code_by_passes`'s results, or None where a
+        token's step must be raised to bound its symbols (`cachegen_quant.bound_exponents`: rare;
+        the passes do it). Raises ValueError for non-finite KV or an alphabet past the format's
+        limit."""
         npairs, ntok, nch = x.shape
         nblocks = len(block_starts) - 1
         anchor_of = np.full(ntok, -1, np.int64)
         anchor_of[block_starts[:-1]] = np.arange(nblocks)
-        q = _scratch.get("q", (npairs, ntok, nch), np.int16)
         bins = np.ascontiguousarray(bins, np.int64)
         means, exps = np.empty((npairs, nch), np.float32), np.empty((npairs, ntok), np.int32)
         refine = np.empty((nblocks, npairs, nch), np.uint8)
         classes = np.empty((npairs, nch), np.uint8)
         low = np.empty((npairs, NUM_CLASSES), np.int32)
         size = np.empty((npairs, NUM_CLASSES), np.int64)
-        ngroups, ncoded = np.empty(npairs, np.int64), np.empty(npairs, np.int64)
-        rc = self.lib.cg_encode_prepare(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch, _ptr(bins),
-            _ptr(quant.EXP_THRESHOLDS), _ptr(quant.INVERSE_STEPS), _ptr(CLASS_THRESHOLDS),
-            _ptr(anchor_of), _ptr(q), _ptr(means), _ptr(exps), _ptr(refine), _ptr(classes),
-            _ptr(low), _ptr(size), _ptr(ngroups), _ptr(ncoded), self._threads())
-        if rc == 1:
+        ngroups = np.empty(npairs, np.int64)
+        # room for any pair's tables (pages never written cost nothing) and any substream
+        freqs = _scratch.get("freqs", (npairs * NUM_CLASSES * MAX_ALPHABET,), np.uint32)
+        regions = rans.region_starts(np.full(npairs, nch, np.int64), block_starts)
+        words = _scratch.get("words", (int(regions[-1]),), np.uint32)
+        lengths = np.empty(nblocks * npairs, np.int64)
+        total = self.lib.cg_encode_chunk(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], npairs, ntok, nch, nblocks, _ptr(block_starts),
+            _ptr(anchor_of), _ptr(bins), _ptr(quant.EXP_THRESHOLDS), _ptr(quant.INVERSE_STEPS),
+            _ptr(CLASS_THRESHOLDS), _ptr(means), _ptr(exps), _ptr(refine), _ptr(classes),
+            _ptr(low), _ptr(size), _ptr(ngroups), _ptr(freqs), _ptr(words), _ptr(regions),
+            _ptr(lengths), self._threads())
+        if total == -4:
             return None
-        if rc == 3:
+        if total == -3:
             raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
-        _check(rc, "cg_encode_prepare")
+        if total == -5:
+            raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
+        if total < 0:
+            _check(int(total), "cg_encode_chunk")
         used = np.arange(NUM_CLASSES) < ngroups[:, None]
         low, size = low[used], size[used]
-        if int(size.max()) > MAX_ALPHABET:
-            raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
-        group_start = np.zeros(len(size), np.int64)
-        np.cumsum(size[:-1], out=group_start[1:])
-        group_first = np.zeros(npairs + 1, np.int64)
-        np.cumsum(ngroups, out=group_first[1:])
-        regions = rans.region_starts(ncoded, block_starts)
-        words = _scratch.get("words", (int(regions[-1]),), np.uint32)
-        freqs = np.empty(int(size.sum()), np.uint32)
-        lengths = np.empty(nblocks * npairs, np.int64)
-        total = self.lib.cg_encode_pairs(
-            _ptr(q), npairs, ntok, nch, nblocks, _ptr(block_starts), _ptr(classes), len(low),
-            _ptr(low), _ptr(size), _ptr(group_start), _ptr(group_first), _ptr(freqs), _ptr(words),
-            _ptr(regions), _ptr(lengths), self._threads())
-        if total < 0:
-            _check(int(total), "cg_encode_pairs")
         payload = bytes(memoryview(words.view(np.uint8).data)[:4 * total])
-        return ChunkCode(means, exps, refine, classes, low, size, freqs, Encoded(payload, lengths))
+        return ChunkCode(means, exps, refine, classes, low, size, freqs[:int(size.sum())].copy(),
+                         Encoded(payload, lengths))
 
     def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
                freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
