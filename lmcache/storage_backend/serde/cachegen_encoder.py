@@ -180,7 +180,7 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
     independent token blocks of `chunk_size` tokens with the CPU rANS coder (native kernels, or
     the reference `coder` given). Returns the flat encoder output (num_heads=1, head_size=C)."""
     ntok = kv.shape[2]
-    blocks = _blocks(ntok, chunk_size)
+    blocks = [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
     code = _code(kv, key_bins, value_bins, blocks, coder)
     lengths = code.encoded.lengths.reshape(len(blocks), -1)
     starts = np.zeros((len(blocks), lengths.shape[1] + 1), np.int64)
@@ -198,10 +198,6 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
         value_bins=torch.as_tensor(value_bins, dtype=torch.int32),
         block_tokens=torch.tensor(blocks, dtype=torch.int64), coder=fmt.CODER_RANS,
         anchor_refinements=torch.from_numpy(code.refine))
-
-
-def _blocks(ntok: int, chunk_size: int) -> list[int]:
-    return [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
 
 
 def _code(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, blocks: list[int],

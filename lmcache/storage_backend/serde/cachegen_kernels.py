@@ -256,6 +256,7 @@ class NativeKernels:
         the passes do it). Raises ValueError for non-finite KV or an alphabet past the format's
         limit."""
         npairs, ntok, nch = x.shape
+        block_starts = np.ascontiguousarray(block_starts, np.int64)
         nblocks = len(block_starts) - 1
         anchor_of = np.full(ntok, -1, np.int64)
         anchor_of[block_starts[:-1]] = np.arange(nblocks)
