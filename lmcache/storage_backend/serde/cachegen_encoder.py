@@ -130,7 +130,7 @@ class CacheGenEncoderImpl:
         x, k = self.x, self.kernels
         colsum, sumsq = k.stats(x)
         if not np.isfinite(colsum).all():
-            raise ValueError("cannot CacheGen-encode non-finite KV values (or sums above float32)")
+            raise ValueError(quant.NON_FINITE)
         self.means = quant.channel_means(colsum, x.shape[1])
         bins = np.concatenate([self.key_bins, self.value_bins])
         self.exps = quant.step_exponents(sumsq, x.shape[2], bins)

@@ -84,7 +84,7 @@ def encode(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor
     means = (x.sum(dim=1) / ntok).to(torch.bfloat16).float()  # [G, C]
     sumsq = x.double().square().sum(dim=2)  # [G, T]
     if not bool(torch.isfinite(sumsq).all()):
-        raise ValueError("cannot CacheGen-encode non-finite KV values")
+        raise ValueError(quant.NON_FINITE)
     bins = np.concatenate([np.asarray(key_bins, np.int64), np.asarray(value_bins, np.int64)])
     exps = quant.step_exponents(sumsq.cpu().numpy(), nch, bins)
     exps[:, 0] -= quant.ANCHOR_BITS * quant.STEPS_PER_OCTAVE  # the anchor: 8x finer

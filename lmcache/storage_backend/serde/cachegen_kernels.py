@@ -281,7 +281,7 @@ class NativeKernels:
         if total == -4:
             return None
         if total == -3:
-            raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
+            raise ValueError(quant.NON_FINITE)
         if total == -5:
             raise ValueError("CacheGen symbol range exceeds the format's alphabet limit")
         if total < 0:

@@ -50,6 +50,7 @@ ANCHOR_SCALE = 1 << ANCHOR_BITS
 QMAX = 2047
 EXP_LIMIT = 100 * STEPS_PER_OCTAVE  # steps within 2**-100 .. 2**100
 EXP_WINDOW = 255
+NON_FINITE = "cannot CacheGen-encode non-finite KV values (or values too large to sum)"
 PARTIALS = 8  # sum of squares: 8 partial sums over channels c = j (mod 8)
 # r2 >= EXP_THRESHOLDS[i] <=> 4 * log2(r2) >= i - EXP_LIMIT + 1/2 (see `step_exponents`)
 EXP_THRESHOLDS = np.exp2((np.arange(-EXP_LIMIT, EXP_LIMIT) + 0.5) / (STEPS_PER_OCTAVE / 2))
@@ -94,7 +95,7 @@ def step_exponents(sumsq: np.ndarray, nch: int, bins: np.ndarray) -> np.ndarray:
     decided by comparing r2 with `EXP_THRESHOLDS` (no log2, whose last bit could differ between
     numpy and the native kernels). Raises ValueError for non-finite (or absurdly large) inputs."""
     if not np.isfinite(sumsq).all():
-        raise ValueError("cannot CacheGen-encode non-finite KV values (or values above ~1e150)")
+        raise ValueError(NON_FINITE)
     scale = RANGE_IN_RMS / np.asarray(bins, np.float64)
     r2 = (sumsq / nch) * (scale * scale)[:, None]
     exps = np.searchsorted(EXP_THRESHOLDS, r2, side="right") - EXP_LIMIT

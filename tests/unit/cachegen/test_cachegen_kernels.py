@@ -66,6 +66,29 @@ def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Te
     assert fused.encoded.lengths.tolist() == passes.encoded.lengths.tolist()
 
 
+@pytest.mark.parametrize("kind", ["zeros", "constant", "one channel", "tiny values"])
+def test_degenerate_kv_codes_as_the_reference_does(kind: str) -> None:
+    """No coded channel at all (every group a single symbol), one channel, subnormal values."""
+    kv = {"zeros": torch.zeros(2, 2, 10, 8), "constant": torch.full((2, 2, 10, 8), 3.0),
+          "one channel": torch.randn(2, 1, 33, 1, generator=torch.Generator().manual_seed(0)),
+          "tiny values": torch.randn(2, 2, 20, 8, generator=torch.Generator().manual_seed(1)) * 1e-40
+          }[kind]
+    kb, vb = torch.full((kv.shape[1],), 20), torch.full((kv.shape[1],), 10)
+    native, reference = encode_stream(kv, kb, vb, 7, NATIVE), encode_stream(kv, kb, vb, 7, REFERENCE)
+    assert native.to_bytes() == reference.to_bytes()
+    assert torch.equal(decode_stream(native, torch.float32, NATIVE),
+                       decode_stream(native, torch.float32, REFERENCE))
+
+
+def test_a_block_of_more_than_65535_tokens_codes_as_the_reference_does() -> None:
+    """The quantizer flushes its 32-bit per-channel sums of |q| every 65,536 tokens."""
+    kv = torch.randn(2, 1, 70_000, 4, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    kb = vb = torch.tensor([300])
+    native = encode_stream(kv, kb, vb, 70_000, NATIVE)
+    assert native.to_bytes() == encode_stream(kv, kb, vb, 70_000, REFERENCE).to_bytes()
+    _assert_fused_equals_passes(kv, kb, vb, [70_000])
+
+
 def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv) -> None:
     """The fused encoder declines a chunk where a token's step must be raised (a token far
     smaller than its channels' means); the passes code it, still as the reference does."""
