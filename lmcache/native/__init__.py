@@ -54,7 +54,7 @@ def _cachegen_signatures(lib: ctypes.CDLL) -> None:
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = _I64 if name == "cg_encode_chunk" else _INT
+        fn.restype = _I64 if name in ("cg_encode", "cg_encode_chunk") else _INT  # word counts
         fn.argtypes = argtypes
 
 

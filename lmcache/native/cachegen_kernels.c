@@ -517,21 +517,40 @@ PAIR uint32_t *encode_substream(const int16_t *q, int64_t C, int64_t t0, int64_t
     return ptr;
 }
 
+/* Substream s's words at out[stream_start[s], region_start[s + 1]) moved together to the start
+ * of out, s in order; lengths[s] receives each one's bytes. Returns the number of words. */
+static int64_t compact_substreams(uint32_t *out, const int64_t *region_start,
+                                  const int64_t *stream_start, int64_t n, int64_t *lengths) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t len = region_start[s + 1] - stream_start[s];
+        memmove(out + total, out + stream_start[s], sizeof(uint32_t) * len);
+        lengths[s] = 4 * len;
+        total += len;
+    }
+    return total;
+}
+
 /* Pass 4. Encode substream (b, g) for every b, g (block b covers tokens [block_starts[b],
  * block_starts[b + 1]); pair g codes its ncoded[g] channels chans[g * C + j], j < ncoded[g],
  * whose table entries start at sym_base[g * C + chan]) into out[region_start[s], region_start[s + 1])
- * (s = b * G + g), written backwards from the region's end; stream_start[s] receives the word
- * offset where its data begins (its data ends at the region's end). freq: per table entry, the
- * N groups' tables at group_start[n], group_size[n] entries each.
- * Returns 0, or -1 if a region was too small, -2 on allocation failure. */
-HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
-              const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
-              const int64_t *sym_base, const uint32_t *freq, int64_t N, const int64_t *group_start,
-              const int64_t *group_size, uint32_t *out, const int64_t *region_start,
-              int64_t *stream_start, int nthreads) {
+ * (s = b * G + g), written backwards from the region's end, then moved together to the start of
+ * out (compact_substreams). freq: per table entry, the N groups' tables at group_start[n],
+ * group_size[n] entries each.
+ * Returns the number of words, or -1 if a region was too small, -2 on allocation failure. */
+HOT int64_t cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+                      const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
+                      const int64_t *sym_base, const uint32_t *freq, int64_t N,
+                      const int64_t *group_start, const int64_t *group_size, uint32_t *out,
+                      const int64_t *region_start, int64_t *lengths, int nthreads) {
     int64_t nsym = N ? group_start[N - 1] + group_size[N - 1] : 0;
     enc_sym *tab = (enc_sym *)malloc(sizeof(enc_sym) * (nsym > 0 ? nsym : 1));
-    if (!tab) return -2;
+    int64_t *stream_start = (int64_t *)malloc(sizeof(int64_t) * (B * G > 0 ? B * G : 1));
+    if (!tab || !stream_start) {
+        free(tab);
+        free(stream_start);
+        return -2;
+    }
     for (int64_t n = 0; n < N; n++) enc_group(freq + group_start[n], group_size[n], tab + group_start[n]);
     int status = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
@@ -558,8 +577,11 @@ HOT int cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
         }
         stream_start[s] = start - out;
     }
+    const int64_t total = status ? status : compact_substreams(out, region_start, stream_start,
+                                                                B * G, lengths);
     free(tab);
-    return status;
+    free(stream_start);
+    return total;
 }
 
 /* The whole encoder in one call (`NativeKernels.encode_chunk`): the results of the passes above
@@ -591,8 +613,8 @@ static int grow(void **buf, int64_t *cap, int64_t need, size_t item) {
  * - its layout, pass 3, its groups' frequency tables (cg_normalize) and pass 4 of its substreams
  *   (b, g), s = b * G + g, into out[region_start[s], region_start[s + 1]) (as cg_encode).
  * Then the pairs' tables are moved together to the start of freq (room for G * PAIR_ENTRIES; pair
- * g's are written at g * PAIR_ENTRIES first), and the substreams to the start of out, s in order,
- * lengths[s] receiving each one's bytes. Returns the number of words; -1 if a region was too
+ * g's are written at g * PAIR_ENTRIES first), and the substreams to the start of out
+ * (compact_substreams, lengths[s] receiving each one's bytes). Returns the number of words; -1 if a region was too
  * small, -2 on allocation failure, -3 for non-finite sums, -4 if a token's symbols reach QMAX
  * (its step needs raising: `cachegen_quant.bound_exponents`, which the passes do), -5 for a group
  * of more than MAX_ALPHABET symbols. */
@@ -739,22 +761,17 @@ HOT int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int6
         free(part);
         free(tab);
     }
-    int64_t total = 0;
+    int64_t total = status;
     if (status == 0) {
         for (int64_t g = 0, at = 0; g < G; g++) {
             memmove(freq + at, freq + g * PAIR_ENTRIES, sizeof(uint32_t) * entries[g]);
             at += entries[g];
         }
-        for (int64_t sub = 0; sub < B * G; sub++) {
-            const int64_t len = region_start[sub + 1] - stream_start[sub];
-            memmove(out + total, out + stream_start[sub], sizeof(uint32_t) * len);
-            lengths[sub] = 4 * len;
-            total += len;
-        }
+        total = compact_substreams(out, region_start, stream_start, B * G, lengths);
     }
     free(stream_start);
     free(entries);
-    return status ? status : total;
+    return total;
 }
 
 /* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):

@@ -233,19 +233,18 @@ class NativeKernels:
     def encode(self, q: np.ndarray, layout: CodeLayout, freq: np.ndarray) -> Encoded:
         npairs, ntok, nch = q.shape
         regions = rans.region_starts(layout.ncoded, layout.block_starts)
-        out = _scratch.get("words", (int(regions[-1]),), np.uint32)
-        starts = np.empty(len(regions) - 1, np.int64)
+        words = _scratch.get("words", (int(regions[-1]),), np.uint32)
+        lengths = np.empty(len(regions) - 1, np.int64)
         freq = np.ascontiguousarray(freq, np.uint32)
-        rc = self.lib.cg_encode(_ptr(q), npairs, ntok, nch, layout.num_blocks,
-                                _ptr(layout.block_starts), _ptr(layout.ncoded), _ptr(layout.chans),
-                                _ptr(layout.sym_base), _ptr(freq), len(layout.group_start),
-                                _ptr(layout.group_start), _ptr(layout.group_size), _ptr(out),
-                                _ptr(regions), _ptr(starts), self._threads())
-        _check(rc, "cg_encode")
-        ends = regions[1:]
-        view = memoryview(out.view(np.uint8).data)
-        payload = b"".join(view[4 * s:4 * e] for s, e in zip(starts.tolist(), ends.tolist()))
-        return Encoded(payload, 4 * (ends - starts))
+        total = self.lib.cg_encode(_ptr(q), npairs, ntok, nch, layout.num_blocks,
+                                   _ptr(layout.block_starts), _ptr(layout.ncoded),
+                                   _ptr(layout.chans), _ptr(layout.sym_base), _ptr(freq),
+                                   len(layout.group_start), _ptr(layout.group_start),
+                                   _ptr(layout.group_size), _ptr(words), _ptr(regions),
+                                   _ptr(lengths), self._threads())
+        if total < 0:
+            _check(int(total), "cg_encode")
+        return Encoded(_payload(words, total), lengths)
 
     def encode_chunk(self, x: torch.Tensor, bins: np.ndarray, block_starts: np.ndarray
                      ) -> ChunkCode | None:
@@ -288,9 +287,8 @@ class NativeKernels:
             _check(int(total), "cg_encode_chunk")
         used = np.arange(NUM_CLASSES) < ngroups[:, None]
         low, size = low[used], size[used]
-        payload = bytes(memoryview(words.view(np.uint8).data)[:4 * total])
         return ChunkCode(means, exps, refine, classes, low, size, freqs[:int(size.sum())].copy(),
-                         Encoded(payload, lengths))
+                         Encoded(_payload(words, total), lengths))
 
     def decode(self, payload: bytes | memoryview, lengths: np.ndarray, layout: CodeLayout,
                freq: np.ndarray, means: np.ndarray, steps: np.ndarray, refine: np.ndarray,
@@ -334,6 +332,11 @@ def _ptr(a: np.ndarray) -> int:
     (never pass a temporary: its memory may be reused by another thread during the call)."""
     assert a.flags.c_contiguous
     return a.ctypes.data
+
+
+def _payload(words: np.ndarray, nwords: int) -> bytes:
+    """The first `nwords` words of a (scratch) word buffer as bytes."""
+    return bytes(memoryview(words.view(np.uint8).data)[:4 * nwords])
 
 
 def _check(rc: int, what: str) -> None:
