@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -23,14 +25,31 @@ def lmcache_transfer_config(engine_id: str | None = None, **fields: Any) -> dict
 
 
 def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = "float32",
-              max_num_batched_tokens: int = 2048, kv_bytes: int = 512 << 20) -> Any:
+              max_num_batched_tokens: int = 2048, kv_bytes: int = 512 << 20,
+              model: str | None = None) -> Any:
+    """An engine of `model` (default: SmolLM2 in `dtype`) with vLLM's prefix cache on."""
     from vllm import LLM
 
     from lmcache.integration.local_model import local_model_path
 
-    return LLM(model=local_model_path(dtype), dtype=dtype, enforce_eager=True, max_model_len=4096,
-               kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=max_num_batched_tokens,
+    return LLM(model=model or local_model_path(dtype), dtype=dtype, enforce_eager=True,
+               max_model_len=4096, kv_cache_memory_bytes=kv_bytes,
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True,
                disable_log_stats=False, kv_transfer_config=kv_transfer_config)
+
+
+@contextlib.contextmanager
+def stderr_to(path: str) -> Iterator[None]:
+    """Send this process's stderr (file descriptor 2) to `path` while the block runs; engine
+    processes started inside keep writing there for their whole life."""
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def stop_llm(llm: Any) -> None:

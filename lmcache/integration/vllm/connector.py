@@ -11,10 +11,17 @@ vLLM builds this class twice, in different processes: with the SCHEDULER role in
 at start-up with a ValueError naming the field. Loads are synchronous and happen before the forward;
 saves happen after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
 through vLLM's connector-metrics hooks into vLLM's own ``/metrics`` (`integration.vllm.metrics`).
+
+The connector implements `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and gives it
+every KV cache group. Both sides read the groups (`kv_groups.model_kv`); a model the connector
+cannot serve exactly is refused at start-up with one message (logged by the scheduler side), and
+the connector stays inactive: it finds nothing, stores nothing, and vLLM serves every request
+without it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -29,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
 )
 
+from lmcache.integration.vllm.kv_groups import ModelKV, UnsupportedModel, model_kv
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.utils import lmcache_config_from_vllm
@@ -37,13 +46,22 @@ if TYPE_CHECKING:
     from lmcache.integration.vllm.scheduler import LMCacheScheduler
     from lmcache.integration.vllm.worker import LMCacheWorker
 
+logger = logging.getLogger(__name__)
 
-class LMCacheConnectorV1(KVConnectorBase_V1):
+
+class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = lmcache_config_from_vllm(vllm_config)
         self._scheduler: LMCacheScheduler | None = None
         self._worker: LMCacheWorker | None = None
+        self.kv: ModelKV | None = None
+        try:
+            self.kv = model_kv(vllm_config, kv_cache_config, config.chunk_size)
+        except UnsupportedModel as e:
+            if role == KVConnectorRole.SCHEDULER:  # one message per engine, from the EngineCore
+                logger.error("%s", e)
+            return
         if role == KVConnectorRole.SCHEDULER:
             from lmcache.integration.vllm.scheduler import LMCacheScheduler
 
@@ -56,14 +74,9 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
             self._worker = LMCacheWorker(vllm_config, config, get_world_group().rank_in_group)
 
     @property
-    def scheduler(self) -> LMCacheScheduler:
-        assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
-        return self._scheduler
-
-    @property
-    def worker(self) -> LMCacheWorker:
-        assert self._worker is not None, "worker-side call on a scheduler-side connector"
-        return self._worker
+    def active(self) -> bool:
+        """False when the model was refused at start-up (see the module docstring)."""
+        return self.kv is not None
 
     def _plan(self) -> LMCacheConnectorMetadata:
         metadata = self._get_connector_metadata()
@@ -73,10 +86,12 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     # ---- worker side ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._plan())
+        if self._worker is not None:
+            self._worker.start_load_kv(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -86,13 +101,16 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save(self._plan())
+        if self._worker is not None:
+            self._worker.wait_for_save(self._plan())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids)
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     # ---- metrics (see `integration.vllm.metrics`) ------------------------------------------------
 
@@ -112,23 +130,36 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     # ---- scheduler side -------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        if self._scheduler is None:
+            return LMCacheConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`'s end of a request (every group's blocks): saves are synchronous, so the
+        blocks are never held."""
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.request_finished(request)
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset of connector caches (``LLM.reset_prefix_cache(reset_connector=True)``,
         ``POST /reset_prefix_cache?reset_external=true``): with `clear_hot_on_reset`, empty the
         workers' hot tiers (True once every rank confirmed); otherwise LMCache keeps its cache
         (None: nothing to reset)."""
-        return self.scheduler.reset_cache()
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -123,11 +123,12 @@ class LMCacheScheduler:
             plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to)])
             plans.append(plan)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any) -> dict[str, Any]:
+        """Forget `request`; its `kv_transfer_params`."""
         self._lookups.pop(request.request_id, None)
         tracked = self._reqs.pop(request.request_id, None)
         loaded = tracked.load_to - tracked.load_from if tracked is not None else 0
-        return False, {"lmcache_loaded_tokens": loaded}
+        return {"lmcache_loaded_tokens": loaded}
 
     def reset_cache(self) -> bool | None:
         if not self.config.clear_hot_on_reset:

@@ -20,8 +20,9 @@ EXTRA_PREFIX = "lmcache."
 def lmcache_config_from_vllm(vllm_config: Any) -> LMCacheEngineConfig:
     """LMCache config for a vLLM engine: `kv_connector_extra_config` keys ``lmcache.<field>``
     over ``LMCACHE_*`` env over ``LMCACHE_CONFIG_FILE`` over defaults. Raises ValueError for an
-    unknown or invalid field, or a chunk size that is not a multiple of vLLM's block size. The
-    connector always runs with ``error_handling=True``: a cache fault never fails a request."""
+    unknown or invalid field (whether the chunk size suits vLLM's block sizes is the model's
+    question: `kv_groups.model_kv`). The connector always runs with ``error_handling=True``: a
+    cache fault never fails a request."""
     transfer = vllm_config.kv_transfer_config
     extra: dict[str, Any] = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
     overrides = {}
@@ -36,10 +37,6 @@ def lmcache_config_from_vllm(vllm_config: Any) -> LMCacheEngineConfig:
         raise ValueError(f"LMCache kv_connector_extra_config: {e}") from e
     if not config.error_handling:
         config.error_handling = True
-    block_size = vllm_config.cache_config.block_size
-    if block_size and config.chunk_size % block_size:
-        raise ValueError(f"LMCache chunk_size={config.chunk_size} must be a multiple of vLLM's "
-                         f"block_size={block_size}")
     return config
 
 

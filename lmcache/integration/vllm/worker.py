@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.kv_groups import layer_index
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
@@ -54,7 +54,7 @@ class LMCacheWorker:
     # ---- set-up ---------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=_layer_index)
+        names = sorted(kv_caches, key=layer_index)
         tensors = [kv_caches[n] for n in names]
         vc = self.vllm_config
         self.kvcaches = connector_kvcaches(tensors, self.block_size)
@@ -179,8 +179,3 @@ def lazy_tokenizer(name_or_path: str) -> Callable[[str], list[int]]:
         return list(loaded[0](text, add_special_tokens=False)["input_ids"])
 
     return tokenize
-
-
-def _layer_index(name: str) -> tuple[int, str]:
-    match = re.search(r"\d+", name)
-    return (int(match.group()) if match else 0, name)

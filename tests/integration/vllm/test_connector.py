@@ -177,6 +177,18 @@ def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir):
 
 def test_bad_extra_config_fails_at_start_up_with_a_clear_error(capfd):
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
-        start_llm(lmcache_transfer_config(chunk_size=100))
+        start_llm(lmcache_transfer_config(max_local_cpu_size=-1))
     err = capfd.readouterr().err
-    assert "chunk_size=100 must be a multiple of vLLM's block_size=128" in err
+    assert "max_local_cpu_size" in err
+
+
+def test_a_chunk_size_vllm_cannot_use_leaves_the_engine_serving_without_lmcache(baseline, capfd):
+    llm = start_llm(lmcache_transfer_config(chunk_size=100), max_num_batched_tokens=MNBT)
+    try:
+        (out,) = greedy(llm, [PROMPTS["short"]])
+        assert out.outputs[0].text == baseline["short"]
+        assert out.kv_transfer_params is None  # the connector is inactive
+    finally:
+        stop_llm(llm)
+    err = capfd.readouterr().err
+    assert err.count("lmcache.chunk_size=100 is not a multiple of vLLM's block size 128") == 1

@@ -81,7 +81,7 @@ def test_chunked_prefill_saves_each_completed_chunk_then_the_tail(make_scheduler
     req.all_token_ids.append(42)
     m4 = sched.build_connector_meta(step(cached=[("a", None, 700)], scheduled={"a": 1}))
     assert m4.requests == []  # decode tokens are not saved by default
-    assert sched.request_finished(req, []) == (False, {"lmcache_loaded_tokens": 0})
+    assert sched.request_finished(req) == {"lmcache_loaded_tokens": 0}
 
 
 def test_lookup_hit_becomes_a_load_beyond_vllms_own_hit_leaving_one_token(make_scheduler):
@@ -100,7 +100,7 @@ def test_lookup_hit_becomes_a_load_beyond_vllms_own_hit_leaving_one_token(make_s
         None
     ]
     assert again is None or not again.has_load  # a load is planned once
-    assert sched.request_finished(req, [])[1] == {"lmcache_loaded_tokens": 571}
+    assert sched.request_finished(req) == {"lmcache_loaded_tokens": 571}
 
 
 def test_hit_not_beyond_vllms_own_cache_loads_nothing(make_scheduler):

@@ -1,0 +1,116 @@
+"""Today's model families through the connector, checked against the same engine without one.
+
+Small random-weight checkpoints (`tests.helpers.tiny_models`) of Llama, Gemma 3 (sliding window),
+gpt-oss (sliding window + sinks, MoE), DeepSeek-V2 (MLA, bf16) and Qwen3-Next (gated-delta-net
+linear attention + full attention, bf16) run on vLLM-CPU with vLLM's hybrid KV cache manager on.
+
+"Equal to the last bit" needs both engines to do the same arithmetic, so every check pairs a
+request served from LMCache (vLLM's prefix cache reset) with the request of the engine without a
+connector that computes exactly the same tokens over exactly the same cached prefix:
+
+- cold prompts: the same prefill in both engines (nothing cached yet);
+- a prompt ``p`` followed by its first generated token ``t``: LMCache serves ``len(p)`` tokens and
+  computes one, exactly as the reference engine's decode step after prefilling ``p``;
+- the same ``p + [t]`` when vLLM's own prefix cache serves it in the reference engine (prompt
+  lengths are chosen so that vLLM's block-granular hit equals LMCache's chunk-granular one).
+
+Greedy tokens and their logprobs must be identical. Requests run one at a time (a batch of
+several prompts is computed with other tile shapes, DeepSeek's MoE routing is sensitive to that).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.helpers.tiny_models import ARCHS, tiny_model_path
+from tests.helpers.vllm_engines import (
+    lmcache_transfer_config,
+    sentence_text,
+    start_llm,
+    stderr_to,
+    stop_llm,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+CHUNK = 256
+MNBT = 512  # several prefill steps per prompt
+# prompt lengths: chunk-aligned, and two whose remainder after the last chunk is under vLLM's
+# block size (128), so vLLM's own prefix-cache hit of `p + [t]` equals LMCache's
+LENGTHS = {"aligned": 768, "mid": 812, "long": 1100}
+SERVED: set[str] = {"llama"}  # architectures the connector serves; the others must be refused
+
+
+def prompts(model: str) -> dict[str, list[int]]:
+    """Three prompts of `LENGTHS` tokens that share no prefix."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return {key: tok(sentence_text(11 + i, 1400), add_special_tokens=False).input_ids[:n]
+            for i, (key, n) in enumerate(LENGTHS.items())}
+
+
+def run(llm, token_ids: list[int], max_tokens: int = 3):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=token_ids)],
+                          SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0),
+                          use_tqdm=False)
+    comp = out.outputs[0]
+    logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs, comp.token_ids)]
+    return list(comp.token_ids), logprobs, out.num_cached_tokens
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def arch(request, tmp_path_factory):
+    """Reference outputs of the engine without a connector, then the engine with LMCache."""
+    name = request.param
+    model, dtype = tiny_model_path(name), ARCHS[name].dtype
+    ps = prompts(model)
+    ref = start_llm(None, dtype=dtype, model=model, max_num_batched_tokens=MNBT)
+    cold, repeat = {}, {}
+    for key, p in ps.items():
+        ref.reset_prefix_cache()
+        cold[key] = run(ref, p)
+        repeat[key] = run(ref, [*p, cold[key][0][0]], 2)  # vLLM's own prefix cache, where it has one
+    stop_llm(ref)
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.25)
+    log = tmp_path_factory.mktemp("logs") / "engine.log"
+    with stderr_to(str(log)):
+        llm = start_llm(transfer, dtype=dtype, model=model, max_num_batched_tokens=MNBT)
+    yield name, ps, cold, repeat, llm, log
+    stop_llm(llm)
+
+
+def test_cold_requests_equal_the_engine_without_a_connector(arch):
+    name, ps, cold, _, llm, _ = arch
+    for key, p in ps.items():
+        llm.reset_prefix_cache()
+        assert run(llm, p) == cold[key], f"{name} {key}"
+
+
+def test_a_cache_hit_computes_what_the_engine_without_a_connector_computes(arch):
+    name, ps, cold, repeat, llm, _ = arch
+    for key, p in ps.items():
+        llm.reset_prefix_cache()  # only LMCache can serve the prefix now
+        tokens, logprobs, hit = run(llm, [*p, cold[key][0][0]], 2)
+        if name not in SERVED:
+            assert hit == 0
+            continue
+        assert hit == len(p) - len(p) % CHUNK, f"{name} {key}: {hit} tokens served"
+        if key == "aligned":  # the reference's decode step after prefilling p: the same arithmetic
+            assert (tokens, logprobs) == (cold[key][0][1:], cold[key][1][1:]), f"{name} {key}"
+        assert (tokens, logprobs) == repeat[key][:2], f"{name} {key}"
+
+
+def test_an_unservable_model_is_refused_once_at_start_up(arch):
+    name, *_, log = arch
+    refusals = log.read_text(errors="replace").count("LMCache cannot serve")
+    if name in SERVED:
+        assert refusals == 0
+    else:
+        assert refusals == 1
+        assert f"LMCache cannot serve {ARCHS[name].model_type} models exactly" in log.read_text()
