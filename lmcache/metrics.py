@@ -43,6 +43,7 @@ DOCS = {
     "stored_tokens": "Tokens whose KV was stored",
     "store_skipped_tokens": "Tokens not stored because a local tier held them already",
     "store_dropped_tokens": "Tokens not stored because the CPU arena was full of KV in use",
+    "store_unkept_tokens": "Tokens not stored because vLLM no longer held their sliding-window KV",
     "retrieve_requests": "Retrieve requests",
     "retrieve_requested_tokens": "Tokens retrieves asked for",
     "retrieve_hit_tokens": "Tokens whose KV was retrieved into the serving engine",

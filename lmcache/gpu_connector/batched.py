@@ -49,7 +49,9 @@ class CopyRequest:
     """One store (``gather``: engine cache -> objects) or retrieve (scatter) of a whole request.
 
     blobs: each chunk object's ``[2, L, n_c, hidden]`` tensor, in request order (contiguous).
-    slots: ``[N]`` int64 on the CPU, the slot of every token, chunk after chunk (< 0: skip).
+    slots: ``[N]`` int64 on the CPU, the slot of every token, chunk after chunk (< 0: skip); or
+    ``[G, N]``, one row per KV cache group, for a connector whose layers belong to several groups
+    (a gather stores zeros for a token a group does not hold).
     bounds: ``[C + 1]`` offsets of each chunk's first token in `slots`."""
 
     gather: bool
@@ -142,30 +144,32 @@ class BatchedKVConnector(KVBlobConnector):
 
 
 def slots_from_mapping(kwargs: dict[str, Any], starts: Sequence[int], ends: Sequence[int]) -> torch.Tensor:
-    """The ``slot_mapping`` kwarg (slot of every token of the whole sequence) cut to the ranges, as
-    ``[N]`` int64 on the CPU (a CUDA slot mapping costs one device-to-host copy)."""
+    """The ``slot_mapping`` kwarg (slot of every token of the whole sequence: ``[T]``, or ``[G, T]``
+    with one row per KV cache group) cut to the ranges, as ``[N]`` / ``[G, N]`` int64 on the CPU (a
+    CUDA slot mapping costs one device-to-host copy)."""
     slot_mapping = require_slot_mapping(kwargs)
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 \
-            or slot_mapping.shape[0] < max(ends):
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() not in (1, 2) \
+            or slot_mapping.shape[-1] < max(ends):
         shape = tuple(slot_mapping.shape) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping)
         raise ValueError(f"slot_mapping of shape {shape} does not cover tokens [{min(starts)}, {max(ends)})")
     consecutive = all(ends[i] == starts[i + 1] for i in range(len(starts) - 1))
     if consecutive:
-        slots = slot_mapping[starts[0]: ends[-1]]
+        slots = slot_mapping[..., starts[0]: ends[-1]]
     else:
-        slots = torch.cat([slot_mapping[a:b] for a, b in zip(starts, ends, strict=True)])
+        slots = torch.cat([slot_mapping[..., a:b] for a, b in zip(starts, ends, strict=True)], dim=-1)
     return slots.to("cpu", torch.int64).contiguous()
 
 
 def check_slots(slots: torch.Tensor, num_slots: int, gather: bool) -> None:
-    """ValueError for slots at or beyond `num_slots`, and for negative slots when storing."""
+    """ValueError for slots at or beyond `num_slots`, and for negative slots when storing from a
+    one-group ``[N]`` mapping (per-group ``[G, N]`` rows may leave tokens a group does not hold)."""
     if slots.numel() == 0:
         return
     if int(slots.max()) >= num_slots:
         bad = slots[slots >= num_slots]
         raise ValueError(f"slot_mapping holds {bad.numel()} slot(s) outside [0, {num_slots}) (beyond the "
                          f"cache's end) in the requested range, e.g. {int(bad[0])}")
-    if gather and int(slots.min()) < 0:
+    if gather and slots.dim() == 1 and int(slots.min()) < 0:
         negative = int((slots < 0).sum())
         raise ValueError(f"slot_mapping has {negative} negative slot(s) in the range to store: those tokens "
                          "have no KV in this engine to store (a -1 marks KV the engine already holds)")

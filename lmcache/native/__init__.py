@@ -32,8 +32,8 @@ def _copy_signatures(lib: ctypes.CDLL) -> None:
     lib.lmc_paged_copy.restype = _INT
     lib.lmc_paged_copy.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT]
     lib.lmc_vec_packed_copy.restype = _INT
-    lib.lmc_vec_packed_copy.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                        _INT, _INT]
+    lib.lmc_vec_packed_copy.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                                        _PTR, _I64, _INT, _INT]
 
 
 def _cachegen_signatures(lib: ctypes.CDLL) -> None:

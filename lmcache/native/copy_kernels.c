@@ -5,8 +5,9 @@
  * there is enough of it (PARALLEL_MIN_BYTES): a parallel region waits for its slowest thread, so
  * small copies on a busy machine are faster on one thread.
  * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter). Both take all chunks of
- * a request in one call; a negative slot is an error when gathering and skipped when scattering.
- * Both return 0, or -1 if a slot is out of range (nothing is copied then).
+ * a request in one call; a negative slot is skipped when scattering. lmc_paged_copy rejects it when
+ * gathering; lmc_vec_packed_copy writes zeros for it (a token a layer's KV cache group does not
+ * hold). Both return 0, or -1 if a slot is out of range (nothing is copied then).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,7 +78,9 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 
 /* vLLM-CPU's packed caches, "vec" ISA layout: layer l is [num_blocks][heads][2][bs * hs]; inside a
  * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j).
- * Slots < 0 are skipped when scattering (tokens the engine already has). elem is 2 or 4 bytes.
+ * Layer l uses the slot row layer_rows[l] (each KV cache group has its own block table). Slots < 0
+ * are skipped when scattering (tokens the engine already has) and give zero rows when gathering
+ * (tokens the layer's group does not hold). elem is 2 or 4 bytes.
  * Work items are (layer, chunk): each moves whole blob rows (all heads of a token) at once, so
  * every cache line of the blob is written by one thread in one pass. For 2-byte KV, runs of 8
  * consecutive slots in one block move K with SSE2 8x8 transposes. */
@@ -94,21 +97,28 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
     } while (0)
 
 static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, const int64_t *chunk_starts,
-                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
-    int64_t row = H * hs, slab_len = 2 * bs * hs;
+                                const int64_t *slots, const int64_t *layer_rows,
+                                const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
+                                int direction, int nt) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t c = 0; c < n_chunks; c++) {
-            const int64_t *cs = slots + chunk_starts[c];
+            const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
             int64_t n = chunk_starts[c + 1] - chunk_starts[c];
             uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
             for (int64_t i = 0; i < n; i++) {
                 int64_t s = cs[i];
-                if (s < 0) continue;
-                uint32_t *block = (uint32_t *)layers[l] + (s / bs) * H * slab_len;
                 uint32_t *k = blob + (l * n + i) * row;
                 uint32_t *v = blob + ((L + l) * n + i) * row;
+                if (s < 0) {
+                    if (direction == 0) {
+                        memset(k, 0, row * sizeof(uint32_t));
+                        memset(v, 0, row * sizeof(uint32_t));
+                    }
+                    continue;
+                }
+                uint32_t *block = (uint32_t *)layers[l] + (s / bs) * H * slab_len;
                 for (int64_t h = 0; h < H; h++)
                     COPY_ONE_TOKEN(uint32_t, block + h * slab_len, bs, hs, s % bs, k + h * hs, v + h * hs,
                                    direction);
@@ -163,9 +173,10 @@ static int64_t block_run(const int64_t *slots, int64_t i, int64_t n, int64_t bs)
 }
 
 static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, const int64_t *chunk_starts,
-                                const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
-    int64_t row = H * hs, slab_len = 2 * bs * hs;
+                                const int64_t *slots, const int64_t *layer_rows,
+                                const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
+                                int direction, int nt) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         /* Gathering a whole block, a head's K (bs * hs values, dim-major) is first copied here
@@ -174,11 +185,15 @@ static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t l = 0; l < L; l++) {
             for (int64_t c = 0; c < n_chunks; c++) {
-                const int64_t *cs = slots + chunk_starts[c];
+                const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
                 int64_t n = chunk_starts[c + 1] - chunk_starts[c];
                 uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
                 for (int64_t i = 0; i < n;) {
                     if (cs[i] < 0) {
+                        if (direction == 0) {
+                            memset(blob + (l * n + i) * row, 0, row * sizeof(uint16_t));
+                            memset(blob + ((L + l) * n + i) * row, 0, row * sizeof(uint16_t));
+                        }
                         i++;
                         continue;
                     }
@@ -218,23 +233,27 @@ static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64
     }
 }
 
-/* A batch of chunks, as in lmc_paged_copy: chunk c covers slots[chunk_starts[c] ..
- * chunk_starts[c+1]) and its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. */
+/* A batch of chunks, as in lmc_paged_copy: chunk c covers tokens chunk_starts[c] .. chunk_starts[c+1]
+ * of each of the n_rows slot rows (slots is [n_rows][n_tokens]; layer l reads row layer_rows[l]) and
+ * its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. */
 int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
                         int64_t heads, int64_t head_size, int64_t block_size, int64_t elem,
-                        const int64_t *slots, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
-                        int64_t n_chunks, int direction, int nthreads) {
+                        const int64_t *slots, int64_t n_rows, const int64_t *layer_rows,
+                        const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
+                        int direction, int nthreads) {
     int64_t n_tokens = chunk_starts[n_chunks];
-    for (int64_t t = 0; t < n_tokens; t++)
-        if (slots[t] >= num_blocks * block_size || (direction == 0 && slots[t] < 0)) return -1;
+    for (int64_t t = 0; t < n_rows * n_tokens; t++)
+        if (slots[t] >= num_blocks * block_size) return -1;
+    for (int64_t l = 0; l < n_layers; l++)
+        if (layer_rows[l] < 0 || layer_rows[l] >= n_rows) return -1;
     int nt = threads_for(2 * n_layers * n_tokens * heads * head_size * elem, nthreads);
     char *const *layers = (char *const *)layer_ptrs;
     if (elem == 2)
-        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
-                            chunk_bufs, n_chunks, direction, nt);
+        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
+                            chunk_starts, chunk_bufs, n_chunks, direction, nt);
     else if (elem == 4)
-        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, chunk_starts,
-                            chunk_bufs, n_chunks, direction, nt);
+        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
+                            chunk_starts, chunk_bufs, n_chunks, direction, nt);
     else
         return -3;
     return 0;

@@ -108,9 +108,10 @@ class PagedKV(KVCache):
         self.layers = self.kvcaches
 
     def slots_for(self, n):
-        """Slots of n tokens in freshly 'allocated' consecutive blocks (block-aligned)."""
+        """Slots of n tokens in freshly 'allocated' consecutive blocks (block-aligned; never block
+        0, which vLLM keeps as its null block)."""
         nblocks = -(-n // self.block_size)
-        blocks = (torch.arange(nblocks) + self._next_block) % self.num_blocks
+        blocks = (torch.arange(nblocks) + self._next_block) % (self.num_blocks - 1) + 1
         self._next_block += nblocks
         return self._slots_of(blocks, n)
 

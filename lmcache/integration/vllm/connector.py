@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -65,13 +66,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from lmcache.integration.vllm.scheduler import LMCacheScheduler
 
-            self._scheduler = LMCacheScheduler(vllm_config, config)
+            self._scheduler = LMCacheScheduler(vllm_config, config, self.kv)
         else:
             from vllm.distributed.parallel_state import get_world_group
 
             from lmcache.integration.vllm.worker import LMCacheWorker
 
-            self._worker = LMCacheWorker(vllm_config, config, get_world_group().rank_in_group)
+            self._worker = LMCacheWorker(vllm_config, config, get_world_group().rank_in_group, self.kv)
 
     @property
     def active(self) -> bool:
@@ -105,9 +106,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save(self._plan())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
-            return None, None
-        return self._worker.get_finished(finished_req_ids)
+            return KVConnectorTransferResults()
+        return self._worker.get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
@@ -137,6 +142,10 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None and connector_output.failed_recving:
+            self._scheduler.loads_failed(connector_output.failed_recving)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self._scheduler is None:

@@ -11,6 +11,10 @@ overwritten). On the vec ISAs all chunks of a request move in ONE native call
 (`lmcache.native.lmc_vec_packed_copy`, SSE2 8x8 transposes for K); without it, whole blocks go
 through `index_select` / `index_copy_` on zero-copy strided views and partial blocks through
 per-token indexing. Other ISAs (AMX tiles) go through the probed permutations.
+
+Several KV cache groups (`layer_groups`: each layer's group): the slot mapping is ``[G, T]``, one
+row per group, and each layer reads its group's row; a store writes zeros for a token its layer's
+group does not hold (slot < 0: a sliding-window row outside what the chunk keeps).
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ class PackedCaches:
 
 class VLLMCPUPackedConnector(BatchedKVConnector):
     def __init__(self, hidden_dim_size: int, num_layers: int, layout: PackedLayout, *,
-                 use_native: bool = True) -> None:
+                 use_native: bool = True, layer_groups: Sequence[int] | None = None) -> None:
         super().__init__(hidden_dim_size, num_layers)
         if layout.num_kv_heads * layout.head_size != hidden_dim_size:
             raise ValueError(f"layout has {layout.num_kv_heads} heads x {layout.head_size} values, "
                              f"connector hidden size is {hidden_dim_size}")
+        groups = tuple(layer_groups) if layer_groups is not None else (0,) * num_layers
+        if len(groups) != num_layers or min(groups) < 0:
+            raise ValueError(f"layer_groups {groups} must name a group >= 0 for each of {num_layers} layers")
+        self.layer_groups = torch.tensor(groups, dtype=torch.int64)
+        self.num_groups = max(groups) + 1
         self.layout = layout
         self._native = native.load() if use_native and layout.is_vec else None
         self._caches: tuple[tuple[int, int], PackedCaches] | None = None
@@ -78,18 +87,25 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
 
     def _token_slots(self, kwargs: dict[str, Any], starts: Sequence[int], ends: Sequence[int],
                      target: PackedCaches) -> torch.Tensor:
-        return slots_from_mapping(kwargs, starts, ends)
+        slots = slots_from_mapping(kwargs, starts, ends)
+        rows = 1 if slots.dim() == 1 else slots.shape[0]
+        if rows != self.num_groups or (slots.dim() == 2 and self.num_groups == 1):
+            raise ValueError(f"slot_mapping of shape {tuple(slots.shape)}: this connector's layers belong "
+                             f"to {self.num_groups} KV cache group(s), one slot row each"
+                             + (" ([T] for one group)" if self.num_groups == 1 else ""))
+        return slots
 
     def _copy(self, target: PackedCaches, request: CopyRequest, on_done: CopyDone) -> None:
+        slots = request.slots.view(self.num_groups, -1)
         if self._native is not None and target.dtype.itemsize in (2, 4):
-            self._copy_native(target, request)
+            self._copy_native(target, request, slots)
         else:
             for c, blob in enumerate(request.blobs):
-                slots = request.slots[request.bounds[c]: request.bounds[c + 1]]
-                self._copy_chunk(target, slots, blob, request.gather)
+                self._copy_chunk(target, slots[:, request.bounds[c]: request.bounds[c + 1]], blob,
+                                 request.gather)
         finish(on_done)
 
-    def _copy_native(self, caches: PackedCaches, request: CopyRequest) -> None:
+    def _copy_native(self, caches: PackedCaches, request: CopyRequest, slots: torch.Tensor) -> None:
         assert self._native is not None
         lay = self.layout
         bounds = torch.tensor(request.bounds, dtype=torch.int64)
@@ -97,7 +113,8 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
         rc = self._native.lmc_vec_packed_copy(
             ctypes.c_void_p(caches.ptrs.data_ptr()), self.num_layers, caches.kvcaches[0].shape[0],
             lay.num_kv_heads, lay.head_size, lay.block_size, caches.dtype.itemsize,
-            ctypes.c_void_p(request.slots.data_ptr()), ctypes.c_void_p(bounds.data_ptr()),
+            ctypes.c_void_p(slots.data_ptr()), self.num_groups,
+            ctypes.c_void_p(self.layer_groups.data_ptr()), ctypes.c_void_p(bounds.data_ptr()),
             ctypes.c_void_p(bufs.data_ptr()), request.num_chunks, 0 if request.gather else 1,
             torch.get_num_threads())
         if rc != 0:
@@ -105,22 +122,25 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
 
     def _copy_chunk(self, caches: PackedCaches, slots: torch.Tensor, blob: torch.Tensor,
                     gather: bool) -> None:
-        """blob: [2, L, n, hidden] on CPU; slots: [n] int64 (negative = skip, scatter only)."""
+        """blob: [2, L, n, hidden] on CPU; slots: [G, n] int64, one row per KV cache group
+        (negative: skipped by a scatter, zeros from a gather)."""
         lay = self.layout
         bs, h, d = lay.block_size, lay.num_kv_heads, lay.head_size
-        n = slots.shape[0]
-        if caches.views is not None:
-            blocks = _whole_blocks(slots, bs)
-            for layer, (k, v) in enumerate(caches.views):
-                for i, view in ((0, k), (1, v)):
-                    rows = blob[i, layer].view(n, h, d)
-                    if blocks is not None:
-                        _blocks_copy(view, blocks, rows.view(-1, bs, h, d), gather)
-                    else:
-                        _tokens_copy(view, slots, bs, rows, gather)
-        else:
-            for layer, kv in enumerate(caches.kvcaches):
-                _permuted_copy(kv, lay, slots, blob[:, layer].view(2, n, h, d), gather)
+        n = slots.shape[1]
+        whole = [_whole_blocks(row, bs) for row in slots]
+        for layer in range(self.num_layers):
+            group = int(self.layer_groups[layer])
+            layer_slots, blocks = slots[group], whole[group]
+            if caches.views is None:
+                _permuted_copy(caches.kvcaches[layer], lay, layer_slots, blob[:, layer].view(2, n, h, d),
+                               gather)
+                continue
+            for i, view in enumerate(caches.views[layer]):
+                rows = blob[i, layer].view(n, h, d)
+                if blocks is not None:
+                    _blocks_copy(view, blocks, rows.view(-1, bs, h, d), gather)
+                else:
+                    _tokens_copy(view, layer_slots, bs, rows, gather)
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
@@ -169,7 +189,11 @@ def _permuted_copy(kv: torch.Tensor, lay: PackedLayout, slots: torch.Tensor, row
     for i, perm in enumerate((lay.k_perm, lay.v_perm)):
         decoded = packed[:, perm].view(-1, bs, h, d)
         if gather:
-            rows[i].copy_(decoded[which, offsets])
+            if bool(keep.all()):
+                rows[i].copy_(decoded[which, offsets])
+            else:
+                rows[i].zero_()
+                rows[i][keep] = decoded[which, offsets]
         else:
             decoded[which, offsets] = rows[i][keep]
             packed[:, perm] = decoded.view(len(uniq), -1)

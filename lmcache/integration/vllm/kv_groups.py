@@ -2,22 +2,39 @@
 model exactly.
 
 vLLM splits a model's layers into KV cache groups (`KVCacheConfig.kv_cache_groups`): each group has
-one spec and its own block table per request. `model_kv(vllm_config, kv_cache_config, chunk_size)`
-reads them into a `ModelKV`, or raises `UnsupportedModel` with one message naming the model type
-and what is missing; the connector then stays inactive and vLLM serves every request without it.
+one spec and its own block table per request (block id 0 is vLLM's null block: nothing held).
+`model_kv(vllm_config, kv_cache_config, chunk_size)` reads them into a `ModelKV`, or raises
+`UnsupportedModel` with one message naming the model type and what is missing; the connector then
+stays inactive and vLLM serves every request without it.
 
-Group kinds (`GroupKind`):
+Group kinds (`GroupKind`), all stored per token in one chunk object per prefix chunk (chunk keys,
+lookups and leases stay per request prefix, so a hit means every group can be served):
 
-- ``FULL``: full attention; K and V of every token are kept while the request runs.
+- ``FULL``: full attention. K and V of every token are kept while the request runs; all of them
+  are stored and loaded.
+- ``SLIDING``: sliding-window attention (window W). vLLM frees a request's blocks once they fall
+  out of the window (`SlidingWindowManager.get_num_skipped_tokens`: a request that has computed n
+  tokens reads only tokens from ``n - W + 1``). A chunk ending at token e can end a later hit of
+  e (a longer prompt) or e - 1 (the same prompt, whose last token is recomputed), so its
+  sliding-window rows hold the tokens vLLM keeps for a hit of e - 1: from the block holding token
+  ``skipped(e - 1)`` on (`first_kept`). Those tokens are always still in vLLM's blocks when the
+  chunk is stored (it is stored in the step that computes its last token, and vLLM frees only
+  blocks below the window of the tokens computed before that step); rows below are zeros and are
+  never loaded. A load writes only the blocks vLLM allocated for the hit (those in the window, at
+  most one block beyond it), never its null blocks.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+NULL_BLOCK = 0  # vLLM's null block: a block-table entry holding nothing
+CANONICAL_LAYOUT = "kv_blob"
 
 
 class UnsupportedModel(ValueError):
@@ -26,6 +43,7 @@ class UnsupportedModel(ValueError):
 
 class GroupKind(enum.Enum):
     FULL = "full"
+    SLIDING = "sliding"
 
 
 @dataclass(frozen=True)
@@ -36,12 +54,31 @@ class KVGroup:
     kind: GroupKind
     block_size: int
     layers: tuple[str, ...]
+    window: int = 0  # SLIDING: vLLM's sliding_window
+    retained: int = 0  # SLIDING: vLLM's extra_retained_tokens (kept below the window)
+
+    def skipped(self, num_tokens: int) -> int:
+        """Tokens a request that has computed `num_tokens` never reads again (vLLM frees their
+        whole blocks)."""
+        if self.kind != GroupKind.SLIDING:
+            return 0
+        return max(0, num_tokens - self.window + 1 - self.retained)
+
+    def first_kept(self, end: int) -> int:
+        """First token whose row a stored chunk ending at `end` holds for this group (see the
+        module docstring); 0 for full attention."""
+        return self.skipped(end - 1) // self.block_size * self.block_size
+
+    def tag(self) -> str:
+        if self.kind == GroupKind.SLIDING:
+            return f"swa{self.window}+{self.retained}/b{self.block_size}"
+        return "full"
 
 
 @dataclass(frozen=True)
 class ModelKV:
-    """The KV cache groups of one model, as LMCache stores them. `token_layers`: the layers whose KV
-    is stored per token, in chunk-row order (by layer index)."""
+    """The KV cache groups of one model, as LMCache stores them: every group's layers have K and V
+    of `num_kv_heads` x `head_size` values per token in `dtype`."""
 
     model_type: str
     groups: tuple[KVGroup, ...]
@@ -51,12 +88,34 @@ class ModelKV:
 
     @property
     def token_layers(self) -> tuple[str, ...]:
+        """The layers stored per token, in chunk-row order (by layer index)."""
         return tuple(sorted((n for g in self.groups for n in g.layers), key=layer_index))
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        """For each of `token_layers`, the position of its group in `groups`."""
+        where = {n: i for i, g in enumerate(self.groups) for n in g.layers}
+        return tuple(where[n] for n in self.token_layers)
+
+    @property
+    def uniform(self) -> bool:
+        """One full-attention group: the layout every engine (and HF transformers) shares."""
+        return len(self.groups) == 1 and self.groups[0].kind == GroupKind.FULL
+
+    def layout(self) -> str:
+        """The stored layout's name, part of every cache key: "kv_blob" (the canonical K/V layout
+        every engine and HF transformers share) for one full-attention group; otherwise
+        "kv_blob+" and a digest of which chunk row holds which kind of attention (window, block
+        size), so a cache written for one layer structure never serves another."""
+        if self.uniform:
+            return CANONICAL_LAYOUT
+        rows = ",".join(self.groups[g].tag() for g in self.layer_groups)
+        return f"{CANONICAL_LAYOUT}+{hashlib.sha256(rows.encode()).hexdigest()[:16]}"
 
 
 def model_kv(vllm_config: Any, kv_cache_config: Any, chunk_size: int) -> ModelKV:
     """The groups of `kv_cache_config` as LMCache stores them; `UnsupportedModel` otherwise."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
     model_type = _model_type(vllm_config)
 
@@ -67,23 +126,42 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, chunk_size: int) -> ModelKV
 
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise refuse("vLLM gave the connector no KV cache configuration")
-    groups = []
+    groups, specs = [], []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if type(spec) is not FullAttentionSpec or spec.attention_chunk_size:
+        if type(spec) is FullAttentionSpec and not spec.attention_chunk_size:
+            # (with vLLM's hybrid manager off, sliding-window layers come as full attention with a
+            # window: their blocks are all kept, so storing everything is exact)
+            kind = GroupKind.FULL
+        elif type(spec) is SlidingWindowSpec:
+            kind = GroupKind.SLIDING
+        else:
             raise refuse(f"KV cache group {i} is a {type(spec).__name__}, which the connector does "
-                         "not store yet")
+                         "not store")
+        if not getattr(group, "enable_kv_transfer", True):
+            raise refuse(f"KV cache group {i} is not transferable")
         if spec.block_size <= 0 or chunk_size % spec.block_size:
             raise refuse(f"lmcache.chunk_size={chunk_size} is not a multiple of vLLM's block size "
                          f"{spec.block_size}; set lmcache.chunk_size to a multiple of it")
-        groups.append(KVGroup(i, GroupKind.FULL, spec.block_size, tuple(group.layer_names)))
-    if len(groups) > 1:
-        raise refuse(f"{len(groups)} KV cache groups (the connector handles one group today)")
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if spec.kv_quant_mode != KVQuantMode.NONE or spec.head_size_v != spec.head_size:
-        raise refuse(f"a quantized or asymmetric KV cache ({spec.kv_quant_mode.name}, K head size "
-                     f"{spec.head_size}, V head size {spec.head_size_v})")
-    return ModelKV(model_type, tuple(groups), spec.num_kv_heads, spec.head_size, spec.dtype)
+        groups.append(KVGroup(i, kind, spec.block_size, tuple(group.layer_names),
+                              getattr(spec, "sliding_window", 0) if kind == GroupKind.SLIDING else 0,
+                              getattr(spec, "extra_retained_tokens", 0)))
+        specs.append(spec)
+    first = specs[0]
+    assert isinstance(first, AttentionSpec)
+    for spec in specs:
+        if spec.kv_quant_mode != KVQuantMode.NONE or spec.head_size_v != spec.head_size:
+            raise refuse(f"a quantized or asymmetric KV cache ({spec.kv_quant_mode.name}, K head "
+                         f"size {spec.head_size}, V head size {spec.head_size_v})")
+        if (spec.num_kv_heads, spec.head_size, spec.dtype) != (first.num_kv_heads, first.head_size,
+                                                               first.dtype):
+            raise refuse("attention layers with different KV shapes or dtypes "
+                         f"({first.num_kv_heads}x{first.head_size} {first.dtype} and "
+                         f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype})")
+    if len(groups) > 1 and getattr(vllm_config.device_config, "device_type", "cpu") != "cpu":
+        raise refuse(f"{len(groups)} KV cache groups on {vllm_config.device_config.device_type} "
+                     "(hybrid models are served on vLLM-CPU only so far)")
+    return ModelKV(model_type, tuple(groups), first.num_kv_heads, first.head_size, first.dtype)
 
 
 def _model_type(vllm_config: Any) -> str:

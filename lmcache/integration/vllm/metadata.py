@@ -13,17 +13,20 @@ class RequestPlan:
 
     Load: retrieve the cached prefix ``token_ids[:retrieve_to]`` but write only tokens
     ``[load_from, load_to)`` into the engine (below `load_from` vLLM's own prefix cache already
-    holds the KV; from `load_to` on vLLM computes). Save: store tokens ``[save_from, save_to)``
-    (``save_from`` tokens are known to be cached already). A range with equal ends means nothing
-    to do. `block_ids` are all of the request's blocks so far."""
+    holds the KV; from `load_to` on vLLM computes). With `load_async` the load is reported through
+    `get_finished` / `failed_recving` (vLLM's way for several KV cache groups) instead of failed
+    blocks. Save: store tokens ``[save_from, save_to)`` (``save_from`` tokens are known to be cached
+    already). A range with equal ends means nothing to do. `block_ids`: all of the request's
+    blocks so far, one list per KV cache group."""
 
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     extra_key: str | None = None
     load_from: int = 0
     load_to: int = 0
     retrieve_to: int = 0
+    load_async: bool = False
     save_from: int = 0
     save_to: int = 0
 

@@ -4,10 +4,17 @@
   LMCache holds, pinning them under a lease named by the request id; answers the tokens beyond
   vLLM's own hit, always leaving at least one prompt token to compute. It may be called repeatedly
   for a waiting request, so the answer is remembered until the request is admitted.
-- `update_state_after_alloc`: records the blocks and how many external tokens vLLM accepted.
-- `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once, in its
-  first step) or has newly computed prompt chunks to save (decode tokens too with
-  `save_decode_cache`); a trailing partial chunk is saved when the prompt is complete.
+- `update_state_after_alloc`: records the blocks (one list per KV cache group) and how many
+  external tokens vLLM accepted.
+- `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once) or has
+  newly computed prompt chunks to save (decode tokens too with `save_decode_cache`); a trailing
+  partial chunk is saved when the prompt is complete.
+- Loads. A model with one KV cache group loads synchronously, before the forward of the request's
+  first step, and reports what failed as blocks (vLLM recomputes from there). With several groups
+  vLLM can only recover a failed load reported by request, so the load is asynchronous in vLLM's
+  sense: the request waits (WAITING_FOR_REMOTE_KVS) while its plan is carried out, the worker
+  reports it finished (or failed: vLLM recomputes the request, and LMCache does not offer it a
+  load again).
 - `kv_role`: "kv_producer" only stores, "kv_consumer" only loads, "kv_both" does both.
 - `request_finished`: forgets the request; reports the tokens it planned to load in
   `kv_transfer_params["lmcache_loaded_tokens"]`. Saves are synchronous, so blocks are never held.
@@ -16,10 +23,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.kv_groups import ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.utils import extra_key
@@ -30,7 +39,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Tracked:
     request: Any  # vllm.v1.request.Request (kept: later steps do not resend the tokens)
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group
     extra_key: str | None
     load_from: int = 0
     load_to: int = 0
@@ -40,7 +49,7 @@ class _Tracked:
 
 
 class LMCacheScheduler:
-    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig) -> None:
+    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, kv: ModelKV) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
         engine_id = vllm_config.kv_transfer_config.engine_id
@@ -50,46 +59,62 @@ class LMCacheScheduler:
         role = vllm_config.kv_transfer_config.kv_role
         self.loads = role != "kv_producer"  # a producer (prefill instance) only stores
         self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
+        self.load_async = len(kv.groups) > 1
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
         self._reqs: dict[str, _Tracked] = {}
+        self._failed: set[str] = set()  # requests whose load failed: vLLM recomputes them
 
     # ---- admission ------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = request.prompt_token_ids
-        if not self.loads or tokens is None or len(tokens) < 2:
-            return 0, False
         rid = request.request_id
+        if not self.loads or tokens is None or len(tokens) < 2 or rid in self._failed:
+            return 0, False
         known = self._lookups.get(rid)
         cached = known[0] if known is not None else self.client.lookup(rid, tokens, extra_key(request))
         self._lookups[rid] = (cached, num_computed_tokens)
         usable = min(cached, len(tokens) - 1)
         if usable <= num_computed_tokens:
             return 0, False
-        return usable - num_computed_tokens, False
+        return usable - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        tracked = self._reqs.get(rid)
+        if tracked is not None:  # an asynchronous load has completed: its blocks and more
+            tracked.block_ids = block_ids
+            return
         cached, local = self._lookups.pop(rid, (0, 0))
         # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
         saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
-        tracked = _Tracked(request, list(blocks.get_block_ids()[0]), extra_key(request), saved=saved)
+        tracked = _Tracked(request, block_ids, extra_key(request), saved=saved)
         if num_external_tokens > 0:
             tracked.load_from, tracked.load_to = local, local + num_external_tokens
             tracked.retrieve_to = max(cached, tracked.load_to)
             tracked.load_pending = True
         self._reqs[rid] = tracked
 
+    def loads_failed(self, req_ids: Iterable[str]) -> None:
+        """The workers could not load these requests' prefixes: vLLM recomputes them, and
+        LMCache offers them no load again."""
+        for rid in req_ids:
+            self._failed.add(rid)
+            self._reqs.pop(rid, None)
+
     # ---- per step -------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
         plans: list[RequestPlan] = []
         scheduled = scheduler_output.num_scheduled_tokens
+        planned = set()
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._reqs.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
                 self._add_plan(plans, tracked, new.num_computed_tokens + scheduled[new.req_id])
+                planned.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for i, rid in enumerate(cached.req_ids):
@@ -99,14 +124,20 @@ class LMCacheScheduler:
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
                 if rid in resumed:
-                    tracked.block_ids = list(new_blocks[0])
+                    tracked.block_ids = [list(ids) for ids in new_blocks]
                 else:
-                    tracked.block_ids.extend(new_blocks[0])
+                    for ids, more in zip(tracked.block_ids, new_blocks, strict=True):
+                        ids.extend(more)
             self._add_plan(plans, tracked, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+            planned.add(rid)
+        for rid, tracked in self._reqs.items():  # asynchronous loads: the request computes later
+            if tracked.load_pending and rid not in planned:
+                self._add_plan(plans, tracked, None)
         return LMCacheConnectorMetadata(plans)
 
-    def _add_plan(self, plans: list[RequestPlan], tracked: _Tracked, computed: int) -> None:
-        """`computed`: tokens whose KV exists once this step has run."""
+    def _add_plan(self, plans: list[RequestPlan], tracked: _Tracked, computed: int | None) -> None:
+        """`computed`: tokens whose KV exists once this step has run (None: the request does not
+        compute in this step)."""
         request = tracked.request
         prompt_len = request.num_prompt_tokens
         plan = RequestPlan(request.request_id, [], tracked.block_ids, tracked.extra_key)
@@ -114,19 +145,23 @@ class LMCacheScheduler:
             tracked.load_pending = False
             plan.load_from, plan.load_to = tracked.load_from, tracked.load_to
             plan.retrieve_to = tracked.retrieve_to
-        limit = computed if self.config.save_decode_cache else min(computed, prompt_len)
-        save_to = prompt_len if limit == prompt_len else limit - limit % self.chunk_size
-        if self.saves and save_to > tracked.saved:
-            plan.save_from, plan.save_to = tracked.saved, save_to
-            tracked.saved = save_to
+            plan.load_async = self.load_async
+        if computed is not None:
+            limit = computed if self.config.save_decode_cache else min(computed, prompt_len)
+            save_to = prompt_len if limit == prompt_len else limit - limit % self.chunk_size
+            if self.saves and save_to > tracked.saved:
+                plan.save_from, plan.save_to = tracked.saved, save_to
+                tracked.saved = save_to
         if plan.has_load or plan.has_save:
             plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to)])
             plans.append(plan)
 
     def request_finished(self, request: Any) -> dict[str, Any]:
         """Forget `request`; its `kv_transfer_params`."""
-        self._lookups.pop(request.request_id, None)
-        tracked = self._reqs.pop(request.request_id, None)
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._failed.discard(rid)
+        tracked = self._reqs.pop(rid, None)
         loaded = tracked.load_to - tracked.load_from if tracked is not None else 0
         return {"lmcache_loaded_tokens": loaded}
 

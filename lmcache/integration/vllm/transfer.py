@@ -1,22 +1,33 @@
 """Moving one request's KV between vLLM's paged cache and the engine, as a `RequestPlan` says.
 
 Used by the worker-side connector and by the seed's adapter functions (`vllm_adapter`).
+
+Slots. Each KV cache group has its own block table, so the slot of a token is per group:
+``block_id * block_size + offset`` in the group's table, -1 where the group holds nothing for it
+(no block allocated yet, vLLM's null block, tokens vLLM's own prefix cache holds on a load, a
+sliding-window row a stored chunk does not keep). A model with one group passes the connector a
+``[N]`` slot mapping; a model with several a ``[G, N]`` one (row g for `groups[g]`, the connector
+maps each layer to its group's row).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lmcache.cache_engine import LMCacheEngine
+from lmcache.integration.vllm.kv_groups import NULL_BLOCK, KVGroup
 from lmcache.integration.vllm.metadata import RequestPlan
 
 
-def slots_for(block_ids: list[int], n: int, block_size: int) -> torch.Tensor:
-    """Slot of each of the first `n` tokens (-1 where no block is allocated yet)."""
-    blocks = torch.tensor(block_ids[: -(-n // block_size)], dtype=torch.int64)
+def slots_for(block_ids: Sequence[int], n: int, block_size: int) -> torch.Tensor:
+    """Slot of each of the first `n` tokens in one group's block table (-1 where no block is
+    allocated yet, or the block is vLLM's null block)."""
+    blocks = torch.tensor(list(block_ids[: -(-n // block_size)]), dtype=torch.int64)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+    slots[(blocks == NULL_BLOCK).repeat_interleave(block_size)[: slots.shape[0]]] = -1
     if slots.shape[0] < n:
         slots = torch.cat([slots, torch.full((n - slots.shape[0],), -1, dtype=torch.int64)])
     return slots
@@ -28,25 +39,65 @@ def _skip_mask(n: int, skip_tokens: int, chunk_size: int) -> torch.Tensor | None
     return torch.arange(n) >= skip if skip else None
 
 
-def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, block_size: int) -> int:
+def _as_mapping(rows: list[torch.Tensor]) -> torch.Tensor:
+    """One group: its ``[N]`` slots; several: ``[G, N]``."""
+    return rows[0] if len(rows) == 1 else torch.stack(rows)
+
+
+def load_slots(groups: Sequence[KVGroup], plan: RequestPlan) -> torch.Tensor:
+    """Where each of the first `plan.retrieve_to` tokens is written on a load: only tokens
+    ``[load_from, load_to)``, only into blocks the group holds."""
+    rows = []
+    for group in groups:
+        slots = slots_for(plan.block_ids[group.index], plan.retrieve_to, group.block_size)
+        slots[: plan.load_from] = -1  # vLLM's own prefix cache holds these: never overwrite
+        slots[plan.load_to :] = -1  # vLLM computes these
+        rows.append(slots)
+    return _as_mapping(rows)
+
+
+def save_slots(groups: Sequence[KVGroup], plan: RequestPlan, chunk_size: int) -> tuple[torch.Tensor, int]:
+    """Where each of the first `plan.save_to` tokens is read on a save, and the first token of the
+    chunks that can be stored: a sliding-window group's rows below `first_kept` of their chunk's
+    end are not read (stored as zeros); a chunk whose kept rows lie in a block the group no longer
+    holds (vLLM's own prefix cache gave the request only the window's blocks) cannot be stored,
+    nor can any chunk before it."""
+    n, first = plan.save_to, plan.save_from
+    rows = []
+    for group in groups:
+        slots = slots_for(plan.block_ids[group.index], n, group.block_size)
+        if group.first_kept(n) > 0:
+            starts = range(first - first % chunk_size, n, chunk_size)
+            for start in starts:
+                end = min(start + chunk_size, n)
+                kept = max(start, group.first_kept(end))
+                if bool((slots[kept:end] < 0).any()):
+                    first = max(first, end)
+                slots[start:kept] = -1
+        rows.append(slots)
+    return _as_mapping(rows), first
+
+
+def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup]) -> int:
     """Load `plan`'s cached prefix into tokens [load_from, load_to) of vLLM's cache; returns the
     number of tokens now valid (<= load_to). Ends the request's lookup lease."""
     n = plan.retrieve_to
-    slots = slots_for(plan.block_ids, n, block_size)
-    slots[: plan.load_from] = -1  # vLLM's own prefix cache holds these: never overwrite
-    slots[plan.load_to :] = -1  # vLLM computes these
     mask = _skip_mask(n, plan.load_from, engine.config.chunk_size)
     tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-    loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches, slot_mapping=slots)
+    loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches,
+                             slot_mapping=load_slots(groups, plan))
     engine.release(plan.req_id)
     first = 0 if mask is None else int((~mask).sum())
     return min(first + int(loaded[first:].sum()), plan.load_to)
 
 
-def save_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, block_size: int) -> None:
-    """Store tokens [save_from, save_to) of the request (chunks cached already are skipped)."""
+def save_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup]) -> int:
+    """Store tokens [save_from, save_to) of the request (chunks cached already are skipped);
+    returns the first token stored from (> save_from when leading chunks cannot be stored)."""
     n = plan.save_to
-    tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-    engine.store(tokens, _skip_mask(n, plan.save_from, engine.config.chunk_size),
-                 extra_key=plan.extra_key, kvcaches=kvcaches,
-                 slot_mapping=slots_for(plan.block_ids, n, block_size))
+    slots, first = save_slots(groups, plan, engine.config.chunk_size)
+    if first < n:
+        tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
+        engine.store(tokens, _skip_mask(n, first, engine.config.chunk_size),
+                     extra_key=plan.extra_key, kvcaches=kvcaches, slot_mapping=slots)
+    return first

@@ -10,6 +10,7 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.integration.checkpoint import checkpoint_fingerprint, model_name
+from lmcache.integration.vllm.kv_groups import CANONICAL_LAYOUT, ModelKV
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,19 @@ def lmcache_config_from_vllm(vllm_config: Any) -> LMCacheEngineConfig:
 
 
 def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: torch.dtype,
-                    rank: int) -> LMCacheEngineMetadata:
+                    rank: int, model: ModelKV | None = None) -> LMCacheEngineMetadata:
+    """The engine's metadata: the KV shape of the layers `model` stores per token (by default
+    every layer of the model, K and V of each) and its stored layout."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    num_layers = model_config.get_num_layers(parallel)
-    num_kv_heads = model_config.get_num_kv_heads(parallel)
-    head_size = model_config.get_head_size()
+    if model is not None:
+        num_layers, num_kv_heads, head_size = len(model.token_layers), model.num_kv_heads, model.head_size
+        layout = model.layout()
+    else:
+        num_layers = model_config.get_num_layers(parallel)
+        num_kv_heads = model_config.get_num_kv_heads(parallel)
+        head_size = model_config.get_head_size()
+        layout = CANONICAL_LAYOUT
     return LMCacheEngineMetadata(
         model_name=model_name(model_config.model),
         world_size=parallel.world_size,
@@ -54,6 +62,7 @@ def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: tor
         fmt="vllm",
         kv_dtype=kv_dtype,
         kv_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_size),
+        layout=layout,
         model_fingerprint=checkpoint_fingerprint(model_config.model),
     )
 

@@ -20,6 +20,7 @@ functions `lmcache_retrieve_kv` / `lmcache_store_kv` use (`transfer.load_plan` /
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
 from lmcache.gpu_connector import GPUConnectorInterface, VLLMPagedMemGPUConnectorV2
+from lmcache.integration.vllm.kv_groups import GroupKind, KVGroup, ModelKV
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME, engine_metadata
@@ -60,26 +62,33 @@ class _Configs:
 def init_lmcache_engine(model_config: Any, parallel_config: Any, cache_config: Any, *,
                         config: LMCacheEngineConfig | None = None, rank: int = 0,
                         kv_dtype: torch.dtype | None = None, device: str | None = None,
-                        layout: str | None = None) -> LMCacheEngine:
+                        layout: str | None = None, model: ModelKV | None = None) -> LMCacheEngine:
     """This process's engine, built on first call (config from LMCACHE_* env / file by default).
-    `layout`: vLLM's KV layout (`vllm_layout`); by default the device's usual one."""
+    `layout`: vLLM's KV layout (`vllm_layout`); by default the device's usual one. `model`: the
+    KV cache groups the connector serves (`kv_groups.model_kv`; by default one full-attention
+    group of every layer)."""
     engine = LMCacheEngineBuilder.get(ENGINE_NAME)
     if engine is not None:
         return engine
     config = config or LMCacheEngineConfig.load()
     dtype = kv_dtype or model_config.dtype
     device = device or ("cpu" if not torch.cuda.is_available() else "cuda")
-    metadata = engine_metadata(_Configs(model_config, parallel_config, cache_config), config, dtype, rank)
-    connector = platform_connector(device, dtype, metadata.kv_shape[3], metadata.kv_shape[4],
-                                   cache_config.block_size, metadata.num_layers, layout=layout)
+    metadata = engine_metadata(_Configs(model_config, parallel_config, cache_config), config, dtype, rank,
+                               model)
+    block_size = model.groups[0].block_size if model is not None else cache_config.block_size
+    connector = platform_connector(device, dtype, metadata.kv_shape[3], metadata.kv_shape[4], block_size,
+                                   metadata.num_layers, layout=layout,
+                                   layer_groups=model.layer_groups if model is not None else None)
     return LMCacheEngineBuilder.get_or_create(ENGINE_NAME, config, metadata, connector)
 
 
 def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_size: int, block_size: int,
-                       num_layers: int, *, layout: str | None = None) -> GPUConnectorInterface:
+                       num_layers: int, *, layout: str | None = None,
+                       layer_groups: Sequence[int] | None = None) -> GPUConnectorInterface:
     """The connector for vLLM's caches on `device`: vLLM-CPU's packed blocks (probed with vLLM's
     own kernel), or a paged connector of `layout` ("flash_attn", "flashinfer"; None: inferred
-    from the caches it is given)."""
+    from the caches it is given). `layer_groups`: each layer's KV cache group, for a ``[G, N]``
+    slot mapping (several groups: vLLM-CPU only)."""
     hidden = num_kv_heads * head_size
     if device == "cpu" or layout == VLLM_CPU_LAYOUT:
         from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
@@ -87,7 +96,9 @@ def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_
 
         packed = probe_packed_layout(num_kv_heads, head_size, block_size, dtype,
                                      default_isa(dtype, block_size, head_size))
-        return VLLMCPUPackedConnector(hidden, num_layers, packed)
+        return VLLMCPUPackedConnector(hidden, num_layers, packed, layer_groups=layer_groups)
+    if layer_groups is not None and len(set(layer_groups)) > 1:
+        raise ValueError(f"several KV cache groups on {device} are not supported (vLLM-CPU only)")
     return VLLMPagedMemGPUConnectorV2(hidden, num_layers, layout=layout)
 
 
@@ -127,7 +138,7 @@ def lmcache_retrieve_kv(model_executable: Any, model_input: LMCacheConnectorMeta
     kvcaches = connector_kvcaches(kv_caches, cache_config.block_size)
     for plan, status in zip(model_input.requests, retrieve_status, strict=True):
         if status != RetrieveStatus.NONE and plan.has_load:
-            load_plan(engine, kvcaches, plan, cache_config.block_size)
+            load_plan(engine, kvcaches, plan, _one_group(cache_config))
     return model_input, False, None
 
 
@@ -138,7 +149,12 @@ def lmcache_store_kv(model_config: Any, parallel_config: Any, cache_config: Any,
     kvcaches = connector_kvcaches(kv_caches, cache_config.block_size)
     for plan, status in zip(model_input.requests, store_status, strict=True):
         if status != StoreStatus.NONE and plan.has_save:
-            save_plan(engine, kvcaches, plan, cache_config.block_size)
+            save_plan(engine, kvcaches, plan, _one_group(cache_config))
+
+
+def _one_group(cache_config: Any) -> list[KVGroup]:
+    """The seed's adapter serves one full-attention group (vLLM v0's view of a model)."""
+    return [KVGroup(0, GroupKind.FULL, cache_config.block_size, ())]
 
 
 def _engine() -> LMCacheEngine:

@@ -1,18 +1,21 @@
 """The worker side of the vLLM connector (runs in each vLLM worker process, next to the model).
 
 - `register_kv_caches`: builds this rank's engine (`vllm_adapter.init_lmcache_engine`) around
-  vLLM's per-layer caches: on CPU the packed vLLM-CPU layout (probed with vLLM's own kernel), on
-  CUDA the flash-attention or FlashInfer layout; both store the canonical KV_BLOB layout. Then it
-  starts the lookup server the scheduler side asks.
-- `start_load_kv` (before the forward): loads each planned prefix; whatever could not be loaded
-  (evicted since the lookup, a tier fault) is reported by `get_block_ids_with_load_errors` and vLLM
-  recomputes it. On CUDA the load returns once issued: vLLM's stream waits on its event, the host
-  never synchronises.
+  vLLM's per-layer caches of the layers `kv_groups.ModelKV` stores per token: on CPU the packed
+  vLLM-CPU layout (probed with vLLM's own kernel), on CUDA the flash-attention or FlashInfer
+  layout; both store the canonical KV_BLOB layout. Then it starts the lookup server the scheduler
+  side asks.
+- `start_load_kv` (before the forward for synchronous loads, after it for asynchronous ones):
+  loads each planned prefix; whatever could not be loaded (evicted since the lookup, a tier fault)
+  is reported, and vLLM recomputes it: by failed blocks (`get_block_ids_with_load_errors`, one KV
+  cache group) or by request (`get_transfer_results`' ``failed_recving``, several groups). On CUDA
+  the load returns once issued: vLLM's stream waits on its event, the host never synchronises.
 - `wait_for_save` (after the forward): stores the newly computed chunks; on the CPU the copy is the
   only stall, on CUDA vLLM's stream waits only for the gather into the staging buffer (the chunks
   enter the hot tier when their copy to host memory has completed; lower tiers are written in the
   background).
-- `get_finished`: ends the lookup leases of finished requests.
+- `get_transfer_results`: ends the lookup leases of finished requests; reports the asynchronous
+  loads carried out in this step (done, or failed).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
-from lmcache.integration.vllm.kv_groups import layer_index
+from lmcache.integration.vllm.kv_groups import ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
@@ -39,32 +43,35 @@ logger = logging.getLogger(__name__)
 
 
 class LMCacheWorker:
-    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, rank: int) -> None:
+    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, rank: int, kv: ModelKV) -> None:
         self.vllm_config = vllm_config
         self.config = config
         self.rank = rank
-        self.block_size = vllm_config.cache_config.block_size
+        self.kv = kv
         self.engine: LMCacheEngine | None = None
         self.kvcaches: list[Any] = []
         self.server: LookupServer | None = None
         self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()  # asynchronous loads done in this step
+        self._failed_loads: set[str] = set()
         self._incidents = IncidentLog(logger, "LMCache vLLM worker", with_traceback=True)
         self._reported_gauges: dict[str, Any] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=layer_index)
+        names = self.kv.token_layers
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"vLLM registered no KV cache for layers {missing[:3]} of its KV cache groups")
         tensors = [kv_caches[n] for n in names]
         vc = self.vllm_config
-        self.kvcaches = connector_kvcaches(tensors, self.block_size)
+        block_size = self.kv.groups[0].block_size
+        self.kvcaches = connector_kvcaches(tensors, block_size)
         self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
                                           config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
                                           device=tensors[0].device.type,
-                                          layout=vllm_layout(tensors, self.block_size))
-        if self.engine.metadata.num_layers != len(tensors):
-            raise ValueError(f"vLLM registered {len(tensors)} KV layers, the model has "
-                             f"{self.engine.metadata.num_layers}")
+                                          layout=vllm_layout(tensors, block_size), model=self.kv)
         if self.engine.controller is not None:
             self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
@@ -100,21 +107,29 @@ class LMCacheWorker:
                 self.save(plan)
 
     def load(self, plan: RequestPlan) -> int:
-        """Load `plan`'s prefix; what could not be loaded is reported as failed blocks (vLLM then
-        recomputes them). Never raises: a cache fault must not fail the request."""
+        """Load `plan`'s prefix; what could not be loaded is reported (vLLM then recomputes it):
+        as failed blocks, or for an asynchronous load as a failed request. Never raises: a cache
+        fault must not fail the request."""
         assert self.engine is not None
         try:
-            valid = load_plan(self.engine, self.kvcaches, plan, self.block_size)
+            valid = load_plan(self.engine, self.kvcaches, plan, self.kv.groups)
             self._incidents.recover()
         except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
             self._failed(f"loading request {plan.req_id}'s cached prefix", e)
             valid = plan.load_from
+        if plan.load_async:
+            self._loaded.add(plan.req_id)
         if valid < plan.load_to:
-            bs = self.block_size
-            first = max(valid, plan.load_from) // bs
-            blocks = plan.block_ids[first : -(-plan.load_to // bs)]
-            self._load_errors.update(blocks)
-            self.engine.stats.add("load_error_blocks", len(blocks))
+            if plan.load_async:
+                self._failed_loads.add(plan.req_id)
+                blocks = sum(-(-(plan.load_to - plan.load_from) // g.block_size) for g in self.kv.groups)
+            else:
+                bs = self.kv.groups[0].block_size
+                first = max(valid, plan.load_from) // bs
+                failed = plan.block_ids[0][first : -(-plan.load_to // bs)]
+                self._load_errors.update(failed)
+                blocks = len(failed)
+            self.engine.stats.add("load_error_blocks", blocks)
             logger.debug("request %s: loaded %d of %d planned tokens; vLLM recomputes the rest",
                          plan.req_id, max(valid - plan.load_from, 0), plan.load_to - plan.load_from)
         return valid
@@ -123,7 +138,9 @@ class LMCacheWorker:
         """Store what `plan` says; a failure only means the KV is not cached (never raises)."""
         assert self.engine is not None
         try:
-            save_plan(self.engine, self.kvcaches, plan, self.block_size)
+            first = save_plan(self.engine, self.kvcaches, plan, self.kv.groups)
+            if first > plan.save_from:
+                self.engine.stats.add("store_unkept_tokens", min(first, plan.save_to) - plan.save_from)
             self._incidents.recover()
         except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
             self._failed(f"storing request {plan.req_id}'s KV", e)
@@ -149,11 +166,14 @@ class LMCacheWorker:
         self._reported_gauges = gauges
         return LMCacheKVConnectorStats(data=payload)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.engine is not None:
             for rid in finished_req_ids:
                 self.engine.release(rid)
-        return None, None
+        results = KVConnectorTransferResults(finished_recving=self._loaded,
+                                             failed_recving=self._failed_loads)
+        self._loaded, self._failed_loads = set(), set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

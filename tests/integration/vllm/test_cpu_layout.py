@@ -127,3 +127,56 @@ def test_a_request_of_several_chunks_moves_in_one_batched_copy_on_every_path(dty
         t_k, s_k = (layout.token_views(x)[0].reshape(-1, H, D) for x in (t, src))
         assert bool((t_k[slots[:40]] == 5.0).all())
         assert torch.equal(t_k[slots[40:]], s_k[slots[40:]])
+
+
+@pytest.mark.parametrize(("isa", "use_native"), [("vec", True), ("vec", False), ("amx", False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layers_of_several_groups_each_follow_their_groups_slots(isa, use_native, dtype):
+    """Two KV cache groups (layer 0: a sliding-window group, layer 1: full attention), each with its
+    own block table: a store reads each layer at its group's slots and writes zeros for the tokens
+    the group does not hold; a load writes only the tokens the group holds."""
+    if isa == "amx" and dtype != torch.bfloat16:
+        pytest.skip("vLLM's AMX path is bf16 only")
+    bs, nb, n = 32, 12, 64
+    layout = probe_packed_layout(H, D, bs, dtype, isa)
+    full_slots = torch.arange(n) + 4 * bs  # blocks 4, 5
+    window_slots = torch.arange(n) + 8 * bs  # blocks 8, 9
+    caches = []
+    for slots in (window_slots, full_slots):
+        kv = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+        _write(kv, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), slots, isa)
+        caches.append(kv)
+    held = window_slots.clone()
+    held[:40] = -1  # the sliding-window group no longer holds the first 40 tokens
+    mapping = torch.stack([held, full_slots])
+    conn = VLLMCPUPackedConnector(H * D, L, layout, use_native=use_native, layer_groups=[0, 1])
+    obj = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+    obj.tensor.fill_(9.0)
+    conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=mapping)
+    reference = VLLMCPUPackedConnector(H * D, 1, layout, use_native=False)
+    for layer, slots in ((0, window_slots), (1, full_slots)):
+        want = HostMemoryAllocator(1 << 20).allocate(reference.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+        reference.from_gpu(want, 0, n, kvcaches=[caches[layer]], slot_mapping=slots)
+        got = obj.tensor[:, layer]
+        if layer == 0:
+            assert bool((got[:, :40] == 0).all())
+            assert torch.equal(got[:, 40:], want.tensor[:, 0, 40:])
+        else:
+            assert torch.equal(got, want.tensor[:, 0])
+    obj.tensor[:, 0, :40] = 7.0  # rows of tokens the group does not hold: a load must not write them
+    fresh = [torch.zeros_like(c) for c in caches]
+    conn.to_gpu(obj, 0, n, kvcaches=fresh, slot_mapping=mapping)
+    assert torch.equal(fresh[1], caches[1])
+    untouched = [torch.zeros_like(caches[0])]
+    reference.to_gpu(obj_layer(obj, 0, dtype, reference, n), 0, n, kvcaches=untouched,
+                     slot_mapping=torch.cat([torch.full((40,), -1), window_slots[40:]]))
+    assert torch.equal(fresh[0], untouched[0])  # only the held tokens were written
+    with pytest.raises(ValueError, match="2 KV cache group"):
+        conn.from_gpu(obj, 0, n, kvcaches=caches, slot_mapping=full_slots)
+
+
+def obj_layer(obj, layer, dtype, conn, n):
+    """A one-layer KV_BLOB object holding `layer` of `obj`."""
+    one = HostMemoryAllocator(1 << 20).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+    one.tensor.copy_(obj.tensor[:, layer: layer + 1])
+    return one

@@ -4,12 +4,15 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.kv_groups import GroupKind, KVGroup, ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.scheduler import LMCacheScheduler
 
 CHUNK, BLOCK = 256, 128
+ONE_GROUP = ModelKV("llama", (KVGroup(0, GroupKind.FULL, BLOCK, ("l.0",)),), 2, 64, torch.float32)
 
 
 class FakeRequest:
@@ -22,26 +25,37 @@ class FakeRequest:
         self.lora_request = None
 
 
+TWO_GROUPS = ModelKV("gpt_oss", (KVGroup(0, GroupKind.SLIDING, BLOCK, ("l.0",), window=128),
+                                  KVGroup(1, GroupKind.FULL, BLOCK, ("l.1",))), 2, 64, torch.float32)
+
+
 class Blocks:
+    """vLLM's KVCacheBlocks: `ids` of one group, or a tuple of lists (one per group)."""
+
     def __init__(self, ids):
-        self.ids = ids
+        self.ids = ids if isinstance(ids, tuple) else (ids,)
 
     def get_block_ids(self):
-        return (self.ids,)
+        return self.ids
 
 
-def step(new=(), cached=(), scheduled=None):
-    """A SchedulerOutput with the fields the connector reads."""
+def _groups(b):
+    return b if isinstance(b, tuple) else (b,)
+
+
+def step(new=(), cached=(), scheduled=None, resumed=()):
+    """A SchedulerOutput with the fields the connector reads (block ids: one group's list, or a
+    tuple of lists, one per group)."""
     cached = list(cached)
     return SimpleNamespace(
         scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
+            SimpleNamespace(req_id=r, block_ids=_groups(b), num_computed_tokens=c) for r, b, c in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _, _ in cached],
-            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            new_block_ids=[None if b is None else _groups(b) for _, b, _ in cached],
             num_computed_tokens=[c for _, _, c in cached],
-            resumed_req_ids=set(),
+            resumed_req_ids=set(resumed),
         ),
         num_scheduled_tokens=scheduled or {},
     )
@@ -51,14 +65,15 @@ def step(new=(), cached=(), scheduled=None):
 def make_scheduler():
     servers = []
 
-    def make(hit=0, role="kv_both", **cfg):
+    def make(hit=0, role="kv_both", model=ONE_GROUP, **cfg):
         engine_id = f"unit-{uuid.uuid4().hex[:8]}"
         servers.append(LookupServer(socket_path(engine_id, 0), lambda h, t: {"hit": hit}))
         vllm_config = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role=role),
             parallel_config=SimpleNamespace(world_size=1),
         )
-        return LMCacheScheduler(vllm_config, LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, **cfg))
+        return LMCacheScheduler(vllm_config, LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, **cfg),
+                                model)
 
     yield make
     for s in servers:
@@ -75,7 +90,7 @@ def test_chunked_prefill_saves_each_completed_chunk_then_the_tail(make_scheduler
     assert m1.requests[0].token_ids == req.prompt_token_ids[:256]
     m2 = sched.build_connector_meta(step(cached=[("a", [8, 9], 300)], scheduled={"a": 300}))
     assert [(p.save_from, p.save_to) for p in m2.requests] == [(256, 512)]
-    assert m2.requests[0].block_ids == [5, 6, 7, 8, 9]
+    assert m2.requests[0].block_ids == [[5, 6, 7, 8, 9]]
     m3 = sched.build_connector_meta(step(cached=[("a", None, 600)], scheduled={"a": 100}))
     assert [(p.save_from, p.save_to) for p in m3.requests] == [(512, 700)]
     req.all_token_ids.append(42)
@@ -138,3 +153,53 @@ def test_decode_tokens_are_saved_with_save_decode_cache(make_scheduler):
     assert sched.build_connector_meta(step(cached=[("d", None, 500)], scheduled={"d": 1})).requests == []
     (p2,) = sched.build_connector_meta(step(cached=[("d", None, 511)], scheduled={"d": 1})).requests
     assert (p2.save_from, p2.save_to) == (500, 512)
+
+
+def test_several_groups_load_asynchronously_before_the_request_computes(make_scheduler):
+    """vLLM recovers failed loads of several KV cache groups only by request: the load is planned
+    in the step that admits the request (which does not compute yet) and reported as finished."""
+    sched = make_scheduler(hit=700, model=TWO_GROUPS)
+    req = FakeRequest("h", 700)
+    assert sched.get_num_new_matched_tokens(req, 0) == (699, True)
+    sched.update_state_after_alloc(req, Blocks(([0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])), 699)
+    (load,) = sched.build_connector_meta(step()).requests  # the request is not scheduled yet
+    assert load.load_async and (load.load_from, load.load_to, load.retrieve_to) == (0, 699, 700)
+    assert load.block_ids == [[0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    assert not load.has_save
+    # the load finished: vLLM allocates the rest and schedules the request's last token
+    sched.update_state_after_alloc(req, Blocks(([0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12])), 0)
+    assert sched.build_connector_meta(step(new=[("h", ([0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12]), 699)],
+                                           scheduled={"h": 1})).requests == []  # nothing left to save
+    assert sched.request_finished(req) == {"lmcache_loaded_tokens": 699}
+
+
+def test_a_failed_asynchronous_load_is_not_offered_again(make_scheduler):
+    sched = make_scheduler(hit=512, model=TWO_GROUPS)
+    req = FakeRequest("f", 600)
+    n, is_async = sched.get_num_new_matched_tokens(req, 0)
+    assert (n, is_async) == (512, True)
+    sched.update_state_after_alloc(req, Blocks(([1, 2, 3, 4], [5, 6, 7, 8])), n)
+    sched.build_connector_meta(step())
+    sched.loads_failed({"f"})  # vLLM resets the request to recompute it from scratch
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, Blocks(([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])), 0)
+    (plan,) = sched.build_connector_meta(step(new=[("f", ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), 0)],
+                                              scheduled={"f": 600})).requests
+    assert not plan.has_load and (plan.save_from, plan.save_to) == (0, 600)  # it saves all of it anew
+    assert sched.request_finished(req) == {"lmcache_loaded_tokens": 0}
+
+
+def test_each_group_keeps_its_own_block_table_through_steps_and_preemption(make_scheduler):
+    sched = make_scheduler(hit=0, model=TWO_GROUPS)
+    req = FakeRequest("g", 1000)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, Blocks(([1, 2, 3, 4], [5, 6, 7, 8])), 0)
+    sched.build_connector_meta(step(new=[("g", ([1, 2, 3, 4], [5, 6, 7, 8]), 0)], scheduled={"g": 512}))
+    (p2,) = sched.build_connector_meta(step(cached=[("g", ([9], [10]), 512)], scheduled={"g": 256})).requests
+    assert p2.block_ids == [[1, 2, 3, 4, 9], [5, 6, 7, 8, 10]] and (p2.save_from, p2.save_to) == (512, 768)
+    # preempted, then resumed with new blocks in every group: the tables are replaced
+    tables = (list(range(20, 28)), list(range(30, 38)))
+    (p3,) = sched.build_connector_meta(step(cached=[("g", tables, 0)], scheduled={"g": 1000},
+                                            resumed=["g"])).requests
+    assert p3.block_ids == list(tables)
+    assert (p3.save_from, p3.save_to) == (768, 1000)  # what was saved before stays saved
