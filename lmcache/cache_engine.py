@@ -131,7 +131,8 @@ class LMCacheEngine:
         self.storage_manager = StorageManager(config, metadata, memory_allocator)
         self.stats = EngineStats(self.storage_manager.stats)
         self._incidents = IncidentLog(logger, "LMCache engine", with_traceback=True)
-        self._bytes_per_token = 2 * metadata.num_layers * metadata.hidden_dim * metadata.kv_dtype.itemsize
+        self._bytes_per_token = (metadata.kv_count * metadata.num_layers * metadata.hidden_dim
+                                 * metadata.kv_dtype.itemsize)
         self._copies = CopiesInFlight()
         self._closed = False
         self._full_warned = False

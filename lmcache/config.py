@@ -311,8 +311,10 @@ class LMCacheEngineConfig:
 
 @dataclass
 class LMCacheEngineMetadata:
-    """What identifies whose KV this is. `kv_shape` = (num_layers, 2, chunk_size, num_kv_heads,
-    head_size) of a full chunk. `fmt` names the serving engine ("vllm", "huggingface"); the memory
+    """What identifies whose KV this is. `kv_shape` = (num_layers, kv_count, chunk_size,
+    num_kv_heads, head_size) of a full chunk, where `kv_count` is 2 (K and V per token and layer)
+    or 1 (one latent per token and layer: MLA, with num_kv_heads 1 and head_size the latent width).
+    `fmt` names the serving engine ("vllm", "huggingface"); the memory
     layout the connector stores is `layout` ("kv_blob" is the canonical one every engine shares).
     `model_fingerprint` distinguishes checkpoints that share a name (e.g. a hash of the weights).
     A `worker_id` outside ``[0, world_size)`` (upstream's helpers build such metadata) only names
@@ -331,8 +333,9 @@ class LMCacheEngineMetadata:
 
     def __post_init__(self) -> None:
         self.kv_shape = tuple(int(x) for x in self.kv_shape)  # type: ignore[assignment]
-        _check(len(self.kv_shape) == 5 and self.kv_shape[1] == 2 and min(self.kv_shape) > 0,
-               "kv_shape", self.kv_shape, "must be (num_layers, 2, chunk_size, num_kv_heads, head_size)")
+        _check(len(self.kv_shape) == 5 and self.kv_shape[1] in (1, 2) and min(self.kv_shape) > 0,
+               "kv_shape", self.kv_shape,
+               "must be (num_layers, kv_count (2, or 1 for MLA), chunk_size, num_kv_heads, head_size)")
         self.kv_dtype = _as_dtype(self.kv_dtype)
         _check(isinstance(self.world_size, int) and self.world_size > 0, "world_size", self.world_size,
                "must be an int > 0")
@@ -346,6 +349,11 @@ class LMCacheEngineMetadata:
     @property
     def num_layers(self) -> int:
         return self.kv_shape[0]
+
+    @property
+    def kv_count(self) -> int:
+        """Tensors per token and layer: 2 (K and V) or 1 (an MLA latent)."""
+        return self.kv_shape[1]
 
     @property
     def hidden_dim(self) -> int:

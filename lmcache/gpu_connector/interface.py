@@ -1,6 +1,7 @@
 """The connector interface: copy KV between a serving engine's cache and `KV_BLOB` memory objects.
 
-A `KV_BLOB` object holds ``[2, num_layers, num_tokens, hidden_dim]`` (K then V, token-major).
+A `KV_BLOB` object holds ``[2, num_layers, num_tokens, hidden_dim]`` (K then V, token-major), or
+``[1, num_layers, num_tokens, latent]`` for a model with one latent per token and layer (MLA).
 `from_gpu(obj, start, end, **kw)` fills the object with tokens ``[start, end)`` of the engine's
 cache; `to_gpu` writes them back. The batched forms take every chunk of a request at once and may
 complete asynchronously (`CopyDone`). "GPU" is the seed's name: connectors work on CPU tensors too.
@@ -61,16 +62,20 @@ class GPUConnectorInterface(abc.ABC):
 
 
 class KVBlobConnector(GPUConnectorInterface):
-    """Base of connectors that produce/consume [2, num_layers, num_tokens, hidden] KV blobs."""
+    """Base of connectors that produce/consume [kv_count, num_layers, num_tokens, hidden] KV blobs
+    (`kv_count` 2: K and V; 1: one MLA latent of `hidden_dim_size` values per token and layer)."""
 
-    def __init__(self, hidden_dim_size: int, num_layers: int) -> None:
+    def __init__(self, hidden_dim_size: int, num_layers: int, *, kv_count: int = 2) -> None:
         if hidden_dim_size <= 0 or num_layers <= 0:
             raise ValueError(f"hidden_dim_size={hidden_dim_size} and num_layers={num_layers} must be > 0")
+        if kv_count not in (1, 2):
+            raise ValueError(f"kv_count={kv_count} must be 2 (K and V) or 1 (an MLA latent)")
         self.hidden_dim_size = hidden_dim_size
         self.num_layers = num_layers
+        self.kv_count = kv_count
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
+        return torch.Size([self.kv_count, self.num_layers, num_tokens, self.hidden_dim_size])
 
     def blob_of(self, memory_obj: MemoryObj, start: int, end: int, *, set_fmt: bool) -> torch.Tensor:
         """The object's tensor, checked to be a contiguous [2, L, end - start, hidden] KV blob."""

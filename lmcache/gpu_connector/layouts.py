@@ -5,7 +5,9 @@ Paged layouts (``kvcaches`` = one entry per layer, a token's place given by the 
 - ``"kv_tuples"``: the seed's per-layer ``(K, V)``, each ``[num_blocks, block_size, heads,
   head_size]`` (or ``[num_blocks, block_size, hidden]``), any strides (e.g. HND views);
 - ``"flash_attn"``: vLLM v1's per-layer ``[2, num_blocks, block_size, heads, head_size]``;
-- ``"flashinfer"``: vLLM v1's FlashInfer per-layer ``[num_blocks, 2, block_size, heads, head_size]``.
+- ``"flashinfer"``: vLLM v1's FlashInfer per-layer ``[num_blocks, 2, block_size, heads, head_size]``;
+- ``"mla"``: one latent per token and layer (no K/V split): per-layer ``[num_blocks, block_size,
+  latent]`` or ``[num_blocks, 1, block_size, latent]`` (vLLM-CPU) rows; one source per layer.
 
 Token-major layout ``"token_major"`` (slot = token position): per-layer ``(K, V)``, each
 ``[T, hidden]``, ``[T, heads, head_size]`` or HF's ``[1, heads, T, head_size]`` (batch 1).
@@ -23,7 +25,7 @@ import torch
 
 from lmcache.gpu_connector.sources import KVSources
 
-PAGED_LAYOUTS = ("kv_tuples", "flash_attn", "flashinfer")
+PAGED_LAYOUTS = ("kv_tuples", "flash_attn", "flashinfer", "mla")
 
 
 def infer_paged_layout(kvcaches: Any) -> str:
@@ -43,6 +45,9 @@ def infer_paged_layout(kvcaches: Any) -> str:
 
 
 def paged_sources(kvcaches: Any, layout: str, hidden: int, num_layers: int) -> KVSources:
+    if layout == "mla":
+        _check_layers(kvcaches, num_layers)
+        return KVSources([_paged_view(_latent_rows(layer), hidden) for layer in kvcaches], hidden)
     split = _SPLITS.get(layout)
     if split is None:
         raise ValueError(f"unknown paged KV layout {layout!r}; expected one of {PAGED_LAYOUTS}")
@@ -76,6 +81,16 @@ def _pair(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(layer, (tuple, list)) and len(layer) == 2):
         raise ValueError(f"layout 'kv_tuples' needs per-layer (K, V) pairs, got {type(layer).__name__}")
     return layer[0], layer[1]
+
+
+def _latent_rows(layer: Any) -> torch.Tensor:
+    """[num_blocks, block_size, latent] of one layer's MLA cache."""
+    if isinstance(layer, torch.Tensor) and layer.dim() == 4 and layer.shape[1] == 1:
+        return layer[:, 0]
+    if isinstance(layer, torch.Tensor) and layer.dim() == 3:
+        return layer
+    raise ValueError("layout 'mla' needs per-layer [num_blocks, block_size, latent] (or [num_blocks, 1, "
+                     f"block_size, latent]) tensors, got {tuple(getattr(layer, 'shape', ()))}")
 
 
 def _kv_axis(axis: int, name: str) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:

@@ -56,8 +56,9 @@ class PagedConnector(BatchedKVConnector):
 
     def __init__(self, hidden_dim_size: int, num_layers: int, *, use_native: bool = True,
                  staged: bool | None = None, staged_kernel: str = "auto",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
-        super().__init__(hidden_dim_size, num_layers)
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 kv_count: int = 2) -> None:
+        super().__init__(hidden_dim_size, num_layers, kv_count=kv_count)
         self._native = native.load() if use_native else None
         self.staged = staged_by_default() if staged is None else staged
         self._staged_kernel = staged_kernel
@@ -126,12 +127,14 @@ class PagedConnector(BatchedKVConnector):
 class VLLMPagedMemGPUConnector(PagedConnector):
     """Paged caches: per-layer ``(K, V)`` tuples of ``[num_blocks, block_size, num_heads,
     head_size]``, vLLM v1's per-layer ``[2, num_blocks, block_size, num_heads, head_size]``
-    (flash-attention) or ``[num_blocks, 2, block_size, num_heads, head_size]`` (FlashInfer).
-    `layout`: one of `layouts.PAGED_LAYOUTS`, or None to infer it from each call's caches."""
+    (flash-attention) or ``[num_blocks, 2, block_size, num_heads, head_size]`` (FlashInfer), or
+    MLA's per-layer latent rows (``layout="mla"``: `hidden_dim_size` is the latent width and the
+    objects are ``[1, num_layers, tokens, latent]``). `layout`: one of `layouts.PAGED_LAYOUTS`, or
+    None to infer a K/V layout from each call's caches."""
 
     def __init__(self, hidden_dim_size: int, num_layers: int, *, layout: str | None = None,
                  **options: Any) -> None:
-        super().__init__(hidden_dim_size, num_layers, **options)
+        super().__init__(hidden_dim_size, num_layers, kv_count=1 if layout == "mla" else 2, **options)
         self.layout = layout
 
     def _make_sources(self, kvcaches: Any) -> KVSources:

@@ -58,7 +58,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._worker: LMCacheWorker | None = None
         self.kv: ModelKV | None = None
         try:
-            self.kv = model_kv(vllm_config, kv_cache_config, config.chunk_size)
+            self.kv = model_kv(vllm_config, kv_cache_config, config)
         except UnsupportedModel as e:
             if role == KVConnectorRole.SCHEDULER:  # one message per engine, from the EngineCore
                 logger.error("%s", e)

@@ -22,6 +22,9 @@ lookups and leases stay per request prefix, so a hit means every group can be se
   blocks below the window of the tokens computed before that step); rows below are zeros and are
   never loaded. A load writes only the blocks vLLM allocated for the hit (those in the window, at
   most one block beyond it), never its null blocks.
+- ``MLA``: multi-head latent attention (DeepSeek): one latent of ``kv_lora_rank +
+  qk_rope_head_dim`` values per token and layer, stored as such (chunks ``[1, layers, tokens,
+  latent]``: no K/V split, no padding).
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from typing import Any
 
 import torch
 
+from lmcache.config import LMCacheEngineConfig
+
 NULL_BLOCK = 0  # vLLM's null block: a block-table entry holding nothing
 CANONICAL_LAYOUT = "kv_blob"
+MLA_LAYOUT = "mla_latent"  # [1, layers, tokens, latent]
 
 
 class UnsupportedModel(ValueError):
@@ -44,6 +50,7 @@ class UnsupportedModel(ValueError):
 class GroupKind(enum.Enum):
     FULL = "full"
     SLIDING = "sliding"
+    MLA = "mla"
 
 
 @dataclass(frozen=True)
@@ -77,14 +84,16 @@ class KVGroup:
 
 @dataclass(frozen=True)
 class ModelKV:
-    """The KV cache groups of one model, as LMCache stores them: every group's layers have K and V
-    of `num_kv_heads` x `head_size` values per token in `dtype`."""
+    """The KV cache groups of one model, as LMCache stores them: every group's layers have
+    `kv_count` tensors (K and V; or one MLA latent) of `num_kv_heads` x `head_size` values per
+    token in `dtype`."""
 
     model_type: str
     groups: tuple[KVGroup, ...]
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    kv_count: int = 2
 
     @property
     def token_layers(self) -> tuple[str, ...]:
@@ -109,23 +118,31 @@ class ModelKV:
         size), so a cache written for one layer structure never serves another."""
         if self.uniform:
             return CANONICAL_LAYOUT
+        if self.kv_count == 1:
+            return MLA_LAYOUT
         rows = ",".join(self.groups[g].tag() for g in self.layer_groups)
         return f"{CANONICAL_LAYOUT}+{hashlib.sha256(rows.encode()).hexdigest()[:16]}"
 
 
-def model_kv(vllm_config: Any, kv_cache_config: Any, chunk_size: int) -> ModelKV:
-    """The groups of `kv_cache_config` as LMCache stores them; `UnsupportedModel` otherwise."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVQuantMode, SlidingWindowSpec
+def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig) -> ModelKV:
+    """The groups of `kv_cache_config` as LMCache stores them with `config`; `UnsupportedModel`
+    otherwise."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        KVQuantMode,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     model_type = _model_type(vllm_config)
 
     def refuse(missing: str) -> UnsupportedModel:
-        return UnsupportedModel(f"LMCache cannot serve {model_type} models exactly: {missing}. The "
-                                "connector is inactive for this engine; vLLM serves every request "
-                                "without it.")
+        return unsupported(model_type, missing)
 
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise refuse("vLLM gave the connector no KV cache configuration")
+    chunk_size = config.chunk_size
     groups, specs = [], []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -135,6 +152,8 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, chunk_size: int) -> ModelKV
             kind = GroupKind.FULL
         elif type(spec) is SlidingWindowSpec:
             kind = GroupKind.SLIDING
+        elif type(spec) is MLAAttentionSpec:
+            kind = GroupKind.MLA
         else:
             raise refuse(f"KV cache group {i} is a {type(spec).__name__}, which the connector does "
                          "not store")
@@ -149,19 +168,40 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, chunk_size: int) -> ModelKV
         specs.append(spec)
     first = specs[0]
     assert isinstance(first, AttentionSpec)
+    if len({g.block_size for g in groups}) > 1:
+        raise refuse(f"KV cache groups with different block sizes ({sorted({g.block_size for g in groups})})")
+    mla = [g.kind == GroupKind.MLA for g in groups]
+    if any(mla) and not all(mla):
+        raise refuse("MLA layers beside other kinds of attention")
     for spec in specs:
-        if spec.kv_quant_mode != KVQuantMode.NONE or spec.head_size_v != spec.head_size:
-            raise refuse(f"a quantized or asymmetric KV cache ({spec.kv_quant_mode.name}, K head "
-                         f"size {spec.head_size}, V head size {spec.head_size_v})")
+        cache_dtype = getattr(spec, "cache_dtype_str", None)
+        if spec.kv_quant_mode != KVQuantMode.NONE or cache_dtype not in (None, "auto"):
+            raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name}, {cache_dtype or spec.dtype})")
+        if not any(mla) and spec.head_size_v != spec.head_size:
+            raise refuse(f"different K and V head sizes ({spec.head_size} and {spec.head_size_v})")
         if (spec.num_kv_heads, spec.head_size, spec.dtype) != (first.num_kv_heads, first.head_size,
                                                                first.dtype):
             raise refuse("attention layers with different KV shapes or dtypes "
                          f"({first.num_kv_heads}x{first.head_size} {first.dtype} and "
                          f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype})")
-    if len(groups) > 1 and getattr(vllm_config.device_config, "device_type", "cpu") != "cpu":
-        raise refuse(f"{len(groups)} KV cache groups on {vllm_config.device_config.device_type} "
-                     "(hybrid models are served on vLLM-CPU only so far)")
-    return ModelKV(model_type, tuple(groups), first.num_kv_heads, first.head_size, first.dtype)
+    model = ModelKV(model_type, tuple(groups), first.num_kv_heads, first.head_size, first.dtype,
+                    kv_count=1 if any(mla) else 2)
+    serdes = {config.remote_serde if config.remote_url else None,
+              config.local_disk_serde if config.local_disk else None}
+    if model.kv_count == 1 and "cachegen" in serdes:
+        raise refuse("CacheGen (lmcache.remote_serde / local_disk_serde) codes K and V, not MLA latents; "
+                     "choose another serde for this model")
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    if not model.uniform and device != "cpu":
+        raise refuse(f"{'MLA' if any(mla) else f'{len(groups)} KV cache groups'} on {device} (served on "
+                     "vLLM-CPU only so far)")
+    return model
+
+
+def unsupported(model_type: str, missing: str) -> UnsupportedModel:
+    """The refusal of a model: the one message the connector logs (see the module docstring)."""
+    return UnsupportedModel(f"LMCache cannot serve {model_type} models exactly: {missing}. The "
+                            "connector is inactive for this engine; vLLM serves every request without it.")
 
 
 def _model_type(vllm_config: Any) -> str:

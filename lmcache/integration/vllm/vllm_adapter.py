@@ -85,11 +85,13 @@ def init_lmcache_engine(model_config: Any, parallel_config: Any, cache_config: A
 def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_size: int, block_size: int,
                        num_layers: int, *, layout: str | None = None,
                        layer_groups: Sequence[int] | None = None) -> GPUConnectorInterface:
-    """The connector for vLLM's caches on `device`: vLLM-CPU's packed blocks (probed with vLLM's
-    own kernel), or a paged connector of `layout` ("flash_attn", "flashinfer"; None: inferred
-    from the caches it is given). `layer_groups`: each layer's KV cache group, for a ``[G, N]``
-    slot mapping (several groups: vLLM-CPU only)."""
+    """The connector for vLLM's caches on `device`: MLA latent rows (`layout` "mla"), vLLM-CPU's
+    packed blocks (probed with vLLM's own kernel), or a paged connector of `layout`
+    ("flash_attn", "flashinfer"; None: inferred from the caches it is given). `layer_groups`: each
+    layer's KV cache group, for a ``[G, N]`` slot mapping (several groups: vLLM-CPU only)."""
     hidden = num_kv_heads * head_size
+    if layout == "mla":
+        return VLLMPagedMemGPUConnectorV2(hidden, num_layers, layout="mla")
     if device == "cpu" or layout == VLLM_CPU_LAYOUT:
         from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
         from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout

@@ -29,10 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
-from lmcache.integration.vllm.kv_groups import ModelKV
+from lmcache.integration.vllm.kv_groups import ModelKV, unsupported
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
+from lmcache.integration.vllm.mla_layout import check_latent_rows
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine, vllm_layout
@@ -60,6 +61,9 @@ class LMCacheWorker:
     # ---- set-up ---------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the engine, and answer the scheduler's lookups. A cache layout the connector
+        turns out not to copy (learned here, from vLLM's own write ops) is refused like an
+        unsupported model: one message, and the lookups answer 0 (the scheduler side asked first)."""
         names = self.kv.token_layers
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -67,21 +71,30 @@ class LMCacheWorker:
         tensors = [kv_caches[n] for n in names]
         vc = self.vllm_config
         block_size = self.kv.groups[0].block_size
-        self.kvcaches = connector_kvcaches(tensors, block_size)
-        self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
-                                          config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
-                                          device=tensors[0].device.type,
-                                          layout=vllm_layout(tensors, block_size), model=self.kv)
-        if self.engine.controller is not None:
-            self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
+        try:
+            if self.kv.kv_count == 1:
+                impl = vc.compilation_config.static_forward_context[names[0]].impl
+                check_latent_rows(impl, tensors[0], block_size)
+        except ValueError as e:
+            logger.error("%s", unsupported(self.kv.model_type, str(e)))
+        else:
+            self.kvcaches = connector_kvcaches(tensors, block_size)
+            layout = "mla" if self.kv.kv_count == 1 else vllm_layout(tensors, block_size)
+            self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
+                                              config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
+                                              device=tensors[0].device.type, layout=layout, model=self.kv)
+            if self.engine.controller is not None:
+                self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
-        logger.info("LMCache engine ready: %d layers, chunk %d, %s, lookups on %s", len(tensors),
-                    self.config.chunk_size, type(self.engine.gpu_connector).__name__, address)
+        if self.engine is not None:
+            logger.info("LMCache engine ready: %d layers, chunk %d, %s, lookups on %s", len(tensors),
+                        self.config.chunk_size, type(self.engine.gpu_connector).__name__, address)
 
     def _answer(self, header: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        assert self.engine is not None
         cmd = header.get("cmd")
+        if self.engine is None:  # refused at registration: nothing is cached
+            return {"hit": 0} if cmd == "lookup" else {}
         if cmd == "lookup":
             hit = self.engine.lookup(torch.from_numpy(tokens.astype("int64")),
                                      extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
@@ -98,12 +111,12 @@ class LMCacheWorker:
 
     def start_load_kv(self, metadata: LMCacheConnectorMetadata) -> None:
         for plan in metadata.requests:
-            if plan.has_load:
+            if plan.has_load and self.engine is not None:
                 self.load(plan)
 
     def wait_for_save(self, metadata: LMCacheConnectorMetadata) -> None:
         for plan in metadata.requests:
-            if plan.has_save:
+            if plan.has_save and self.engine is not None:
                 self.save(plan)
 
     def load(self, plan: RequestPlan) -> int:

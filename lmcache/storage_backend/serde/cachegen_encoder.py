@@ -241,6 +241,9 @@ class CacheGenSerializer(Serializer):
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  cachegen_config: CacheGenConfig | None = None, coder: Kernels | None = None) -> None:
+        if metadata.kv_count != 2:
+            raise ValueError("CacheGen codes K and V per layer; this engine stores one latent per token "
+                             "and layer (MLA): choose another serde (naive, fast, safe, torch)")
         self.coder = coder
         self.chunk_size = config.chunk_size
         self.num_heads, self.head_size = metadata.kv_shape[3], metadata.kv_shape[4]

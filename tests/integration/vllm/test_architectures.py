@@ -20,10 +20,13 @@ several prompts is computed with other tile shapes, DeepSeek's MoE routing is se
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
 
+from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
@@ -41,7 +44,10 @@ MNBT = 512  # several prefill steps per prompt
 # block size (128), so vLLM's own prefix-cache hit of `p + [t]` equals LMCache's
 LENGTHS = {"aligned": 768, "mid": 812, "long": 1100}
 # architectures the connector serves; the others must be refused
-SERVED: set[str] = {"llama", "gemma3", "gpt_oss"}
+SERVED: set[str] = {"llama", "gemma3", "gpt_oss", "deepseek_v2"}
+# bf16 logits are rounded to 8 bits: about 0.03 at a logprob of -6; a few such steps between two
+# orders of the same sums (measured: 0.06-0.12 for DeepSeek's prefill with and without a prefix)
+BF16_LOGPROB_TOLERANCE = 0.25
 
 
 def prompts(model: str) -> dict[str, list[int]]:
@@ -78,23 +84,26 @@ def arch(request, tmp_path_factory):
         cold[key] = run(ref, p)
         repeat[key] = run(ref, [*p, cold[key][0][0]], 2)  # vLLM's own prefix cache, where it has one
     stop_llm(ref)
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.25)
+    disk = tmp_path_factory.mktemp("disk")
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.25, local_disk=str(disk), max_local_disk_size=0.5)
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with stderr_to(str(log)):
         llm = start_llm(transfer, dtype=dtype, model=model, max_num_batched_tokens=MNBT)
-    yield name, ps, cold, repeat, llm, log
+    client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+    yield name, ps, cold, repeat, llm, log, client
+    client.close()
     stop_llm(llm)
 
 
 def test_cold_requests_equal_the_engine_without_a_connector(arch):
-    name, ps, cold, _, llm, _ = arch
+    name, ps, cold, _, llm, *_ = arch
     for key, p in ps.items():
         llm.reset_prefix_cache()
         assert run(llm, p) == cold[key], f"{name} {key}"
 
 
 def test_a_cache_hit_computes_what_the_engine_without_a_connector_computes(arch):
-    name, ps, cold, repeat, llm, _ = arch
+    name, ps, cold, repeat, llm, *_ = arch
     for key, p in ps.items():
         llm.reset_prefix_cache()  # only LMCache can serve the prefix now
         tokens, logprobs, hit = run(llm, [*p, cold[key][0][0]], 2)
@@ -103,9 +112,14 @@ def test_a_cache_hit_computes_what_the_engine_without_a_connector_computes(arch)
         # `p + [t]` served by vLLM's own prefix cache when its hit has the same length
         same = [(cold[key][0][1:], cold[key][1][1:])] if hit == len(p) else []
         same += [repeat[key][:2]] if repeat[key][2] == hit else []
-        assert same, f"{name} {key}: no reference run computed {len(p) + 1 - hit} tokens over {hit}"
         for reference in same:
             assert (tokens, logprobs) == reference, f"{name} {key}"
+        if not same:
+            # vLLM-CPU turns its prefix cache off for MLA: no reference engine computes a prefill
+            # that continues a cached prefix; the full prefill differs only by bf16 rounding
+            assert ARCHS[name].dtype == "bfloat16", f"{name} {key}: no reference with the same arithmetic"
+            assert tokens == repeat[key][0], f"{name} {key}"
+            assert max(abs(a - b) for a, b in zip(logprobs, repeat[key][1])) < BF16_LOGPROB_TOLERANCE
 
 
 def expected_hit(name: str, prompt_len: int) -> int:
@@ -115,8 +129,34 @@ def expected_hit(name: str, prompt_len: int) -> int:
     return prompt_len - prompt_len % CHUNK
 
 
+def test_bytes_stored_per_token_are_the_models_kv(arch):
+    """What the disk tier wrote (logical bytes, its blob headers aside) per token stored: K and V of
+    every attention layer, or one latent per MLA layer (kv_lora_rank + qk_rope_head_dim values)."""
+    name, *_, client = arch
+    if name not in SERVED:
+        pytest.skip("nothing is stored")
+    import json
+    import time
+
+    c = json.loads((Path(tiny_model_path(name)) / "config.json").read_text())
+    item = 2 if ARCHS[name].dtype == "bfloat16" else 4
+    if name == "deepseek_v2":
+        per_token = c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * item
+    else:
+        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * item
+    deadline = time.monotonic() + 30  # the disk tier writes in the background
+    while True:
+        (stats,) = client.stats()
+        stored = stats["engine"]["stored_tokens"]
+        written = stats["tiers"]["LocalDiskBackend"]["counters"].get("bytes_written", 0)
+        if written == stored * per_token or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert stored > 0 and written == stored * per_token, (stored, written, per_token)
+
+
 def test_an_unservable_model_is_refused_once_at_start_up(arch):
-    name, *_, log = arch
+    name, *_, log, _ = arch
     refusals = log.read_text(errors="replace").count("LMCache cannot serve")
     if name in SERVED:
         assert refusals == 0

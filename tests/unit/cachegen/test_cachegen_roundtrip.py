@@ -25,6 +25,12 @@ def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:
     assert isinstance(ser, CacheGenSerializer) and isinstance(de, CacheGenDeserializer)
 
 
+def test_an_engine_of_mla_latents_cannot_use_cachegen(engine_config) -> None:
+    mla = LMCacheEngineMetadata("ds", 1, 0, "vllm", torch.bfloat16, (3, 1, engine_config.chunk_size, 1, 576))
+    with pytest.raises(ValueError, match="one latent per token and layer"):
+        create_serde("cachegen", engine_config, mla)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_roundtrip_keeps_shape_dtype_device_within_half_a_step(serde, make_kv, within_half_step,
                                                                 dtype: torch.dtype) -> None:

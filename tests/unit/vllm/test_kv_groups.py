@@ -13,8 +13,11 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 
+from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.vllm.kv_groups import GroupKind, UnsupportedModel, layer_index, model_kv
 
 
@@ -27,15 +30,72 @@ def kv_config(*groups):
                          kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in groups])
 
 
+def config(chunk_size=256, **fields):
+    return LMCacheEngineConfig.from_defaults(chunk_size=chunk_size, **fields)
+
+
 def full(block_size=128, **kw):
     return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32, **kw)
 
 
-def test_one_full_attention_group_is_stored_per_token_in_layer_order():
-    kv = model_kv(vllm_config(), kv_config((["model.layers.10.attn", "model.layers.2.attn"], full())), 256)
+def sliding(window, block_size=128):
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                             sliding_window=window)
+
+
+def mla(block_size=16, **kw):
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, **kw)
+
+
+def test_one_full_attention_group_is_stored_per_token_in_layer_order_in_the_canonical_layout():
+    groups = kv_config((["model.layers.10.attn", "model.layers.2.attn"], full()))
+    kv = model_kv(vllm_config(), groups, config())
     assert [g.kind for g in kv.groups] == [GroupKind.FULL]
     assert kv.token_layers == ("model.layers.2.attn", "model.layers.10.attn")
-    assert (kv.num_kv_heads, kv.head_size, kv.dtype) == (2, 64, torch.float32)
+    assert (kv.num_kv_heads, kv.head_size, kv.dtype, kv.kv_count) == (2, 64, torch.float32, 2)
+    assert kv.layout() == "kv_blob"  # shared with every engine and HF transformers
+
+
+def test_sliding_window_and_full_groups_map_each_layer_to_its_group_and_name_the_structure():
+    even, odd = ["m.layers.0.attn", "m.layers.2.attn"], ["m.layers.1.attn", "m.layers.3.attn"]
+
+    def alternating(window, windowed=even, full_layers=odd):
+        return model_kv(vllm_config("gpt_oss"), kv_config((windowed, sliding(window)), (full_layers, full())),
+                        config())
+
+    kv = alternating(128)
+    assert [g.kind for g in kv.groups] == [GroupKind.SLIDING, GroupKind.FULL]
+    assert kv.groups[0].window == 128
+    assert kv.layer_groups == (0, 1, 0, 1)
+    layouts = {kv.layout(), alternating(256).layout(), alternating(128, odd, even).layout(), "kv_blob"}
+    assert len(layouts) == 4  # a cache written for one layer structure never serves another
+
+
+def test_mla_is_stored_as_one_latent_per_token_and_layer():
+    kv = model_kv(vllm_config("deepseek_v2"), kv_config((["l.0", "l.1", "l.2"], mla())), config())
+    assert (kv.kv_count, kv.num_kv_heads, kv.head_size, kv.dtype) == (1, 1, 576, torch.bfloat16)
+    assert kv.layout() == "mla_latent"
+
+
+def test_mla_beside_other_attention_or_with_cachegen_is_refused():
+    with pytest.raises(UnsupportedModel, match="MLA layers beside other kinds of attention"):
+        model_kv(vllm_config("x"), kv_config((["l.0"], mla()), (["l.1"], full(block_size=16))), config())
+    with pytest.raises(UnsupportedModel, match=r"CacheGen .* not MLA latents"):
+        model_kv(vllm_config("deepseek_v2"), kv_config((["l.0"], mla())),
+                 config(remote_url="lm://127.0.0.1:1", remote_serde="cachegen"))
+
+
+def test_a_quantized_kv_cache_is_refused():
+    with pytest.raises(UnsupportedModel, match="quantized KV cache"):
+        model_kv(vllm_config("deepseek_v2"), kv_config((["l.0"], mla(cache_dtype_str="fp8"))), config())
+
+
+def test_hybrid_models_on_a_gpu_are_refused():
+    cuda = vllm_config("gpt_oss")
+    cuda.device_config = SimpleNamespace(device_type="cuda")
+    with pytest.raises(UnsupportedModel, match="2 KV cache groups on cuda"):
+        model_kv(cuda, kv_config((["l.0"], sliding(128)), (["l.1"], full())), config())
+    assert model_kv(cuda, kv_config((["l.0"], full())), config()).uniform
 
 
 def test_a_group_kind_the_connector_does_not_store_is_refused_naming_the_model_type():
@@ -43,17 +103,17 @@ def test_a_group_kind_the_connector_does_not_store_is_refused_naming_the_model_t
                                       attention_chunk_size=512)
     with pytest.raises(UnsupportedModel, match=r"cannot serve llama4 models exactly: KV cache group 1 "
                                                r"is a ChunkedLocalAttentionSpec.*connector is inactive"):
-        model_kv(vllm_config("llama4"), kv_config((["l.0"], full()), (["l.1"], local)), 256)
+        model_kv(vllm_config("llama4"), kv_config((["l.0"], full()), (["l.1"], local)), config())
 
 
 def test_a_chunk_size_that_is_not_a_multiple_of_the_block_size_is_refused():
     with pytest.raises(UnsupportedModel, match=r"chunk_size=100 is not a multiple of vLLM's block size 128"):
-        model_kv(vllm_config(), kv_config((["l.0"], full())), 100)
+        model_kv(vllm_config(), kv_config((["l.0"], full())), config(100))
 
 
 def test_no_kv_cache_configuration_is_refused():
     with pytest.raises(UnsupportedModel, match="no KV cache configuration"):
-        model_kv(vllm_config(), None, 256)
+        model_kv(vllm_config(), None, config())
 
 
 def test_layer_names_sort_by_their_first_number():
