@@ -12,6 +12,10 @@ flight, one batched get per lower tier; promoted to hot) -> one connector copy i
 a CPU bool mask of the tokens retrieved.
 Lookup: how many prefix tokens are cached (one batched existence check per tier); with a lease,
 every counted chunk is pinned in whichever tier holds it and the non-hot ones start loading.
+Recurrent states (hybrid models, `metadata.state_layout`): `store_state` keeps the state after
+exactly a chunk boundary's tokens beside that chunk (its key under the state layout),
+`retrieve_state` gives it back, and a lookup counts only up to the last boundary whose state is
+held (a hit must resume every layer).
 
 `error_handling`: with True, an unexpected error inside store/retrieve is logged and counted and
 the call returns as a miss (a failed retrieve reports nothing retrieved: the copy may have written
@@ -21,10 +25,11 @@ always raises ValueError.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -42,7 +47,7 @@ from lmcache.memory_management import (
 )
 from lmcache.metrics import MetricsServer
 from lmcache.observability import EngineStats, IncidentLog
-from lmcache.storage_backend.storage_manager import StorageManager
+from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
 from lmcache.utils import CacheEngineKey
 
@@ -305,13 +310,81 @@ class LMCacheEngine:
         loading into it, so that a retrieve soon after finds what the lookup counted."""
         chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
         found = self.storage_manager.contains_prefix([key for _, _, key in chunks], search_range)
+        lookups = [found]
+        if self.metadata.state_layout:
+            lookups = self._state_end(chunks, found, search_range)
+            found = lookups[0]
         hit = chunks[found.hits - 1][1] if found.hits else 0
         if lease_id is not None:
-            self.storage_manager.acquire_lease(lease_id, found.keys[: found.hits], lease_ttl)
-            self.storage_manager.prefetch(found)
+            pinned = [key for lookup in lookups for key in lookup.keys[: lookup.hits]]
+            self.storage_manager.acquire_lease(lease_id, pinned, lease_ttl)
+            for lookup in lookups:
+                self.storage_manager.prefetch(lookup)
         self.stats.add("lookup_requests")
         self.stats.add("lookup_hit_tokens", hit)
         return hit
+
+    # ---- recurrent states -----------------------------------------------------------------------
+
+    def state_key(self, chunk_key: CacheEngineKey) -> CacheEngineKey:
+        """The key of the state after the tokens that end with the chunk `chunk_key` names."""
+        return dataclasses.replace(chunk_key, fmt=self.metadata.state_layout)
+
+    def _state_end(self, chunks: list[tuple[int, int, CacheEngineKey]], found: PrefixLookup,
+                   search_range: str | list[str] | None) -> list[PrefixLookup]:
+        """`found` cut to the last full chunk whose boundary state is held, and that state (as a
+        one-key lookup); `found` cut to nothing when no boundary has one."""
+        full = [i for i in range(found.hits) if chunks[i][1] - chunks[i][0] == self.config.chunk_size]
+        state_keys = [self.state_key(chunks[i][2]) for i in full]
+        held = self.storage_manager.locate(state_keys, search_range)
+        for i, key, tier in reversed(list(zip(full, state_keys, held, strict=True))):
+            if tier is not None:
+                return [PrefixLookup(found.keys, found.tiers[: i + 1]), PrefixLookup([key], [tier])]
+        return [PrefixLookup(found.keys, [])]
+
+    def store_state(self, tokens: torch.Tensor, nbytes: int, fill: Callable[[torch.Tensor], bool], *,
+                    extra_key: str | None = None) -> bool:
+        """Keep a recurrent model's state after exactly ``len(tokens)`` tokens (a multiple of
+        chunk_size): `fill(buffer)` writes its `nbytes` into a uint8 buffer from the CPU arena
+        (stored in the KV dtype, so every serde keeps it bit for bit), or returns False (nothing
+        to keep). False when not kept (held already, no room, nothing filled). ValueError for a
+        length that is not a chunk boundary."""
+        key = self._boundary_state_key(tokens, extra_key)
+        sm = self.storage_manager
+        if sm.stored_locally([key])[0]:
+            return False
+        item = self.metadata.kv_dtype.itemsize
+        obj = sm.allocate(torch.Size([-(-nbytes // item)]), self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+        if obj is None:
+            self.stats.add("store_dropped_states")
+            return False
+        try:
+            buffer = obj.tensor
+            assert buffer is not None
+            if not fill(buffer.view(torch.uint8)[:nbytes]):
+                return False
+            sm.put(key, obj)
+            self.stats.add("stored_states")
+        finally:
+            obj.ref_count_down()
+        return True
+
+    def retrieve_state(self, tokens: torch.Tensor, *, extra_key: str | None = None) -> MemoryObj | None:
+        """The state stored after exactly ``len(tokens)`` tokens (one reference for the caller), or
+        None. ValueError for a length that is not a chunk boundary."""
+        got = self.storage_manager.get_prefix([self._boundary_state_key(tokens, extra_key)])
+        if got:
+            self.stats.add("retrieved_states")
+        return got[0] if got else None
+
+    def _boundary_state_key(self, tokens: torch.Tensor, extra_key: str | None) -> CacheEngineKey:
+        if not self.metadata.state_layout:
+            raise ValueError("this engine's model keeps no recurrent state (metadata.state_layout is empty)")
+        if tokens.shape[0] == 0 or tokens.shape[0] % self.config.chunk_size:
+            raise ValueError(f"a state is kept at chunk boundaries: {tokens.shape[0]} tokens is not a "
+                             f"multiple of chunk_size={self.config.chunk_size}")
+        *_, (_, _, key) = self.token_database.process_tokens(tokens, extra_key=extra_key)
+        return self.state_key(key)
 
     def release(self, lease_id: str) -> None:
         """End a lookup lease (see `lookup`); unknown ids are ignored."""

@@ -317,6 +317,9 @@ class LMCacheEngineMetadata:
     `fmt` names the serving engine ("vllm", "huggingface"); the memory
     layout the connector stores is `layout` ("kv_blob" is the canonical one every engine shares).
     `model_fingerprint` distinguishes checkpoints that share a name (e.g. a hash of the weights).
+    `state_layout` names the recurrent state a hybrid model keeps per request (linear attention,
+    Mamba; "" for none): the engine then stores it at chunk boundaries (`LMCacheEngine.store_state`)
+    and a lookup ends only at a boundary whose state it holds.
     A `worker_id` outside ``[0, world_size)`` (upstream's helpers build such metadata) only names
     the worker in the cache keys: it is accepted with one warning. `kv_dtype` may also be given
     by name ("bfloat16"). ValueError for a `kv_shape` of the wrong rank, `world_size` < 1 or an
@@ -330,6 +333,7 @@ class LMCacheEngineMetadata:
     kv_shape: tuple[int, int, int, int, int]
     layout: str = "kv_blob"
     model_fingerprint: str = ""
+    state_layout: str = ""
 
     def __post_init__(self) -> None:
         self.kv_shape = tuple(int(x) for x in self.kv_shape)  # type: ignore[assignment]

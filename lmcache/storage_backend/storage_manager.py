@@ -7,9 +7,10 @@ guarded: its failure is a miss, logged once per incident.
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
 - `put(key, obj)`: the hot tier keeps the object synchronously; lower tiers get it asynchronously.
 - `stored_locally(keys)`: which keys a local tier holds (or is writing): a store skips them.
-- `contains_prefix(keys, search_range)`: how many leading keys are cached, and in which tier each
-  one is (a `PrefixLookup`): one batched existence check per tier, for the keys the tiers before
-  it did not have; keys being loaded into the hot tier count.
+- `locate(keys, search_range)`: the tier holding each key (None: none does): one batched
+  existence check per tier, for the keys the tiers before it did not have; keys being loaded into
+  the hot tier count. `contains_prefix(keys, search_range)`: how many leading keys are cached, and
+  in which tier each one is (a `PrefixLookup`).
 - `get_prefix(keys)`: the objects of the longest cached prefix: hot hits, then loads already in
   flight are joined, then one batched get per lower tier for the keys still missing; lower-tier
   hits are promoted to the hot tier.
@@ -175,6 +176,15 @@ class StorageManager:
 
     def contains_prefix(self, keys: Sequence[CacheEngineKey],
                         search_range: str | Iterable[str] | None = None) -> PrefixLookup:
+        lookup = PrefixLookup(list(keys))
+        for holder in self.locate(keys, search_range):
+            if holder is None:
+                break
+            lookup.tiers.append(holder)
+        return lookup
+
+    def locate(self, keys: Sequence[CacheEngineKey], search_range: str | Iterable[str] | None = None
+               ) -> list[StorageBackendInterface | None]:
         wanted = self.resolve_search_range(search_range)
         found: list[StorageBackendInterface | None] = [None] * len(keys)
         if self.hot is not None and (wanted is None or self.hot.name in wanted):
@@ -193,12 +203,7 @@ class StorageManager:
             for i, hit in zip(todo, hits or (), strict=False):
                 if hit:
                     found[i] = tier
-        lookup = PrefixLookup(list(keys))
-        for holder in found:
-            if holder is None:
-                break
-            lookup.tiers.append(holder)
-        return lookup
+        return found
 
     # ---- retrieve ---------------------------------------------------------------------------------
 

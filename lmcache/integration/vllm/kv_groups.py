@@ -25,6 +25,14 @@ lookups and leases stay per request prefix, so a hit means every group can be se
 - ``MLA``: multi-head latent attention (DeepSeek): one latent of ``kv_lora_rank +
   qk_rope_head_dim`` values per token and layer, stored as such (chunks ``[1, layers, tokens,
   latent]``: no K/V split, no padding).
+
+Recurrent layers (linear attention, Mamba; kind ``STATE``) keep no per-token KV but one state per
+request. With vLLM's prefix caching on ("align" mamba cache mode) vLLM keeps the state after
+exactly ``(p + 1) * block_size`` tokens in block ``p`` of the group's table, for the block
+boundaries a prefill step ends at. The connector stores, beside the chunks of the attention
+layers, the state of every recurrent layer at each chunk boundary a step ended at (its own key:
+the chunk's prefix hash under `ModelKV.state_layout`), and a hit ends only at a boundary whose
+state it holds: loading it puts the state where vLLM's own prefix cache would.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class GroupKind(enum.Enum):
     FULL = "full"
     SLIDING = "sliding"
     MLA = "mla"
+    STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class KVGroup:
     layers: tuple[str, ...]
     window: int = 0  # SLIDING: vLLM's sliding_window
     retained: int = 0  # SLIDING: vLLM's extra_retained_tokens (kept below the window)
+    state: str = ""  # STATE: the state's shapes and dtypes as vLLM's spec gives them
 
     def skipped(self, num_tokens: int) -> int:
         """Tokens a request that has computed `num_tokens` never reads again (vLLM frees their
@@ -76,10 +86,16 @@ class KVGroup:
         module docstring); 0 for full attention."""
         return self.skipped(end - 1) // self.block_size * self.block_size
 
+    def state_block(self, boundary: int) -> int:
+        """STATE: the block-table position of the state after exactly `boundary` tokens."""
+        return boundary // self.block_size - 1
+
     def tag(self) -> str:
         if self.kind == GroupKind.SLIDING:
             return f"swa{self.window}+{self.retained}/b{self.block_size}"
-        return "full"
+        if self.kind == GroupKind.STATE:
+            return f"state{self.state}/b{self.block_size}"
+        return self.kind.value
 
 
 @dataclass(frozen=True)
@@ -96,15 +112,31 @@ class ModelKV:
     kv_count: int = 2
 
     @property
+    def token_groups(self) -> tuple[KVGroup, ...]:
+        """The groups whose KV is stored per token (attention), in vLLM's order."""
+        return tuple(g for g in self.groups if g.kind != GroupKind.STATE)
+
+    @property
+    def state_groups(self) -> tuple[KVGroup, ...]:
+        """The groups of recurrent layers (a state per request)."""
+        return tuple(g for g in self.groups if g.kind == GroupKind.STATE)
+
+    @property
     def token_layers(self) -> tuple[str, ...]:
         """The layers stored per token, in chunk-row order (by layer index)."""
-        return tuple(sorted((n for g in self.groups for n in g.layers), key=layer_index))
+        return _by_index(self.token_groups)
 
     @property
     def layer_groups(self) -> tuple[int, ...]:
-        """For each of `token_layers`, the position of its group in `groups`."""
-        where = {n: i for i, g in enumerate(self.groups) for n in g.layers}
+        """For each of `token_layers`, the position of its group in `token_groups`."""
+        where = {n: i for i, g in enumerate(self.token_groups) for n in g.layers}
         return tuple(where[n] for n in self.token_layers)
+
+    @property
+    def state_layers(self) -> tuple[tuple[str, KVGroup], ...]:
+        """Each recurrent layer (by layer index) with its group."""
+        group_of = {n: g for g in self.state_groups for n in g.layers}
+        return tuple((n, group_of[n]) for n in _by_index(self.state_groups))
 
     @property
     def uniform(self) -> bool:
@@ -113,15 +145,24 @@ class ModelKV:
 
     def layout(self) -> str:
         """The stored layout's name, part of every cache key: "kv_blob" (the canonical K/V layout
-        every engine and HF transformers share) for one full-attention group; otherwise
-        "kv_blob+" and a digest of which chunk row holds which kind of attention (window, block
-        size), so a cache written for one layer structure never serves another."""
+        every engine and HF transformers share) for one full-attention group; "mla_latent" for
+        MLA; otherwise "kv_blob+" and a digest of which layer holds which kind of attention or
+        state (window, block size, state shapes), so a cache written for one layer structure never
+        serves another."""
         if self.uniform:
             return CANONICAL_LAYOUT
         if self.kv_count == 1:
             return MLA_LAYOUT
-        rows = ",".join(self.groups[g].tag() for g in self.layer_groups)
-        return f"{CANONICAL_LAYOUT}+{hashlib.sha256(rows.encode()).hexdigest()[:16]}"
+        return f"{CANONICAL_LAYOUT}+{self._digest()}"
+
+    def state_layout(self) -> str:
+        """The name under which recurrent states are keyed ("" for a model without them)."""
+        return f"state+{self._digest()}" if self.state_groups else ""
+
+    def _digest(self) -> str:
+        group_of = {n: g for g in self.groups for n in g.layers}
+        rows = ",".join(group_of[n].tag() for n in _by_index(self.groups))
+        return hashlib.sha256(rows.encode()).hexdigest()[:16]
 
 
 def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig) -> ModelKV:
@@ -131,6 +172,7 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig
         AttentionSpec,
         FullAttentionSpec,
         KVQuantMode,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -143,9 +185,19 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise refuse("vLLM gave the connector no KV cache configuration")
     chunk_size = config.chunk_size
-    groups, specs = [], []
+    groups, specs, states = [], [], []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        if type(spec) is MambaSpec:
+            if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
+                raise refuse(f"recurrent layers whose state vLLM keeps only for the running request "
+                             f"(mamba_cache_mode={spec.mamba_cache_mode!r}, "
+                             f"{spec.num_speculative_blocks} speculative blocks): enable vLLM's prefix "
+                             "caching, without speculative decoding, so it keeps states at block boundaries")
+            shapes = ";".join(f"{tuple(shape)}{dtype}" for shape, dtype in zip(spec.shapes, spec.dtypes))
+            states.append(KVGroup(i, GroupKind.STATE, spec.block_size, tuple(group.layer_names),
+                                  state=f"{spec.mamba_type.name}:{shapes}"))
+            continue
         if type(spec) is FullAttentionSpec and not spec.attention_chunk_size:
             # (with vLLM's hybrid manager off, sliding-window layers come as full attention with a
             # window: their blocks are all kept, so storing everything is exact)
@@ -166,10 +218,13 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig
                               getattr(spec, "sliding_window", 0) if kind == GroupKind.SLIDING else 0,
                               getattr(spec, "extra_retained_tokens", 0)))
         specs.append(spec)
+    if not groups:
+        raise refuse("no attention layers (only recurrent state)")
     first = specs[0]
     assert isinstance(first, AttentionSpec)
-    if len({g.block_size for g in groups}) > 1:
-        raise refuse(f"KV cache groups with different block sizes ({sorted({g.block_size for g in groups})})")
+    sizes = sorted({g.block_size for g in groups + states})
+    if len(sizes) > 1:
+        raise refuse(f"KV cache groups with different block sizes ({sizes})")
     mla = [g.kind == GroupKind.MLA for g in groups]
     if any(mla) and not all(mla):
         raise refuse("MLA layers beside other kinds of attention")
@@ -184,18 +239,23 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig
             raise refuse("attention layers with different KV shapes or dtypes "
                          f"({first.num_kv_heads}x{first.head_size} {first.dtype} and "
                          f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype})")
-    model = ModelKV(model_type, tuple(groups), first.num_kv_heads, first.head_size, first.dtype,
-                    kv_count=1 if any(mla) else 2)
+    model = ModelKV(model_type, tuple(sorted(groups + states, key=lambda g: g.index)), first.num_kv_heads,
+                    first.head_size, first.dtype, kv_count=1 if any(mla) else 2)
     serdes = {config.remote_serde if config.remote_url else None,
               config.local_disk_serde if config.local_disk else None}
-    if model.kv_count == 1 and "cachegen" in serdes:
-        raise refuse("CacheGen (lmcache.remote_serde / local_disk_serde) codes K and V, not MLA latents; "
-                     "choose another serde for this model")
+    if "cachegen" in serdes and (model.kv_count == 1 or states):
+        raise refuse("CacheGen (lmcache.remote_serde / local_disk_serde) codes K and V, not "
+                     f"{'MLA latents' if model.kv_count == 1 else 'recurrent states'}; choose another "
+                     "serde for this model")
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
     if not model.uniform and device != "cpu":
         raise refuse(f"{'MLA' if any(mla) else f'{len(groups)} KV cache groups'} on {device} (served on "
                      "vLLM-CPU only so far)")
     return model
+
+
+def _by_index(groups: tuple[KVGroup, ...]) -> tuple[str, ...]:
+    return tuple(sorted((n for g in groups for n in g.layers), key=layer_index))
 
 
 def unsupported(model_type: str, missing: str) -> UnsupportedModel:

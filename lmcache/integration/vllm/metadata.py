@@ -16,8 +16,9 @@ class RequestPlan:
     holds the KV; from `load_to` on vLLM computes). With `load_async` the load is reported through
     `get_finished` / `failed_recving` (vLLM's way for several KV cache groups) instead of failed
     blocks. Save: store tokens ``[save_from, save_to)`` (``save_from`` tokens are known to be cached
-    already). A range with equal ends means nothing to do. `block_ids`: all of the request's
-    blocks so far, one list per KV cache group."""
+    already); `save_state_at` > 0: also keep the recurrent layers' state after that many tokens
+    (a chunk boundary this step ends at; hybrid models). A range with equal ends means nothing to
+    do. `block_ids`: all of the request's blocks so far, one list per KV cache group."""
 
     req_id: str
     token_ids: list[int]
@@ -29,6 +30,7 @@ class RequestPlan:
     load_async: bool = False
     save_from: int = 0
     save_to: int = 0
+    save_state_at: int = 0
 
     @property
     def has_load(self) -> bool:
@@ -36,7 +38,7 @@ class RequestPlan:
 
     @property
     def has_save(self) -> bool:
-        return self.save_to > self.save_from
+        return self.save_to > self.save_from or self.save_state_at > 0
 
 
 @dataclass

@@ -8,7 +8,8 @@
   external tokens vLLM accepted.
 - `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once) or has
   newly computed prompt chunks to save (decode tokens too with `save_decode_cache`); a trailing
-  partial chunk is saved when the prompt is complete.
+  partial chunk is saved when the prompt is complete. For a hybrid model with recurrent layers, a
+  prefill step that ends at a chunk boundary also saves the layers' state there.
 - Loads. A model with one KV cache group loads synchronously, before the forward of the request's
   first step, and reports what failed as blocks (vLLM recomputes from there). With several groups
   vLLM can only recover a failed load reported by request, so the load is asynchronous in vLLM's
@@ -46,6 +47,7 @@ class _Tracked:
     retrieve_to: int = 0
     load_pending: bool = False
     saved: int = 0  # tokens [0, saved) are in LMCache
+    state_saved: int = 0  # the last boundary whose recurrent state was saved
 
 
 class LMCacheScheduler:
@@ -60,6 +62,7 @@ class LMCacheScheduler:
         self.loads = role != "kv_producer"  # a producer (prefill instance) only stores
         self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
         self.load_async = len(kv.groups) > 1
+        self.states = bool(kv.state_groups)
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
         self._reqs: dict[str, _Tracked] = {}
         self._failed: set[str] = set()  # requests whose load failed: vLLM recomputes them
@@ -152,8 +155,12 @@ class LMCacheScheduler:
             if self.saves and save_to > tracked.saved:
                 plan.save_from, plan.save_to = tracked.saved, save_to
                 tracked.saved = save_to
+            if (self.saves and self.states and computed % self.chunk_size == 0
+                    and tracked.state_saved < computed <= prompt_len):
+                plan.save_state_at = tracked.state_saved = computed
         if plan.has_load or plan.has_save:
-            plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to)])
+            plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to,
+                                                              plan.save_state_at)])
             plans.append(plan)
 
     def request_finished(self, request: Any) -> dict[str, Any]:

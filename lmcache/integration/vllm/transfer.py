@@ -13,6 +13,7 @@ maps each layer to its group's row).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.integration.vllm.kv_groups import NULL_BLOCK, KVGroup
 from lmcache.integration.vllm.metadata import RequestPlan
+from lmcache.integration.vllm.states import StateCopier
 
 
 def slots_for(block_ids: Sequence[int], n: int, block_size: int) -> torch.Tensor:
@@ -78,26 +80,56 @@ def save_slots(groups: Sequence[KVGroup], plan: RequestPlan, chunk_size: int) ->
     return _as_mapping(rows), first
 
 
-def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup]) -> int:
-    """Load `plan`'s cached prefix into tokens [load_from, load_to) of vLLM's cache; returns the
-    number of tokens now valid (<= load_to). Ends the request's lookup lease."""
-    n = plan.retrieve_to
-    mask = _skip_mask(n, plan.load_from, engine.config.chunk_size)
-    tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-    loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches,
-                             slot_mapping=load_slots(groups, plan))
-    engine.release(plan.req_id)
-    first = 0 if mask is None else int((~mask).sum())
-    return min(first + int(loaded[first:].sum()), plan.load_to)
-
-
-def save_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup]) -> int:
-    """Store tokens [save_from, save_to) of the request (chunks cached already are skipped);
-    returns the first token stored from (> save_from when leading chunks cannot be stored)."""
-    n = plan.save_to
-    slots, first = save_slots(groups, plan, engine.config.chunk_size)
-    if first < n:
+def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup],
+              states: StateCopier | None = None) -> int:
+    """Load `plan`'s cached prefix into tokens [load_from, load_to) of vLLM's cache (`groups`: the
+    groups stored per token; `states`: a hybrid model's recurrent layers, whose state after
+    load_to tokens is loaded first: without it nothing is); returns the number of tokens now
+    valid (<= load_to). Ends the request's lookup lease."""
+    try:
+        if states is not None and not _load_state(engine, plan, states):
+            return plan.load_from
+        n = plan.retrieve_to
+        mask = _skip_mask(n, plan.load_from, engine.config.chunk_size)
         tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
-        engine.store(tokens, _skip_mask(n, first, engine.config.chunk_size),
-                     extra_key=plan.extra_key, kvcaches=kvcaches, slot_mapping=slots)
+        loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches,
+                                 slot_mapping=load_slots(groups, plan))
+        first = 0 if mask is None else int((~mask).sum())
+        return min(first + int(loaded[first:].sum()), plan.load_to)
+    finally:
+        engine.release(plan.req_id)
+
+
+def _load_state(engine: LMCacheEngine, plan: RequestPlan, states: StateCopier) -> bool:
+    if plan.load_to % engine.config.chunk_size:
+        return False
+    tokens = torch.tensor(plan.token_ids[: plan.load_to], dtype=torch.int64)
+    obj = engine.retrieve_state(tokens, extra_key=plan.extra_key)
+    if obj is None:
+        return False
+    try:
+        stored = obj.tensor
+        assert stored is not None
+        return states.scatter(plan.block_ids, plan.load_to, stored.view(torch.uint8)[: states.nbytes])
+    finally:
+        obj.ref_count_down()
+
+
+def save_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: Sequence[KVGroup],
+              states: StateCopier | None = None) -> int:
+    """Store tokens [save_from, save_to) of the request (chunks cached already are skipped), and
+    the recurrent layers' state after `save_state_at` tokens; returns the first token stored from
+    (> save_from when leading chunks cannot be stored)."""
+    n = first = plan.save_to
+    if n > plan.save_from:
+        slots, first = save_slots(groups, plan, engine.config.chunk_size)
+        if first < n:
+            tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
+            engine.store(tokens, _skip_mask(n, first, engine.config.chunk_size),
+                         extra_key=plan.extra_key, kvcaches=kvcaches, slot_mapping=slots)
+    boundary = plan.save_state_at
+    if states is not None and boundary > 0:
+        tokens = torch.tensor(plan.token_ids[:boundary], dtype=torch.int64)
+        engine.store_state(tokens, states.nbytes, partial(states.gather, plan.block_ids, boundary),
+                           extra_key=plan.extra_key)
     return first

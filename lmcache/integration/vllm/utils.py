@@ -49,20 +49,21 @@ def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: tor
     parallel = vllm_config.parallel_config
     if model is not None:
         num_layers, num_kv_heads, head_size = len(model.token_layers), model.num_kv_heads, model.head_size
-        layout = model.layout()
+        layout, state_layout, kv_count = model.layout(), model.state_layout(), model.kv_count
     else:
         num_layers = model_config.get_num_layers(parallel)
         num_kv_heads = model_config.get_num_kv_heads(parallel)
         head_size = model_config.get_head_size()
-        layout = CANONICAL_LAYOUT
+        layout, state_layout, kv_count = CANONICAL_LAYOUT, "", 2
     return LMCacheEngineMetadata(
         model_name=model_name(model_config.model),
         world_size=parallel.world_size,
         worker_id=rank,
         fmt="vllm",
         kv_dtype=kv_dtype,
-        kv_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_size),
+        kv_shape=(num_layers, kv_count, config.chunk_size, num_kv_heads, head_size),
         layout=layout,
+        state_layout=state_layout,
         model_fingerprint=checkpoint_fingerprint(model_config.model),
     )
 

@@ -75,7 +75,7 @@ def init_lmcache_engine(model_config: Any, parallel_config: Any, cache_config: A
     device = device or ("cpu" if not torch.cuda.is_available() else "cuda")
     metadata = engine_metadata(_Configs(model_config, parallel_config, cache_config), config, dtype, rank,
                                model)
-    block_size = model.groups[0].block_size if model is not None else cache_config.block_size
+    block_size = model.token_groups[0].block_size if model is not None else cache_config.block_size
     connector = platform_connector(device, dtype, metadata.kv_shape[3], metadata.kv_shape[4], block_size,
                                    metadata.num_layers, layout=layout,
                                    layer_groups=model.layer_groups if model is not None else None)

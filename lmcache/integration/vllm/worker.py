@@ -34,6 +34,7 @@ from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
 from lmcache.integration.vllm.mla_layout import check_latent_rows
+from lmcache.integration.vllm.states import StateCopier
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine, vllm_layout
@@ -51,6 +52,7 @@ class LMCacheWorker:
         self.kv = kv
         self.engine: LMCacheEngine | None = None
         self.kvcaches: list[Any] = []
+        self.states: StateCopier | None = None  # a hybrid model's recurrent layers
         self.server: LookupServer | None = None
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # asynchronous loads done in this step
@@ -70,12 +72,14 @@ class LMCacheWorker:
             raise ValueError(f"vLLM registered no KV cache for layers {missing[:3]} of its KV cache groups")
         tensors = [kv_caches[n] for n in names]
         vc = self.vllm_config
-        block_size = self.kv.groups[0].block_size
+        block_size = self.kv.token_groups[0].block_size
         try:
             if self.kv.kv_count == 1:
                 impl = vc.compilation_config.static_forward_context[names[0]].impl
                 check_latent_rows(impl, tensors[0], block_size)
-        except ValueError as e:
+            if self.kv.state_groups:
+                self.states = StateCopier([(kv_caches[n], g) for n, g in self.kv.state_layers])
+        except (ValueError, KeyError) as e:
             logger.error("%s", unsupported(self.kv.model_type, str(e)))
         else:
             self.kvcaches = connector_kvcaches(tensors, block_size)
@@ -96,8 +100,10 @@ class LMCacheWorker:
         if self.engine is None:  # refused at registration: nothing is cached
             return {"hit": 0} if cmd == "lookup" else {}
         if cmd == "lookup":
-            hit = self.engine.lookup(torch.from_numpy(tokens.astype("int64")),
-                                     extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
+            ids = torch.from_numpy(tokens.astype("int64"))
+            if self.states is not None:  # resume at a boundary before the last token, which vLLM computes
+                ids = ids[:-1]
+            hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
             return {"hit": hit}
         if cmd == "stats":
             return self.engine.stats.report()
@@ -125,7 +131,7 @@ class LMCacheWorker:
         fault must not fail the request."""
         assert self.engine is not None
         try:
-            valid = load_plan(self.engine, self.kvcaches, plan, self.kv.groups)
+            valid = load_plan(self.engine, self.kvcaches, plan, self.kv.token_groups, self.states)
             self._incidents.recover()
         except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
             self._failed(f"loading request {plan.req_id}'s cached prefix", e)
@@ -137,7 +143,7 @@ class LMCacheWorker:
                 self._failed_loads.add(plan.req_id)
                 blocks = sum(-(-(plan.load_to - plan.load_from) // g.block_size) for g in self.kv.groups)
             else:
-                bs = self.kv.groups[0].block_size
+                bs = self.kv.token_groups[0].block_size
                 first = max(valid, plan.load_from) // bs
                 failed = plan.block_ids[0][first : -(-plan.load_to // bs)]
                 self._load_errors.update(failed)
@@ -151,7 +157,7 @@ class LMCacheWorker:
         """Store what `plan` says; a failure only means the KV is not cached (never raises)."""
         assert self.engine is not None
         try:
-            first = save_plan(self.engine, self.kvcaches, plan, self.kv.groups)
+            first = save_plan(self.engine, self.kvcaches, plan, self.kv.token_groups, self.states)
             if first > plan.save_from:
                 self.engine.stats.add("store_unkept_tokens", min(first, plan.save_to) - plan.save_from)
             self._incidents.recover()

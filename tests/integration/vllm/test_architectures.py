@@ -44,7 +44,7 @@ MNBT = 512  # several prefill steps per prompt
 # block size (128), so vLLM's own prefix-cache hit of `p + [t]` equals LMCache's
 LENGTHS = {"aligned": 768, "mid": 812, "long": 1100}
 # architectures the connector serves; the others must be refused
-SERVED: set[str] = {"llama", "gemma3", "gpt_oss", "deepseek_v2"}
+SERVED: set[str] = {"llama", "gemma3", "gpt_oss", "deepseek_v2", "qwen3_next"}
 # bf16 logits are rounded to 8 bits: about 0.03 at a logprob of -6; a few such steps between two
 # orders of the same sums (measured: 0.06-0.12 for DeepSeek's prefill with and without a prefix)
 BF16_LOGPROB_TOLERANCE = 0.25
@@ -129,9 +129,10 @@ def expected_hit(name: str, prompt_len: int) -> int:
     return prompt_len - prompt_len % CHUNK
 
 
-def test_bytes_stored_per_token_are_the_models_kv(arch):
-    """What the disk tier wrote (logical bytes, its blob headers aside) per token stored: K and V of
-    every attention layer, or one latent per MLA layer (kv_lora_rank + qk_rope_head_dim values)."""
+def test_bytes_stored_are_the_models_kv_and_states(arch):
+    """What the disk tier wrote (logical bytes, its blob headers aside): per token stored, K and V
+    of every attention layer, or one latent per MLA layer (kv_lora_rank + qk_rope_head_dim values);
+    per recurrent state stored, every linear-attention layer's conv and SSM state."""
     name, *_, client = arch
     if name not in SERVED:
         pytest.skip("nothing is stored")
@@ -140,19 +141,29 @@ def test_bytes_stored_per_token_are_the_models_kv(arch):
 
     c = json.loads((Path(tiny_model_path(name)) / "config.json").read_text())
     item = 2 if ARCHS[name].dtype == "bfloat16" else 4
+    layers = c["num_hidden_layers"]
+    state = 0
+    if name == "qwen3_next":  # 3 of 4 layers are gated-delta-net; vLLM keeps their SSM state in fp32
+        attention = sum(t == "full_attention" for t in c["layer_types"])
+        conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+            c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        ssm = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
+        state = (layers - attention) * (conv_dim * (c["linear_conv_kernel_dim"] - 1) * item + ssm * 4)
+        layers = attention
     if name == "deepseek_v2":
-        per_token = c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * item
+        per_token = layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * item
     else:
-        per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * item
+        per_token = 2 * layers * c["num_key_value_heads"] * c["head_dim"] * item
     deadline = time.monotonic() + 30  # the disk tier writes in the background
     while True:
         (stats,) = client.stats()
-        stored = stats["engine"]["stored_tokens"]
+        stored, states = stats["engine"]["stored_tokens"], stats["engine"].get("stored_states", 0)
         written = stats["tiers"]["LocalDiskBackend"]["counters"].get("bytes_written", 0)
-        if written == stored * per_token or time.monotonic() > deadline:
+        if written == stored * per_token + states * state or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert stored > 0 and written == stored * per_token, (stored, written, per_token)
+    assert stored > 0 and (states > 0) == (name == "qwen3_next")
+    assert written == stored * per_token + states * state, (stored, states, written, per_token, state)
 
 
 def test_an_unservable_model_is_refused_once_at_start_up(arch):

@@ -13,6 +13,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -119,3 +120,33 @@ def test_no_kv_cache_configuration_is_refused():
 def test_layer_names_sort_by_their_first_number():
     assert sorted(["m.layers.10.a", "m.layers.9.a", "m.layers.9"], key=layer_index) == [
         "m.layers.9", "m.layers.9.a", "m.layers.10.a"]
+
+
+def mamba(mode="align", block_size=256, **kw):
+    return MambaSpec(block_size=block_size, shapes=((3, 512), (4, 64, 64)),
+                     dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, **kw)
+
+
+def test_recurrent_layers_keep_a_state_beside_the_attention_chunks():
+    groups = kv_config((["m.layers.0.linear_attn"], mamba()), (["m.layers.1.linear_attn"], mamba()),
+                       (["m.layers.2.self_attn"], full(block_size=256)))
+    kv = model_kv(vllm_config("qwen3_next"), groups, config())
+    assert [g.kind for g in kv.groups] == [GroupKind.STATE, GroupKind.STATE, GroupKind.FULL]
+    assert kv.token_layers == ("m.layers.2.self_attn",) and kv.layer_groups == (0,)
+    assert [name for name, _ in kv.state_layers] == ["m.layers.0.linear_attn", "m.layers.1.linear_attn"]
+    assert kv.state_groups[0].state_block(768) == 2  # vLLM keeps the state after 768 tokens in block 2
+    assert kv.state_layout().startswith("state+") and kv.layout() != "kv_blob"
+    assert kv.state_layout() != model_kv(vllm_config("qwen3_next"), kv_config(
+        (["m.layers.0.linear_attn"], mamba()), (["m.layers.2.self_attn"], full(block_size=256))),
+        config()).state_layout()
+
+
+def test_recurrent_state_vllm_keeps_only_for_the_running_request_is_refused():
+    groups = kv_config((["l.0"], mamba(mode="none")), (["l.1"], full(block_size=256)))
+    with pytest.raises(UnsupportedModel, match="enable vLLM's prefix caching"):
+        model_kv(vllm_config("qwen3_next"), groups, config())
+    with pytest.raises(UnsupportedModel, match="no attention layers"):
+        model_kv(vllm_config("mamba2"), kv_config((["l.0"], mamba())), config())
+    with pytest.raises(UnsupportedModel, match="not recurrent states"):
+        model_kv(vllm_config("qwen3_next"), kv_config((["l.0"], mamba()), (["l.1"], full(block_size=256))),
+                 config(local_disk="/tmp/x", local_disk_serde="cachegen"))

@@ -203,3 +203,25 @@ def test_each_group_keeps_its_own_block_table_through_steps_and_preemption(make_
                                             resumed=["g"])).requests
     assert p3.block_ids == list(tables)
     assert (p3.save_from, p3.save_to) == (768, 1000)  # what was saved before stays saved
+
+
+HYBRID = ModelKV("qwen3_next", (KVGroup(0, GroupKind.STATE, CHUNK, ("l.0",), state="s"),
+                                KVGroup(1, GroupKind.FULL, CHUNK, ("l.1",))), 2, 64, torch.bfloat16)
+
+
+def test_a_hybrid_model_saves_its_state_where_a_prefill_step_ends_on_a_chunk_boundary(make_scheduler):
+    sched = make_scheduler(hit=0, model=HYBRID)
+    req = FakeRequest("s", 900)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, Blocks(([0, 1], [2, 3])), 0)
+    (p1,) = sched.build_connector_meta(step(new=[("s", ([0, 1], [2, 3]), 0)], scheduled={"s": 512})).requests
+    assert (p1.save_from, p1.save_to, p1.save_state_at) == (0, 512, 512)
+    (p2,) = sched.build_connector_meta(step(cached=[("s", ([4], [5]), 512)], scheduled={"s": 256})).requests
+    assert (p2.save_from, p2.save_to, p2.save_state_at) == (512, 768, 768)
+    (p3,) = sched.build_connector_meta(step(cached=[("s", ([6], [7]), 768)], scheduled={"s": 132})).requests
+    assert (p3.save_from, p3.save_to, p3.save_state_at) == (768, 900, 0)  # 900 is no boundary
+    assert len(p3.token_ids) == 900
+    req.all_token_ids += list(range(124))
+    for computed in range(901, 1024):
+        sched.build_connector_meta(step(cached=[("s", None, computed - 1)], scheduled={"s": 1}))
+    assert sched.build_connector_meta(step(cached=[("s", None, 1023)], scheduled={"s": 1})).requests == []
