@@ -127,11 +127,11 @@ class PagedKV(KVCache):
 
 
 def build_engine(chunk_size=8, layers=2, heads=2, head_size=4, dtype=torch.bfloat16,
-                 cpu_bytes=1 << 20, connector=None, state_layout="", **cfg):
+                 cpu_bytes=1 << 20, connector=None, state_layout="", kv_count=2, **cfg):
     config = LMCacheEngineConfig.from_defaults(chunk_size=chunk_size,
                                                max_local_cpu_size=cpu_bytes / (1 << 30), **cfg)
-    metadata = LMCacheEngineMetadata("test-model", 1, 0, "vllm", dtype,
-                                     (layers, 2, chunk_size, heads, head_size), state_layout=state_layout)
+    shape = (layers, kv_count, chunk_size, heads, head_size)
+    metadata = LMCacheEngineMetadata("test-model", 1, 0, "vllm", dtype, shape, state_layout=state_layout)
     connector = connector or VLLMPagedMemGPUConnectorV2(heads * head_size, layers)
     return LMCacheEngine(config, metadata, MixedMemoryAllocator(cpu_bytes),
                          ChunkedTokenDatabase(config, metadata), connector)

@@ -90,10 +90,14 @@ def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: S
         if states is not None and not _load_state(engine, plan, states):
             return plan.load_from
         n = plan.retrieve_to
-        mask = _skip_mask(n, plan.load_from, engine.config.chunk_size)
+        slots = load_slots(groups, plan)
+        # chunks with no token to write (below every group's window) are not even read
+        written = (slots >= 0).view(-1, n).any(dim=0).nonzero()
+        first_written = int(written[0]) if written.numel() else plan.load_to
+        mask = _skip_mask(n, max(plan.load_from, first_written), engine.config.chunk_size)
         tokens = torch.tensor(plan.token_ids[:n], dtype=torch.int64)
         loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches,
-                                 slot_mapping=load_slots(groups, plan))
+                                 slot_mapping=slots)
         first = 0 if mask is None else int((~mask).sum())
         return min(first + int(loaded[first:].sum()), plan.load_to)
     finally:

@@ -97,6 +97,38 @@ def test_a_second_engine_retrieves_from_the_lower_tier_with_each_serde(engines, 
     assert b.lookup(tokens, ["Hot"]) == 40  # lower-tier hits were promoted to the hot tier
 
 
+@pytest.mark.parametrize("serde", ["naive", "fast", "torch", "safe"])
+def test_mla_latents_and_recurrent_states_round_trip_through_each_tier_and_serde(engines, tier_cfg, serde):
+    """The chunk forms of today's models: [1, layers, tokens, latent] MLA chunks, and a hybrid
+    model's recurrent state beside them, come back from every tier bit for bit."""
+    from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
+
+    field = "local_disk_serde" if "local_disk" in tier_cfg else "remote_serde"
+    layers, width, n = 2, 24, 16
+
+    def mla_engine():
+        connector = VLLMPagedMemGPUConnectorV2(width, layers, layout="mla")
+        return engines(**tier_cfg, **{field: serde}, layers=layers, heads=1, head_size=width, kv_count=1,
+                       state_layout="state+test", connector=connector)
+
+    a, b = mla_engine(), mla_engine()
+    caches = [torch.randn(12, 4, width).to(torch.bfloat16) for _ in range(layers)]  # [blocks, bs, latent]
+    tokens, slots = torch.randint(0, 30000, (n,)), torch.arange(n) + 8
+    state = torch.randint(0, 256, (100,), dtype=torch.uint8)
+    a.store(tokens, kvcaches=caches, slot_mapping=slots)
+    assert a.store_state(tokens, 100, lambda buf: buf.copy_(state) is not None)
+    flush(a)
+    tier = "LocalDiskBackend" if "local_disk" in tier_cfg else "RemoteBackend"
+    assert b.lookup(tokens, [tier]) == n
+    out = [torch.zeros_like(c) for c in caches]
+    assert bool(b.retrieve(tokens, kvcaches=out, slot_mapping=slots).all())
+    for mine, theirs in zip(out, caches):
+        assert torch.equal(mine.view(-1, width)[slots], theirs.view(-1, width)[slots])
+    got = b.retrieve_state(tokens)
+    assert torch.equal(got.tensor.view(torch.uint8)[:100], state)
+    got.ref_count_down()
+
+
 def test_all_three_tiers_together_and_prefetch(engines, tmp_path, valkey):
     cfg = {"local_disk": str(tmp_path / "d"), "max_local_disk_size": 0.01, "remote_url": valkey.url}
     kv, tokens, slots = store(engines(**cfg))

@@ -75,3 +75,22 @@ def test_groups_with_different_block_sizes_each_use_their_own():
 def test_one_group_gives_a_one_dimensional_mapping():
     plan = RequestPlan("r", [], [blocks(1, 3)], load_from=0, load_to=300, retrieve_to=300)
     assert load_slots([FULL], plan).shape == (300,)
+
+
+def test_a_model_of_sliding_windows_only_reads_no_chunk_below_the_window():
+    """Every per-token group windowed: a hit of 1000 tokens (window 128) writes only tokens from
+    the block holding token 873 on, so the load reads the chunk [768, 1024) and none before."""
+    from lmcache.integration.vllm.transfer import load_plan
+    from tests.helpers.paged_kv import PagedKV, build_engine
+
+    engine = build_engine(256, cpu_bytes=16 << 20)
+    kv = PagedKV(block_size=128, num_blocks=16)
+    tokens = torch.randint(0, 1000, (1024,))
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(1024))
+    window = KVGroup(0, GroupKind.SLIDING, 128, ("l.0",), window=128)
+    table = [0, 0, 0, 0, 0, 0, 9, 10]  # vLLM allocated only the window's blocks of the hit
+    plan = RequestPlan("r", tokens.tolist(), [table], load_from=0, load_to=1000, retrieve_to=1024)
+    before = engine.stats.snapshot().get("retrieve_requested_tokens", 0)
+    assert load_plan(engine, kv.empty_like().layers, plan, [window]) == 1000
+    assert engine.stats.snapshot()["retrieve_requested_tokens"] - before == 1024 - 768
+    engine.close()
