@@ -13,7 +13,7 @@ a CPU bool mask of the tokens retrieved.
 Lookup: how many prefix tokens are cached (one batched existence check per tier); with a lease,
 every counted chunk is pinned in whichever tier holds it and the non-hot ones start loading.
 Recurrent states (hybrid models, `metadata.state_layout`): `store_state` keeps the state after
-exactly a chunk boundary's tokens beside that chunk (its key under the state layout),
+exactly a prefix's tokens beside the prefix's last chunk (its key under the state layout),
 `retrieve_state` gives it back, and a lookup counts only up to the last boundary whose state is
 held (a hit must resume every layer).
 
@@ -297,7 +297,7 @@ class LMCacheEngine:
 
     def lookup(self, tokens: torch.Tensor, search_range: str | list[str] | None = None, *,
                extra_key: str | None = None, lease_id: str | None = None,
-               lease_ttl: float = 60.0) -> int:
+               lease_ttl: float = 60.0, state_ends: Iterable[int] = ()) -> int:
         """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
         (one name, or a subset of "Hot" (alias "LocalCPUBackend"), "LocalDiskBackend",
         "RemoteBackend", "PeerBackend" (alias "P2PBackend"); None = all; ValueError for an
@@ -307,48 +307,82 @@ class LMCacheEngine:
 
         With `lease_id`, every chunk counted is pinned in whichever tier holds it (not evicted)
         until `release(lease_id)` or `lease_ttl` seconds, and those not in the hot tier start
-        loading into it, so that a retrieve soon after finds what the lookup counted."""
+        loading into it, so that a retrieve soon after finds what the lookup counted.
+
+        A hybrid model's count (`metadata.state_layout`) ends at the last boundary whose
+        recurrent state is held: the end of a full chunk, or one of `state_ends` (token counts
+        within `tokens` where the serving engine may have kept a state mid-chunk; the prefix up to
+        it, its trailing partial chunk included, must be cached); the lease pins the state too."""
         chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
         found = self.storage_manager.contains_prefix([key for _, _, key in chunks], search_range)
-        lookups = [found]
-        if self.metadata.state_layout:
-            lookups = self._state_end(chunks, found, search_range)
-            found = lookups[0]
         hit = chunks[found.hits - 1][1] if found.hits else 0
+        pinned = [found]
+        if self.metadata.state_layout:
+            hit, pinned = self._resume_point(tokens, chunks, found, state_ends, extra_key, search_range)
         if lease_id is not None:
-            pinned = [key for lookup in lookups for key in lookup.keys[: lookup.hits]]
-            self.storage_manager.acquire_lease(lease_id, pinned, lease_ttl)
-            for lookup in lookups:
+            self.storage_manager.acquire_lease(lease_id, [k for p in pinned for k in p.keys[: p.hits]],
+                                               lease_ttl)
+            for lookup in pinned:
                 self.storage_manager.prefetch(lookup)
         self.stats.add("lookup_requests")
         self.stats.add("lookup_hit_tokens", hit)
         return hit
 
+    def release(self, lease_id: str) -> None:
+        """End a lookup lease (see `lookup`); unknown ids are ignored."""
+        self.storage_manager.release_lease(lease_id)
+
+    def prefetch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
+                 extra_key: str | None = None) -> None:
+        """Start loading the cached prefix of `tokens` from lower tiers into the hot tier."""
+        chunks = self.token_database.process_tokens(tokens, mask, extra_key=extra_key)
+        self.storage_manager.prefetch(self.storage_manager.contains_prefix([key for _, _, key in chunks]))
+
     # ---- recurrent states -----------------------------------------------------------------------
 
     def state_key(self, chunk_key: CacheEngineKey) -> CacheEngineKey:
-        """The key of the state after the tokens that end with the chunk `chunk_key` names."""
+        """The key of the state after the tokens that end with the chunk `chunk_key` names (a full
+        chunk, or a prefix's trailing partial chunk)."""
         return dataclasses.replace(chunk_key, fmt=self.metadata.state_layout)
 
-    def _state_end(self, chunks: list[tuple[int, int, CacheEngineKey]], found: PrefixLookup,
-                   search_range: str | list[str] | None) -> list[PrefixLookup]:
-        """`found` cut to the last full chunk whose boundary state is held, and that state (as a
-        one-key lookup); `found` cut to nothing when no boundary has one."""
-        full = [i for i in range(found.hits) if chunks[i][1] - chunks[i][0] == self.config.chunk_size]
-        state_keys = [self.state_key(chunks[i][2]) for i in full]
-        held = self.storage_manager.locate(state_keys, search_range)
-        for i, key, tier in reversed(list(zip(full, state_keys, held, strict=True))):
-            if tier is not None:
-                return [PrefixLookup(found.keys, found.tiers[: i + 1]), PrefixLookup([key], [tier])]
-        return [PrefixLookup(found.keys, [])]
+    def _resume_point(self, tokens: torch.Tensor, chunks: list[tuple[int, int, CacheEngineKey]],
+                      found: PrefixLookup, state_ends: Iterable[int], extra_key: str | None,
+                      search_range: str | list[str] | None) -> tuple[int, list[PrefixLookup]]:
+        """The last boundary of the cached prefix whose state is held (0: none), and what resuming
+        there needs, as lookups to pin and prefetch: the chunks up to it (with the trailing partial
+        chunk of a mid-chunk boundary) and the state."""
+        cs = self.config.chunk_size
+        full = 0
+        while full < found.hits and chunks[full][1] - chunks[full][0] == cs:
+            full += 1
+        # (boundary, key of its chunk, whether that chunk is a mid-chunk prefix's trailing one)
+        candidates = [(chunks[i][1], chunks[i][2], False) for i in range(full)]
+        for end in sorted(set(state_ends)):
+            if end % cs and 0 < end <= tokens.shape[0] and end // cs <= full:
+                *_, (_, _, tail) = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
+                candidates.append((end, tail, True))
+        state_keys = [self.state_key(key) for _, key, _ in candidates]
+        tails = [key for _, key, is_tail in candidates if is_tail]
+        tier_of = dict(zip(state_keys + tails, self.storage_manager.locate(state_keys + tails, search_range),
+                           strict=True))
+        for (end, key, is_tail), state in sorted(zip(candidates, state_keys, strict=True), reverse=True,
+                                                 key=lambda c: c[0][0]):
+            state_tier, chunk_tier = tier_of[state], tier_of[key] if is_tail else None
+            if state_tier is None or (is_tail and chunk_tier is None):
+                continue
+            pins = [PrefixLookup(found.keys, found.tiers[: end // cs]), PrefixLookup([state], [state_tier])]
+            if chunk_tier is not None:
+                pins.append(PrefixLookup([key], [chunk_tier]))
+            return end, pins
+        return 0, []
 
     def store_state(self, tokens: torch.Tensor, nbytes: int, fill: Callable[[torch.Tensor], bool], *,
                     extra_key: str | None = None) -> bool:
-        """Keep a recurrent model's state after exactly ``len(tokens)`` tokens (a multiple of
-        chunk_size): `fill(buffer)` writes its `nbytes` into a uint8 buffer from the CPU arena
-        (stored in the KV dtype, so every serde keeps it bit for bit), or returns False (nothing
-        to keep). False when not kept (held already, no room, nothing filled). ValueError for a
-        length that is not a chunk boundary."""
+        """Keep a recurrent model's state after exactly ``len(tokens)`` tokens (keyed beside the
+        chunk that ends there, full or partial): `fill(buffer)` writes its `nbytes` into a uint8
+        buffer from the CPU arena (stored in the KV dtype, so every serde keeps it bit for bit), or
+        returns False (nothing to keep). False when not kept (held already, no room, nothing
+        filled)."""
         key = self._boundary_state_key(tokens, extra_key)
         sm = self.storage_manager
         if sm.stored_locally([key])[0]:
@@ -371,7 +405,7 @@ class LMCacheEngine:
 
     def retrieve_state(self, tokens: torch.Tensor, *, extra_key: str | None = None) -> MemoryObj | None:
         """The state stored after exactly ``len(tokens)`` tokens (one reference for the caller), or
-        None. ValueError for a length that is not a chunk boundary."""
+        None."""
         got = self.storage_manager.get_prefix([self._boundary_state_key(tokens, extra_key)])
         if got:
             self.stats.add("retrieved_states")
@@ -380,21 +414,10 @@ class LMCacheEngine:
     def _boundary_state_key(self, tokens: torch.Tensor, extra_key: str | None) -> CacheEngineKey:
         if not self.metadata.state_layout:
             raise ValueError("this engine's model keeps no recurrent state (metadata.state_layout is empty)")
-        if tokens.shape[0] == 0 or tokens.shape[0] % self.config.chunk_size:
-            raise ValueError(f"a state is kept at chunk boundaries: {tokens.shape[0]} tokens is not a "
-                             f"multiple of chunk_size={self.config.chunk_size}")
+        if tokens.shape[0] == 0:
+            raise ValueError("a state after 0 tokens is not kept")
         *_, (_, _, key) = self.token_database.process_tokens(tokens, extra_key=extra_key)
         return self.state_key(key)
-
-    def release(self, lease_id: str) -> None:
-        """End a lookup lease (see `lookup`); unknown ids are ignored."""
-        self.storage_manager.release_lease(lease_id)
-
-    def prefetch(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *,
-                 extra_key: str | None = None) -> None:
-        """Start loading the cached prefix of `tokens` from lower tiers into the hot tier."""
-        chunks = self.token_database.process_tokens(tokens, mask, extra_key=extra_key)
-        self.storage_manager.prefetch(self.storage_manager.contains_prefix([key for _, _, key in chunks]))
 
     def close(self) -> None:
         if not self._closed:

@@ -26,7 +26,7 @@ def lmcache_transfer_config(engine_id: str | None = None, **fields: Any) -> dict
 
 def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = "float32",
               max_num_batched_tokens: int = 2048, kv_bytes: int = 512 << 20,
-              model: str | None = None) -> Any:
+              model: str | None = None, **engine_args: Any) -> Any:
     """An engine of `model` (default: SmolLM2 in `dtype`) with vLLM's prefix cache on."""
     from vllm import LLM
 
@@ -35,7 +35,7 @@ def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = 
     return LLM(model=model or local_model_path(dtype), dtype=dtype, enforce_eager=True,
                max_model_len=4096, kv_cache_memory_bytes=kv_bytes,
                max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True,
-               disable_log_stats=False, kv_transfer_config=kv_transfer_config)
+               disable_log_stats=False, kv_transfer_config=kv_transfer_config, **engine_args)
 
 
 @contextlib.contextmanager

@@ -27,12 +27,14 @@ lookups and leases stay per request prefix, so a hit means every group can be se
   latent]``: no K/V split, no padding).
 
 Recurrent layers (linear attention, Mamba; kind ``STATE``) keep no per-token KV but one state per
-request. With vLLM's prefix caching on ("align" mamba cache mode) vLLM keeps the state after
-exactly ``(p + 1) * block_size`` tokens in block ``p`` of the group's table, for the block
-boundaries a prefill step ends at. The connector stores, beside the chunks of the attention
-layers, the state of every recurrent layer at each chunk boundary a step ended at (its own key:
-the chunk's prefix hash under `ModelKV.state_layout`), and a hit ends only at a boundary whose
-state it holds: loading it puts the state where vLLM's own prefix cache would.
+request. With vLLM's prefix caching on ("align" mamba cache mode) vLLM materializes the state only
+where a prefill step ends: at block boundaries, and at the last multiple of its scheduling block
+before a prompt's last token (`ModelKV.resume_points`); the state after ``n`` tokens is then in
+block ``(n - 1) // block_size`` of the group's table. The connector stores, beside the chunks of
+the attention layers, the state of every recurrent layer where a step ended at a chunk boundary
+or at a resume point (its own key: the prefix's last chunk under `ModelKV.state_layout`, with the
+trailing partial chunk stored too for a resume point inside a chunk), and a hit ends only at a
+boundary whose state it holds: loading it puts the state where vLLM's own prefix cache would.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class KVGroup:
 
     def state_block(self, boundary: int) -> int:
         """STATE: the block-table position of the state after exactly `boundary` tokens."""
-        return boundary // self.block_size - 1
+        return (boundary - 1) // self.block_size
 
     def tag(self) -> str:
         if self.kind == GroupKind.SLIDING:
@@ -154,6 +156,15 @@ class ModelKV:
         if self.kv_count == 1:
             return MLA_LAYOUT
         return f"{CANONICAL_LAYOUT}+{self._digest()}"
+
+    def resume_points(self, num_tokens: int) -> list[int]:
+        """Where vLLM may have kept the recurrent state before the last token of a prompt of
+        `num_tokens` tokens (a hybrid model): it stops a prefill step at the last multiple of its
+        scheduling block (a power of two from 16 tokens up to the state groups' block size) below
+        the prompt's end. Sorted, distinct, positive."""
+        block = self.state_groups[0].block_size if self.state_groups else 0
+        sizes = {block} | {1 << k for k in range(4, block.bit_length()) if block % (1 << k) == 0}
+        return sorted({(num_tokens - 1) // g * g for g in sizes if g} - {0})
 
     def state_layout(self) -> str:
         """The name under which recurrent states are keyed ("" for a model without them)."""

@@ -9,7 +9,8 @@
 - `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once) or has
   newly computed prompt chunks to save (decode tokens too with `save_decode_cache`); a trailing
   partial chunk is saved when the prompt is complete. For a hybrid model with recurrent layers, a
-  prefill step that ends at a chunk boundary also saves the layers' state there.
+  prefill step that ends at a chunk boundary or a resume point (`ModelKV.resume_points`) also saves
+  the layers' state there.
 - Loads. A model with one KV cache group loads synchronously, before the forward of the request's
   first step, and reports what failed as blocks (vLLM recomputes from there). With several groups
   vLLM can only recover a failed load reported by request, so the load is asynchronous in vLLM's
@@ -61,6 +62,7 @@ class LMCacheScheduler:
         role = vllm_config.kv_transfer_config.kv_role
         self.loads = role != "kv_producer"  # a producer (prefill instance) only stores
         self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
+        self.kv = kv
         self.load_async = len(kv.groups) > 1
         self.states = bool(kv.state_groups)
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
@@ -155,8 +157,8 @@ class LMCacheScheduler:
             if self.saves and save_to > tracked.saved:
                 plan.save_from, plan.save_to = tracked.saved, save_to
                 tracked.saved = save_to
-            if (self.saves and self.states and computed % self.chunk_size == 0
-                    and tracked.state_saved < computed <= prompt_len):
+            if (self.saves and self.states and tracked.state_saved < computed <= prompt_len
+                    and (computed % self.chunk_size == 0 or computed in self.kv.resume_points(prompt_len))):
                 plan.save_state_at = tracked.state_saved = computed
         if plan.has_load or plan.has_save:
             plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to,

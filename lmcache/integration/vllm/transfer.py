@@ -12,6 +12,7 @@ maps each layer to its group's row).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -105,8 +106,6 @@ def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: S
 
 
 def _load_state(engine: LMCacheEngine, plan: RequestPlan, states: StateCopier) -> bool:
-    if plan.load_to % engine.config.chunk_size:
-        return False
     tokens = torch.tensor(plan.token_ids[: plan.load_to], dtype=torch.int64)
     obj = engine.retrieve_state(tokens, extra_key=plan.extra_key)
     if obj is None:
@@ -134,6 +133,10 @@ def save_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: S
     boundary = plan.save_state_at
     if states is not None and boundary > 0:
         tokens = torch.tensor(plan.token_ids[:boundary], dtype=torch.int64)
+        inside = boundary % engine.config.chunk_size
+        if inside:  # a state inside a chunk: resuming there needs the prefix's trailing partial chunk
+            tail = dataclasses.replace(plan, save_from=boundary - inside, save_to=boundary, save_state_at=0)
+            save_plan(engine, kvcaches, tail, groups)
         engine.store_state(tokens, states.nbytes, partial(states.gather, plan.block_ids, boundary),
                            extra_key=plan.extra_key)
     return first

@@ -101,9 +101,11 @@ class LMCacheWorker:
             return {"hit": 0} if cmd == "lookup" else {}
         if cmd == "lookup":
             ids = torch.from_numpy(tokens.astype("int64"))
-            if self.states is not None:  # resume at a boundary before the last token, which vLLM computes
-                ids = ids[:-1]
-            hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=str(header["lease"]))
+            ends: list[int] = []
+            if self.states is not None:  # resume before the last token (vLLM computes it), where a state is
+                ids, ends = ids[:-1], self.kv.resume_points(len(ids))
+            hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=str(header["lease"]),
+                                     state_ends=ends)
             return {"hit": hit}
         if cmd == "stats":
             return self.engine.stats.report()

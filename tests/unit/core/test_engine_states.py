@@ -50,8 +50,24 @@ def test_a_state_comes_back_bit_for_bit_and_only_at_its_boundary(stateful):
     other = tokens.clone()
     other[3] += 1
     assert engine.retrieve_state(other[:16]) is None  # a different prefix
-    with pytest.raises(ValueError, match="not a multiple of chunk_size"):
-        engine.retrieve_state(tokens[:12])
+
+
+def test_a_state_kept_mid_chunk_is_found_where_the_lookup_names_it(stateful):
+    """A serving engine may keep a state between chunk boundaries (where it stopped a prefill
+    step): resuming there needs the prefix's trailing partial chunk and that state."""
+    engine, tokens = stateful
+    keep(engine, tokens, 8, 1)
+    keep(engine, tokens, 28, 2)
+    assert engine.lookup(tokens[:35]) == 8  # 28 is not named
+    assert engine.lookup(tokens[:35], state_ends=[28, 30]) == 8  # no chunk [24, 28) is cached
+    kv = PagedKV()
+    engine.store(tokens[:28], kvcaches=kv.layers, slot_mapping=kv.slots_for(28))  # stores [24, 28)
+    assert engine.lookup(tokens[:35], state_ends=[28, 30]) == 28
+    assert engine.lookup(tokens[:35], state_ends=[28, 34]) == 28  # 34: no state there
+    assert engine.lookup(tokens[:27], state_ends=[28]) == 8  # beyond the tokens asked about
+    obj = engine.retrieve_state(tokens[:28])
+    assert torch.equal(obj.tensor.view(torch.uint8)[:STATE_BYTES], state_bytes(2))
+    obj.ref_count_down()
 
 
 def test_nothing_is_kept_when_the_state_cannot_be_read(stateful):

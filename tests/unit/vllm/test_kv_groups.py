@@ -135,6 +135,8 @@ def test_recurrent_layers_keep_a_state_beside_the_attention_chunks():
     assert kv.token_layers == ("m.layers.2.self_attn",) and kv.layer_groups == (0,)
     assert [name for name, _ in kv.state_layers] == ["m.layers.0.linear_attn", "m.layers.1.linear_attn"]
     assert kv.state_groups[0].state_block(768) == 2  # vLLM keeps the state after 768 tokens in block 2
+    assert kv.state_groups[0].state_block(640) == 2  # ... and one after 640 there too
+    assert kv.resume_points(4000) == [3840, 3968, 3984]  # a prefill step may stop at 3999 // g * g
     assert kv.state_layout().startswith("state+") and kv.layout() != "kv_blob"
     assert kv.state_layout() != model_kv(vllm_config("qwen3_next"), kv_config(
         (["m.layers.0.linear_attn"], mamba()), (["m.layers.2.self_attn"], full(block_size=256))),
