@@ -5,12 +5,14 @@ For each architecture (small random-weight checkpoints, `tests.helpers.tiny_mode
 gpt-oss, DeepSeek-V2 (MLA), Qwen3-Next (linear-attention hybrid)) two engines run side by side in
 this process: one without a connector and one with LMCache's CPU tier. Documents of
 ``--doc-tokens`` tokens (public-domain prose, `long_doc_qa.build_documents`) are sent one at a time,
-the two engines alternating request by request: a cold round (each document once; LMCache stores
-it), then ``--repeats`` rounds of the same documents with vLLM's own prefix cache reset before
-every request, so a repeat is recomputed without a connector and served by LMCache with one.
+the two engines alternating request by request (after one unmeasured warm-up request each): a cold
+round (each document once; LMCache stores it), then ``--repeats`` rounds of the same documents with
+vLLM's own prefix cache reset before every request, so a repeat is recomputed without a connector
+and served by LMCache with one.
 TTFT is vLLM's own measure (`RequestOutput.metrics.first_token_latency`). Speed-up = median
-repeat TTFT without a connector / median with LMCache; cold overhead = median cold TTFT with
-LMCache / without.
+repeat TTFT without a connector / median with LMCache. Cold TTFTs are in the JSON only: each cold
+request touches KV blocks of its engine's pool for the first time, which makes them too noisy for
+a ratio here (`long_doc_qa.py` measures the cost of storing).
 
     python benchmarks/architectures_ttft.py [--archs llama,gemma3,...] [--num-docs 3]
         [--doc-tokens 4000] [--repeats 3]
@@ -66,7 +68,7 @@ def measure(arch: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     model, dtype = tiny_model_path(arch), ARCHS[arch].dtype
-    docs = build_documents(AutoTokenizer.from_pretrained(model), args.num_docs, args.doc_tokens)
+    *docs, warm_up = build_documents(AutoTokenizer.from_pretrained(model), args.num_docs + 1, args.doc_tokens)
     max_len = args.doc_tokens + 16
     plain = start(model, dtype, None, max_len)
     cached = start(model, dtype, lmcache_transfer_config(max_local_cpu_size=2.0), max_len)
@@ -74,6 +76,8 @@ def measure(arch: str, args: argparse.Namespace) -> dict[str, Any]:
                                      "repeat_lmcache": []}
     hits = []
     try:
+        for llm in (plain, cached):  # first requests pay one-off costs: not measured
+            ttft(llm, warm_up)
         for doc in docs:  # cold: both compute; LMCache stores
             times["cold_none"].append(ttft(plain, doc)[0])
             times["cold_lmcache"].append(ttft(cached, doc)[0])
@@ -88,8 +92,7 @@ def measure(arch: str, args: argparse.Namespace) -> dict[str, Any]:
         stop_llm(plain)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"arch": arch, "model_type": ARCHS[arch].model_type, "dtype": dtype, "times": times,
-            "median": med, "speedup": med["repeat_none"] / med["repeat_lmcache"],
-            "cold_overhead": med["cold_lmcache"] / med["cold_none"], "hit_tokens": hits,
+            "median": med, "speedup": med["repeat_none"] / med["repeat_lmcache"], "hit_tokens": hits,
             "prompt_tokens": args.doc_tokens}
 
 
@@ -105,11 +108,11 @@ def main() -> None:
           f"{cpu_line()}")
     results = [measure(arch, args) for arch in args.archs.split(",")]
     print(f"{'architecture':<14}{'dtype':<10}{'repeat: none':>14}{'LMCache':>10}{'speed-up':>10}"
-          f"{'tokens hit':>12}{'cold overhead':>15}")
+          f"{'tokens hit':>12}")
     for r in results:
         m = r["median"]
         print(f"{r['arch']:<14}{r['dtype']:<10}{m['repeat_none']:>13.3f}s{m['repeat_lmcache']:>9.3f}s"
-              f"{r['speedup']:>9.1f}x{min(r['hit_tokens']):>12}{r['cold_overhead']:>14.2f}x")
+              f"{r['speedup']:>9.1f}x{min(r['hit_tokens']):>12}")
     OUT.mkdir(exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "args": vars(args), "results": results}
     (OUT / "architectures_ttft.json").write_text(json.dumps(payload, indent=1))

@@ -8,8 +8,9 @@
 vLLM builds this class twice, in different processes: with the SCHEDULER role in the EngineCore
 (`scheduler.LMCacheScheduler` does that side's work) and with the WORKER role in each worker
 (`worker.LMCacheWorker`). Both parse the LMCache config, so a bad `kv_connector_extra_config` fails
-at start-up with a ValueError naming the field. Loads are synchronous and happen before the forward;
-saves happen after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
+at start-up with a ValueError naming the field. Loads happen before the forward (after it, for a
+model of several KV cache groups, whose loads vLLM waits for as asynchronous ones); saves happen
+after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
 through vLLM's connector-metrics hooks into vLLM's own ``/metrics`` (`integration.vllm.metrics`).
 
 The connector implements `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and gives it
