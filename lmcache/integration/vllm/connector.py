@@ -75,11 +75,6 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = LMCacheWorker(vllm_config, config, get_world_group().rank_in_group, self.kv)
 
-    @property
-    def active(self) -> bool:
-        """False when the model was refused at start-up (see the module docstring)."""
-        return self.kv is not None
-
     def _plan(self) -> LMCacheConnectorMetadata:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, LMCacheConnectorMetadata)

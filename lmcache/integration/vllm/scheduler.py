@@ -85,21 +85,20 @@ class LMCacheScheduler:
         return usable - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Also called again for a request vLLM admits anew (preempted, or its asynchronous load
+        completed): its blocks are replaced, and a load is planned whenever vLLM accepted one."""
         rid = request.request_id
-        block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        tracked = self._reqs.get(rid)
-        if tracked is not None:  # an asynchronous load has completed: its blocks and more
-            tracked.block_ids = block_ids
-            return
         cached, local = self._lookups.pop(rid, (0, 0))
-        # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
-        saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
-        tracked = _Tracked(request, block_ids, extra_key(request), saved=saved)
+        tracked = self._reqs.get(rid)
+        if tracked is None:
+            # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
+            saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
+            tracked = self._reqs[rid] = _Tracked(request, [], extra_key(request), saved=saved)
+        tracked.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens > 0:
             tracked.load_from, tracked.load_to = local, local + num_external_tokens
             tracked.retrieve_to = max(cached, tracked.load_to)
             tracked.load_pending = True
-        self._reqs[rid] = tracked
 
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """The workers could not load these requests' prefixes: vLLM recomputes them, and

@@ -225,3 +225,23 @@ def test_a_hybrid_model_saves_its_state_where_a_prefill_step_ends_on_a_chunk_bou
     for computed in range(901, 1024):
         sched.build_connector_meta(step(cached=[("s", None, computed - 1)], scheduled={"s": 1}))
     assert sched.build_connector_meta(step(cached=[("s", None, 1023)], scheduled={"s": 1})).requests == []
+
+
+def test_a_preempted_request_readmitted_with_a_hit_gets_its_load(make_scheduler):
+    """vLLM frees a preempted request's blocks and admits it again: a hit LMCache answers then must
+    be loaded into its new blocks (vLLM counts those tokens as computed)."""
+    sched = make_scheduler(hit=512)
+    req = FakeRequest("p", 700)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5, 6]), 512)
+    blocks = [1, 2, 3, 4, 5, 6]
+    (first,) = sched.build_connector_meta(step(new=[("p", blocks, 512)], scheduled={"p": 188})).requests
+    assert first.has_load
+    # preempted; admitted again with the same hit, into other blocks
+    assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
+    sched.update_state_after_alloc(req, Blocks([7, 8, 9, 10, 11, 12]), 512)
+    new_blocks = [7, 8, 9, 10, 11, 12]
+    (again,) = sched.build_connector_meta(step(cached=[("p", new_blocks, 512)], scheduled={"p": 188},
+                                               resumed=["p"])).requests
+    assert (again.load_from, again.load_to) == (0, 512) and again.block_ids == [[7, 8, 9, 10, 11, 12]]
+    assert not again.has_save or again.save_from >= 512  # what was saved before stays saved
