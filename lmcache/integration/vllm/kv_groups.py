@@ -3,11 +3,11 @@ model exactly.
 
 vLLM splits a model's layers into KV cache groups (`KVCacheConfig.kv_cache_groups`): each group has
 one spec and its own block table per request (block id 0 is vLLM's null block: nothing held).
-`model_kv(vllm_config, kv_cache_config, chunk_size)` reads them into a `ModelKV`, or raises
+`model_kv(vllm_config, kv_cache_config, config)` reads them into a `ModelKV`, or raises
 `UnsupportedModel` with one message naming the model type and what is missing; the connector then
 stays inactive and vLLM serves every request without it.
 
-Group kinds (`GroupKind`), all stored per token in one chunk object per prefix chunk (chunk keys,
+Attention kinds (`GroupKind`), stored per token in one chunk object per prefix chunk (chunk keys,
 lookups and leases stay per request prefix, so a hit means every group can be served):
 
 - ``FULL``: full attention. K and V of every token are kept while the request runs; all of them
@@ -20,8 +20,10 @@ lookups and leases stay per request prefix, so a hit means every group can be se
   ``skipped(e - 1)`` on (`first_kept`). Those tokens are always still in vLLM's blocks when the
   chunk is stored (it is stored in the step that computes its last token, and vLLM frees only
   blocks below the window of the tokens computed before that step); rows below are zeros and are
-  never loaded. A load writes only the blocks vLLM allocated for the hit (those in the window, at
-  most one block beyond it), never its null blocks.
+  never loaded. (Chunks that vLLM's own prefix cache served, and whose kept rows it handed the
+  request as null blocks, cannot be stored: `transfer.save_slots`.) A load writes only the blocks
+  vLLM allocated for the hit (those in the window, at most one block beyond it), never its null
+  blocks.
 - ``MLA``: multi-head latent attention (DeepSeek): one latent of ``kv_lora_rank +
   qk_rope_head_dim`` values per token and layer, stored as such (chunks ``[1, layers, tokens,
   latent]``: no K/V split, no padding).
