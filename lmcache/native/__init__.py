@@ -31,9 +31,9 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 def _copy_signatures(lib: ctypes.CDLL) -> None:
     lib.lmc_paged_copy.restype = _INT
     lib.lmc_paged_copy.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT, _INT]
-    lib.lmc_vec_packed_copy.restype = _INT
-    lib.lmc_vec_packed_copy.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                                        _PTR, _I64, _INT, _INT]
+    lib.lmc_packed_copy.restype = _INT
+    lib.lmc_packed_copy.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _PTR,
+                                    _PTR, _I64, _INT, _INT]
 
 
 def _cachegen_signatures(lib: ctypes.CDLL) -> None:

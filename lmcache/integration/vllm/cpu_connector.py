@@ -7,10 +7,12 @@ KV stored by vLLM-CPU is shared with vLLM on CUDA and with HF transformers.
 
 A layout on `BatchedKVConnector`: the request-level checks and the slot rule are shared (a store
 rejects negative slots, a retrieve skips them: blocks the engine already holds are never
-overwritten). On the vec ISAs all chunks of a request move in ONE native call
-(`lmcache.native.lmc_vec_packed_copy`, SSE2 8x8 transposes for K); without it, whole blocks go
-through `index_select` / `index_copy_` on zero-copy strided views and partial blocks through
-per-token indexing. Other ISAs (AMX tiles) go through the probed permutations.
+overwritten). For the layouts of a known kind (`cpu_layout.KINDS`: vec / vec16, and amx for bf16)
+all chunks of a request move in ONE native call (`lmcache.native.lmc_packed_copy`: SSE2 8x8
+transposes for vec K; whole 16-token K tiles transposed in 4-byte units and token pairs of V
+interleaved for amx). Without it, vec blocks go through `index_select` / `index_copy_` on
+zero-copy strided views and partial blocks through per-token indexing; any other layout (and amx)
+goes through its permutations.
 
 Several KV cache groups (`layer_groups`: each layer's group): the slot mapping is ``[G, T]``, one
 row per group, and each layer reads its group's row; a store writes zeros for a token its layer's
@@ -29,7 +31,7 @@ import torch
 from lmcache import native
 from lmcache.gpu_connector import BatchedKVConnector, CopyDone, CopyRequest, finish
 from lmcache.gpu_connector.batched import slots_from_mapping
-from lmcache.integration.vllm.cpu_layout import PackedLayout
+from lmcache.integration.vllm.cpu_layout import KINDS, PackedLayout
 
 
 @dataclass
@@ -56,7 +58,7 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
         self.layer_groups = torch.tensor(groups, dtype=torch.int64)
         self.num_groups = max(groups) + 1
         self.layout = layout
-        self._native = native.load() if use_native and layout.is_vec else None
+        self._native = native.load() if use_native and layout.kind is not None else None
         self._caches: tuple[tuple[int, int], PackedCaches] | None = None
 
     def _target(self, kvcaches: Any, dtype: torch.dtype) -> PackedCaches:
@@ -97,7 +99,8 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
 
     def _copy(self, target: PackedCaches, request: CopyRequest, on_done: CopyDone) -> None:
         slots = request.slots.view(self.num_groups, -1)
-        if self._native is not None and target.dtype.itemsize in (2, 4):
+        native_sizes = (2,) if self.layout.kind == "amx" else (2, 4)
+        if self._native is not None and target.dtype.itemsize in native_sizes:
             self._copy_native(target, request, slots)
         else:
             for c, blob in enumerate(request.blobs):
@@ -110,10 +113,10 @@ class VLLMCPUPackedConnector(BatchedKVConnector):
         lay = self.layout
         bounds = torch.tensor(request.bounds, dtype=torch.int64)
         bufs = torch.tensor([b.data_ptr() for b in request.blobs], dtype=torch.int64)
-        rc = self._native.lmc_vec_packed_copy(
+        rc = self._native.lmc_packed_copy(
             ctypes.c_void_p(caches.ptrs.data_ptr()), self.num_layers, caches.kvcaches[0].shape[0],
             lay.num_kv_heads, lay.head_size, lay.block_size, caches.dtype.itemsize,
-            ctypes.c_void_p(slots.data_ptr()), self.num_groups,
+            KINDS.index(lay.kind or ""), ctypes.c_void_p(slots.data_ptr()), self.num_groups,
             ctypes.c_void_p(self.layer_groups.data_ptr()), ctypes.c_void_p(bounds.data_ptr()),
             ctypes.c_void_p(bufs.data_ptr()), request.num_chunks, 0 if request.gather else 1,
             torch.get_num_threads())
@@ -181,6 +184,10 @@ def _permuted_copy(kv: torch.Tensor, lay: PackedLayout, slots: torch.Tensor, row
     re-encode on scatter. kv: [num_blocks, h, bs, 2d]; rows: [2, n, h, d]."""
     bs, h, d = lay.block_size, lay.num_kv_heads, lay.head_size
     keep = slots >= 0
+    if not bool(keep.any()):  # the engine holds every token of the range (or, storing, none)
+        if gather:
+            rows.zero_()
+        return
     s = slots[keep]
     uniq, which = torch.unique(s // bs, return_inverse=True)
     flat = kv.view(kv.shape[0], -1)

