@@ -101,6 +101,9 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
         else:
             self.pin_allocator.free(memory_obj)
 
+    def close(self) -> None:
+        self.pin_allocator.close()
+
     def check_integrity(self) -> None:
         self.pin_allocator.check_integrity()
 

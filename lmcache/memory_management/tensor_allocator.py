@@ -46,7 +46,7 @@ class MemoryAllocatorInterface(abc.ABC):
         return memory_obj.get_ref_count()
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        pass
+        """Give the memory back now. Objects still alive keep working; nothing is allocated after."""
 
 
 class TensorMemoryAllocator(MemoryAllocatorInterface):
@@ -60,6 +60,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         self.lock = threading.Lock()
         self._free: list[FreeBlock] = [FreeBlock(0, self.total)] if self.total else []
         self._used: dict[int, int] = {}  # address -> physical size
+        self._closed = False
 
     @classmethod
     def aligned_size(cls, nbytes: int) -> int:
@@ -80,6 +81,8 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             raise ValueError(f"cannot allocate an empty object of shape {tuple(shape)}")
         size = self.aligned_size(nbytes)
         with self.lock:
+            if self._closed:
+                return None
             for i, block in enumerate(self._free):
                 if block.size >= size:
                     start = block.start
@@ -113,6 +116,14 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
                 nxt.start, nxt.size = start, size + nxt.size
             else:
                 self._free.insert(i, FreeBlock(start, size))
+
+    def close(self) -> None:
+        """Drop the arena: its memory goes back to the system now, or, if objects allocated from it
+        are still alive, when the last of them goes (their views keep it). Deterministic: it does
+        not wait for whoever still references the allocator to be collected."""
+        with self.lock:
+            self._closed = True
+            self.buffer = self.buffer[:0].clone()
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + used == total, nothing overlaps, free is coalesced."""
