@@ -152,7 +152,8 @@ class TensorMemoryObj(MemoryObj):
         return self.raw_data[: self.get_size()].cpu().numpy().data
 
     def _drop_memory(self) -> None:
-        self.raw_data = self.raw_data[:0]
+        # an empty tensor of its own: a zero-length view would keep the whole arena alive
+        self.raw_data = torch.empty(0, dtype=self.raw_data.dtype)
 
 
 class BytesBufferMemoryObj(MemoryObj):

@@ -1,8 +1,15 @@
-"""`TensorMemoryAllocator`: an explicit free list over one pre-allocated buffer.
+"""`TensorMemoryAllocator`: an explicit free list over one reserved buffer.
 
 First fit over free blocks sorted by address; sizes are rounded up to `ALIGN_BYTES`; a freed block
 is merged with free neighbours, so free space is never fragmented into adjacent pieces. Returns
 None when no free block is large enough (the caller evicts or stores less). Thread-safe.
+
+With `grow_bytes`, the buffer is reserved address space whose pages are touched a piece at a time:
+the free list covers only the grown prefix; an allocation that does not fit grows it (by at least
+`grow_bytes`, never past the buffer), and when less than a piece is left ahead of the highest
+allocation, the next piece is touched in the background. Touching a page costs far more than
+copying into it (page faults), so stores mostly find their pages ready, while an engine that
+holds little keeps little resident.
 """
 
 from __future__ import annotations
@@ -52,15 +59,63 @@ class MemoryAllocatorInterface(abc.ABC):
 class TensorMemoryAllocator(MemoryAllocatorInterface):
     ALIGN_BYTES = 512
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, grow_bytes: int | None = None) -> None:
+        """`tensor`: the buffer (its bytes are used as is). `grow_bytes`: None if the whole buffer
+        is ready now; else the size of the pieces it is touched in (the first one now)."""
         if not tensor.is_contiguous():
             raise ValueError("TensorMemoryAllocator needs a contiguous buffer")
+        if grow_bytes is not None and grow_bytes <= 0:
+            raise ValueError(f"grow_bytes must be > 0, got {grow_bytes}")
         self.buffer = tensor.view(torch.uint8).flatten()
         self.total = (self.buffer.numel() // self.ALIGN_BYTES) * self.ALIGN_BYTES
         self.lock = threading.Lock()
-        self._free: list[FreeBlock] = [FreeBlock(0, self.total)] if self.total else []
+        self._free: list[FreeBlock] = []
         self._used: dict[int, int] = {}  # address -> physical size
         self._closed = False
+        self._step = self.total if grow_bytes is None else self.aligned_size(grow_bytes)
+        self._grown = 0  # the free list and _used cover [0, _grown)
+        self._high = 0  # the end of the highest allocation so far
+        self._grow_lock = threading.Lock()  # one grower at a time
+        self._grower: threading.Thread | None = None
+        self._grow(self._step, touch=grow_bytes is not None)
+
+    @property
+    def grown(self) -> int:
+        """Bytes of the buffer the allocator hands out from so far (<= total)."""
+        return self._grown
+
+    def _grow(self, nbytes: int, seen: int | None = None, touch: bool = True) -> bool:
+        """Add the next `nbytes` (at least) of the buffer to the free list, touching its pages
+        first (outside the allocator's lock: nobody else has them yet). True if the arena grew,
+        here or since the caller saw it `seen` bytes large; False if it is fully grown."""
+        with self._grow_lock:
+            if seen is not None and self._grown != seen:
+                return True
+            start = self._grown
+            end = min(self.total, start + self.aligned_size(max(nbytes, self._step)))
+            if end <= start or self._closed:
+                return False
+            if touch:
+                self.buffer[start:end].zero_()
+            with self.lock:
+                self._add_free(start, end - start)
+                self._grown = end
+            return True
+
+    def _grow_ahead(self) -> None:
+        try:
+            self._grow(self._step)
+        finally:
+            with self.lock:
+                self._grower = None
+
+    def wait_grown(self, timeout: float | None = None) -> bool:
+        """Wait for a background growth in flight (tests, benchmarks, close). True when none is."""
+        grower = self._grower
+        if grower is not None:
+            grower.join(timeout)
+            return not grower.is_alive()
+        return True
 
     @classmethod
     def aligned_size(cls, nbytes: int) -> int:
@@ -80,6 +135,18 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         if nbytes <= 0:
             raise ValueError(f"cannot allocate an empty object of shape {tuple(shape)}")
         size = self.aligned_size(nbytes)
+        while True:
+            seen = self._grown
+            if (start := self._first_fit(size)) is not None:
+                break
+            if not self._grow(size, seen):
+                return None
+        md = MemoryObjMetadata(shape, dtype, start, size, 1, fmt)
+        return TensorMemoryObj(self.buffer[start : start + size], md, self)
+
+    def _first_fit(self, size: int) -> int | None:
+        """Take `size` bytes from the lowest free block that has them; start a background growth
+        when less than a piece is left above the highest allocation."""
         with self.lock:
             if self._closed:
                 return None
@@ -95,8 +162,12 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
                     break
             else:
                 return None
-        md = MemoryObjMetadata(shape, dtype, start, size, 1, fmt)
-        return TensorMemoryObj(self.buffer[start : start + size], md, self)
+            self._high = max(self._high, start + size)
+            if self._grown < self.total and self._grown - self._high < self._step and self._grower is None:
+                self._grower = threading.Thread(target=self._grow_ahead, name="lmcache-arena-grow",
+                                                daemon=True)
+                self._grower.start()
+            return start
 
     def free(self, memory_obj: MemoryObj) -> None:
         start, size = memory_obj.metadata.address, memory_obj.metadata.phy_size
@@ -104,18 +175,22 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             if self._used.get(start) != size:
                 raise ValueError(f"double or foreign free at address {start} (size {size})")
             del self._used[start]
-            i = bisect.bisect_left(self._free, start, key=lambda b: b.start)
-            prev = self._free[i - 1] if i > 0 else None
-            nxt = self._free[i] if i < len(self._free) else None
-            if prev is not None and prev.start + prev.size == start:
-                prev.size += size
-                if nxt is not None and prev.start + prev.size == nxt.start:
-                    prev.size += nxt.size
-                    del self._free[i]
-            elif nxt is not None and start + size == nxt.start:
-                nxt.start, nxt.size = start, size + nxt.size
-            else:
-                self._free.insert(i, FreeBlock(start, size))
+            self._add_free(start, size)
+
+    def _add_free(self, start: int, size: int) -> None:
+        """Put [start, start + size) in the free list, merged with free neighbours (lock held)."""
+        i = bisect.bisect_left(self._free, start, key=lambda b: b.start)
+        prev = self._free[i - 1] if i > 0 else None
+        nxt = self._free[i] if i < len(self._free) else None
+        if prev is not None and prev.start + prev.size == start:
+            prev.size += size
+            if nxt is not None and prev.start + prev.size == nxt.start:
+                prev.size += nxt.size
+                del self._free[i]
+        elif nxt is not None and start + size == nxt.start:
+            nxt.start, nxt.size = start, size + nxt.size
+        else:
+            self._free.insert(i, FreeBlock(start, size))
 
     def close(self) -> None:
         """Drop the arena: its memory goes back to the system now, or, if objects allocated from it
@@ -123,10 +198,13 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         not wait for whoever still references the allocator to be collected."""
         with self.lock:
             self._closed = True
+        self.wait_grown()
+        with self._grow_lock, self.lock:
             self.buffer = self.buffer[:0].clone()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + used == total, nothing overlaps, free is coalesced."""
+        """Raise AssertionError unless free + used == grown (<= total), nothing overlaps, free is
+        coalesced."""
         with self.lock:
             spans = sorted([(b.start, b.size, "free") for b in self._free]
                            + [(a, s, "used") for a, s in self._used.items()])
@@ -138,5 +216,5 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
                 if kind == "free" and last_kind == "free":
                     raise AssertionError(f"adjacent free blocks at {start} were not coalesced")
                 pos, last_kind = start + size, kind
-            if pos != self.total:
-                raise AssertionError(f"spans cover {pos} bytes, total is {self.total}")
+            if pos != self._grown or self._grown > self.total:
+                raise AssertionError(f"spans cover {pos} bytes, grown is {self._grown} of {self.total}")

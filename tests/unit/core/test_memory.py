@@ -106,6 +106,88 @@ def test_integrity_holds_under_random_alloc_free(ops, seed):
     assert a.allocate((32 * ALIGN,), torch.uint8) is not None
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * ALIGN)), min_size=1, max_size=80),
+       st.integers(1, 6), st.integers(0, 2**32))
+def test_a_growing_arena_keeps_first_fit_guarantees_and_every_live_byte(ops, step, seed):
+    """Touched in pieces of `step` blocks (the next one in the background): integrity holds at
+    every step, it never grows past its size, an allocation fails only once it is fully grown, and
+    growth never touches a live object's bytes."""
+    rnd = random.Random(seed)
+    a = TensorMemoryAllocator(torch.full((32 * ALIGN,), 7, dtype=torch.uint8), grow_bytes=step * ALIGN)
+
+    def mark(obj) -> int:  # never 0, the value a touched page has
+        return obj.metadata.address // ALIGN % 250 + 1
+
+    assert a.grown == min(step, 32) * ALIGN
+    live = []
+    for is_alloc, size in ops:
+        if is_alloc or not live:
+            obj = a.allocate((size,), torch.uint8)
+            if obj is None:  # no room: fully grown, and so for good, not for a growth in flight
+                assert a.grown == a.total and a.allocate((size,), torch.uint8) is None
+            else:
+                obj.tensor.fill_(mark(obj))
+                live.append(obj)
+        else:
+            live.pop(rnd.randrange(len(live))).ref_count_down()
+        if rnd.random() < 0.5:
+            assert a.wait_grown(10)  # the background piece, if one was started, is in
+        a.check_integrity()
+        assert a.grown <= a.total
+        for obj in live:
+            assert bool((obj.tensor == mark(obj)).all())
+    assert a.wait_grown(10)
+    a.check_integrity()
+    for obj in live:
+        obj.ref_count_down()
+    a.close()
+
+
+def test_concurrent_allocations_fill_a_growing_arena_exactly():
+    """Threads take one-block objects while the arena grows a block at a time (in the background
+    too): every block of it is handed out, none twice, and only a full arena says no."""
+    import threading
+
+    for _ in range(20):
+        a = TensorMemoryAllocator(torch.zeros(64 * ALIGN, dtype=torch.uint8), grow_bytes=ALIGN)
+        got: list = []
+
+        def take(a=a, got=got):
+            while (obj := a.allocate((ALIGN,), torch.uint8)) is not None:
+                got.append(obj)
+
+        threads = [threading.Thread(target=take) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(o.metadata.address for o in got) == [i * ALIGN for i in range(64)]
+        a.check_integrity()
+
+
+def test_an_idle_host_arena_keeps_one_piece_resident_and_grows_as_it_fills():
+    from lmcache.memory_management.allocators import GROW_BYTES
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    a = HostMemoryAllocator(8 * GROW_BYTES)
+    assert a.wait_grown(30)
+    assert a.grown == GROW_BYTES and rss() - before < GROW_BYTES + (64 << 20)
+    objs = [a.allocate((GROW_BYTES // 2,), torch.uint8) for _ in range(5)]  # 2.5 pieces
+    assert all(o is not None for o in objs)
+    assert a.wait_grown(30)
+    assert 3 * GROW_BYTES <= a.grown <= 4 * GROW_BYTES  # what is used, and at most a piece ahead
+    a.check_integrity()
+    for o in objs:
+        o.ref_count_down()
+    a.close()
+    assert rss() - before < 64 << 20
+
+
 def test_check_integrity_detects_corruption():
     a = alloc(4 * ALIGN)
     a.allocate((ALIGN,), torch.uint8)
@@ -114,7 +196,7 @@ def test_check_integrity_detects_corruption():
         a.check_integrity()
 
 
-def test_host_and_pin_allocators_prefault_and_pin_falls_back_without_cuda():
+def test_host_and_pin_allocators_allocate_and_pin_falls_back_without_cuda():
     h = HostMemoryAllocator(8 * ALIGN)
     assert h.allocate((ALIGN,), torch.uint8) is not None
     p = PinMemoryAllocator(8 * ALIGN)
