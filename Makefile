@@ -41,7 +41,7 @@ unit: install
 	$(PY) -m pytest -q tests/unit
 
 test: lint typecheck
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 demo: install
 	$(PY) benchmarks/long_doc_qa.py

@@ -23,7 +23,8 @@ Primitives and when they are called (by the `StorageManager`):
 - `healthy()`: False while the tier is failing (e.g. its store is unreachable).
 - `stats()`: the tier's counters and gauges (`TierStats`, for operators and metrics).
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
-  `removed` (for tiers that publish what this instance holds, e.g. to peers). Default: nothing.
+  `removed`; called only on tiers with `publishes_local_keys` (e.g. the peer tier, which tells
+  other instances). Default: nothing.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
 """
 
@@ -78,6 +79,9 @@ class StorageBackendInterface(abc.ABC):
     lookup_order: ClassVar[int] = 100
     is_local: ClassVar[bool] = True
     may_fail: ClassVar[bool] = True
+    # True for tiers that publish what this instance holds: the manager then calls
+    # `local_keys_changed` whenever the local tiers gain or lose keys
+    publishes_local_keys: ClassVar[bool] = False
 
     @classmethod
     def create(cls, ctx: TierContext) -> StorageBackendInterface | None:

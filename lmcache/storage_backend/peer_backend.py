@@ -57,6 +57,7 @@ class PeerBackend(StorageBackendInterface):
     lookup_order = 30
     is_local = False
     may_fail = True
+    publishes_local_keys = True
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, allocate: AllocateFn,
                  read_local: Callable[[CacheEngineKey], MemoryObj | None],

@@ -84,9 +84,7 @@ class StorageManager:
         self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins,
                                               self._removed_locally, self.read_local,
                                               lambda key: self.stored_locally([key])[0]))
-        # tiers that publish what this instance holds (see `local_keys_changed`)
-        self._listeners = [t for t in self.tiers if type(t).local_keys_changed
-                           is not StorageBackendInterface.local_keys_changed]
+        self._listeners = [t for t in self.tiers if t.publishes_local_keys]
         hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
         self.hot: LocalCPUBackend | None = hot[0] if hot else None
         self.lower = [t for t in self.tiers if t is not self.hot]
