@@ -140,7 +140,7 @@ class LMCacheEngine:
                                  * metadata.kv_dtype.itemsize)
         self._copies = CopiesInFlight()
         self._closed = False
-        self._full_warned = False
+        self._arena_full = IncidentLog(logger, "storing into the CPU arena")
         self.controller: Controller | None = None
         self.metrics_server: MetricsServer | None = None
         try:
@@ -204,11 +204,11 @@ class LMCacheEngine:
                 obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
                 if obj is None:
                     self.stats.add("store_dropped_tokens", chunks[-1][1] - start)
-                    if not self._full_warned:
-                        self._full_warned = True
-                        logger.warning("CPU cache arena is full of KV in use; storing fewer chunks")
+                    self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
                     break
                 todo.append((start, end, key, obj))
+            else:
+                self._arena_full.recover()
             if not todo:
                 return 0
             done = self._copies.start([t[2] for t in todo], partial(self._finish_store, todo))

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import torch
 import yaml
 
+from lmcache.observability import log_once
+
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
@@ -344,11 +346,10 @@ class LMCacheEngineMetadata:
         _check(isinstance(self.world_size, int) and self.world_size > 0, "world_size", self.world_size,
                "must be an int > 0")
         _check(isinstance(self.worker_id, int), "worker_id", self.worker_id, "must be an int")
-        odd = (self.worker_id, self.world_size)
-        if not 0 <= self.worker_id < self.world_size and odd not in _ODD_WORKERS:
-            _ODD_WORKERS.add(odd)
-            logger.warning("worker_id=%d is outside [0, world_size=%d): it only names this worker in "
-                           "the cache keys", self.worker_id, self.world_size)
+        if not 0 <= self.worker_id < self.world_size:
+            log_once(logger, ("worker", self.worker_id, self.world_size),
+                      "worker_id=%d is outside [0, world_size=%d): it only names this worker in the cache "
+                      "keys", self.worker_id, self.world_size)
 
     @property
     def num_layers(self) -> int:
@@ -369,9 +370,6 @@ class LMCacheEngineMetadata:
 def _as_url(lookup_url: str) -> str:
     """A bare 'host:port' lookup_url means redis://host:port."""
     return lookup_url if "://" in lookup_url else "redis://" + lookup_url
-
-
-_ODD_WORKERS: set[tuple[int, int]] = set()  # (worker_id, world_size) pairs already warned about
 
 
 def _as_dtype(dtype: Any) -> torch.dtype:

@@ -10,6 +10,9 @@
   data; `metrics.py` turns either view into Prometheus metrics.
 - `IncidentLog`: a failure is logged once per incident (a warning, with the traceback if there is
   one), then at debug level until the component works again.
+- `log_once`: a notice about something that does not change while the process runs (a setting, a
+  missing device, a kind of bad input) is logged once per process. Every "warn once" in the
+  package goes through one of these two.
 """
 
 from __future__ import annotations
@@ -141,6 +144,28 @@ class EngineStats:
         return {"counters": counters, "tier_counters": {t: c for t, c in tier_counters.items() if c},
                 "tier_gauges": gauges,
                 "observations": {n: obs for n, h in self.histograms.items() if (obs := h.drain())}}
+
+
+_logged_once: set[tuple[str, object]] = set()
+_logged_once_lock = threading.Lock()
+
+
+def log_once(logger: logging.Logger, key: object, msg: str, *args: object,
+             level: int = logging.WARNING) -> bool:
+    """Log `msg % args` (a warning unless `level` says otherwise) the first time `key` is seen by
+    `logger` in this process. True if it was logged now."""
+    with _logged_once_lock:
+        if (logger.name, key) in _logged_once:
+            return False
+        _logged_once.add((logger.name, key))
+    logger.log(level, msg, *args)
+    return True
+
+
+def forget_logged_once() -> None:
+    """Let every `log_once` notice be logged again (tests that check one)."""
+    with _logged_once_lock:
+        _logged_once.clear()
 
 
 class IncidentLog:

@@ -21,6 +21,7 @@ from lmcache.memory_management.memory_obj import (
     MemoryObjMetadata,
 )
 from lmcache.memory_management.tensor_allocator import MemoryAllocatorInterface, TensorMemoryAllocator
+from lmcache.observability import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,11 @@ class PinMemoryAllocator(TensorMemoryAllocator):
     """Page-locked host memory when CUDA is present (fast DMA to the GPU); without CUDA there is
     nothing to pin for, so it uses pageable memory and says so once (`is_pinned` tells which)."""
 
-    _warned = False
-
     def __init__(self, size: int) -> None:
         self.is_pinned = torch.cuda.is_available()
-        if not self.is_pinned and not PinMemoryAllocator._warned:
-            PinMemoryAllocator._warned = True
-            logger.info("CUDA is not available: PinMemoryAllocator uses pageable host memory")
+        if not self.is_pinned:
+            log_once(logger, "no-cuda", "CUDA is not available: PinMemoryAllocator uses pageable host memory",
+                     level=logging.INFO)
         if self.is_pinned:
             super().__init__(_arena(size, pin=True))
         else:

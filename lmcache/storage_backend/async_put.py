@@ -43,6 +43,7 @@ class AsyncPutQueue:
         self._pending: dict[CacheEngineKey, tuple[Future, MemoryObj]] = {}
         self._closed = False
         self._incidents = IncidentLog(logger, f"asynchronous writes to {name}")
+        self._full = IncidentLog(logger, f"queueing writes to {name}")  # puts dropped, not failed
         self.num_written = 0
         self.num_bytes_written = 0
         self.num_failed = 0
@@ -61,10 +62,11 @@ class AsyncPutQueue:
                 return pending[0]
             if self._closed or len(self._pending) >= self.max_pending:
                 self.num_dropped += 1
-                if self.num_dropped == 1:
-                    logger.warning("%s: write queue full (%d in flight); dropping puts (counted in "
-                                   "num_dropped)", self.name, self.max_pending)
+                self._full.fail("the queue is closed" if self._closed else
+                                f"the queue is full ({self.max_pending} in flight); dropping puts (counted "
+                                "in num_dropped)")
                 return None
+            self._full.recover()
             obj.ref_count_up()
             future = self._executor.submit(self._write, key, obj)
             self._pending[key] = (future, obj)

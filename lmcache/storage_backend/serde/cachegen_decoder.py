@@ -27,6 +27,7 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MemoryObj
+from lmcache.observability import log_once
 from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde import cachegen_format as fmt
 from lmcache.storage_backend.serde import cachegen_gpu as gpu
@@ -43,7 +44,6 @@ from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
 
 logger = logging.getLogger(__name__)
-_logged: set[type] = set()
 
 
 def do_dequantize(t: torch.Tensor, bins: torch.Tensor, maxtensors: torch.Tensor) -> torch.Tensor:
@@ -159,9 +159,8 @@ def decode_kv(encoded: CacheGenGPUEncoderOutput, dtype: torch.dtype,
 
 
 def _log_once(error: CorruptBlobError) -> None:
-    if type(error) not in _logged:
-        _logged.add(type(error))
-        logger.warning("CacheGen: treating a stream as a cache miss: %s (logged once)", error)
+    log_once(logger, type(error), "CacheGen: treating a stream as a cache miss: %s (logged once per kind)",
+              error)
 
 
 class CacheGenDeserializer(Deserializer):

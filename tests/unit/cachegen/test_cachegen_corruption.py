@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmcache.observability import forget_logged_once
 from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde import cachegen_decoder as decoder
 from lmcache.storage_backend.serde import cachegen_format as fmt
@@ -74,7 +75,7 @@ def test_a_stream_of_the_previous_format_version_is_a_logged_stale_miss(serde, g
     payload = bytearray(blob.unpack(good).payload)
     payload[4] = 1  # format version 1: constriction's coder, before rANS
     decoder.logger.propagate = True
-    decoder._logged.clear()
+    forget_logged_once()
     with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
         for _ in range(3):
             with pytest.raises(fmt.StaleStreamError, match="version 1"):
@@ -166,7 +167,7 @@ def test_a_gpu_coded_stream_without_cuda_is_a_kept_miss_logged_once(serde, good:
                                                                     caplog) -> None:
     data = gpu_coded(good, stream_of)
     decoder.logger.propagate = True
-    decoder._logged.clear()
+    forget_logged_once()
     with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
         for _ in range(3):
             with pytest.raises(fmt.UnavailableCoderError, match="nvCOMP") as info:

@@ -138,7 +138,9 @@ def test_metadata_accepts_an_out_of_range_worker_id_with_one_warning(worker_id, 
                                                                       monkeypatch):
     import torch
 
-    monkeypatch.setattr("lmcache.config._ODD_WORKERS", set())
+    from lmcache.observability import forget_logged_once
+
+    forget_logged_once()
     for _ in range(2):
         md = LMCacheEngineMetadata("m", world_size, worker_id, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))
         assert md.worker_id == worker_id

@@ -134,7 +134,7 @@ def test_retrieve_with_bad_mask_raises(engine):
                      slot_mapping=kv.slots_for(16))
 
 
-def test_full_arena_stores_fewer_chunks_and_never_crashes():
+def test_full_arena_stores_fewer_chunks_and_never_crashes(caplog):
     chunk_bytes = 2 * 2 * 8 * 8 * 2  # [2, L=2, 8 tokens, hidden 8] bf16 = 512 bytes
     engine = build_engine(8, cpu_bytes=3 * chunk_bytes)
     kv = PagedKV()
@@ -145,12 +145,20 @@ def test_full_arena_stores_fewer_chunks_and_never_crashes():
     for _, _, key in engine.token_database.process_tokens(tokens[:24]):
         held.append(engine.storage_manager.get(key))  # readers hold every chunk
     other = torch.randint(0, 1000, (16,))
-    engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
-    assert engine.lookup(other) == 0 and engine.stats.get("store_dropped_tokens") == 16
-    for obj in held:
-        obj.ref_count_down()
-    engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))  # now evicts LRU
-    assert engine.lookup(other) == 16
+
+    def warnings() -> int:
+        return sum("arena is full" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+    with caplog.at_level("INFO", logger="lmcache.cache_engine"):
+        for _ in range(2):  # one incident: one warning
+            engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+        assert engine.lookup(other) == 0 and engine.stats.get("store_dropped_tokens") == 32
+        assert warnings() == 1
+        for obj in held:
+            obj.ref_count_down()
+        engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))  # now evicts LRU
+        assert engine.lookup(other) == 16
+        assert any("works again" in r.getMessage() for r in caplog.records)
     engine.memory_allocator.check_integrity()
     engine.close()
 

@@ -45,12 +45,14 @@ def test_a_key_in_flight_is_not_queued_twice(make_obj, key):
     assert len(w.written) == 1
 
 
-def test_a_full_queue_drops_and_counts_instead_of_blocking(make_obj, key):
+def test_a_full_queue_drops_and_counts_instead_of_blocking(make_obj, key, caplog):
     w = GatedWriter()
     q = AsyncPutQueue("t", w, num_workers=1, max_pending=2)
     objs = [make_obj(i) for i in range(4)]
-    futures = [q.submit(key(i), o) for i, o in enumerate(objs)]
+    with caplog.at_level("WARNING", logger="lmcache.storage_backend.async_put"):
+        futures = [q.submit(key(i), o) for i, o in enumerate(objs)]
     assert futures[2] is None and futures[3] is None and q.num_dropped == 2
+    assert sum("queue is full" in r.getMessage() for r in caplog.records) == 1  # one incident, one line
     assert [o.get_ref_count() for o in objs] == [2, 2, 1, 1]  # dropped puts hold nothing
     w.gate.set()
     q.close()
