@@ -137,16 +137,16 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         size = self.aligned_size(nbytes)
         while True:
             seen = self._grown
-            if (start := self._first_fit(size)) is not None:
+            if (taken := self._first_fit(size)) is not None:
                 break
             if not self._grow(size, seen):
                 return None
-        md = MemoryObjMetadata(shape, dtype, start, size, 1, fmt)
-        return TensorMemoryObj(self.buffer[start : start + size], md, self)
+        start, raw = taken
+        return TensorMemoryObj(raw, MemoryObjMetadata(shape, dtype, start, size, 1, fmt), self)
 
-    def _first_fit(self, size: int) -> int | None:
-        """Take `size` bytes from the lowest free block that has them; start a background growth
-        when less than a piece is left above the highest allocation."""
+    def _first_fit(self, size: int) -> tuple[int, torch.Tensor] | None:
+        """Take `size` bytes from the lowest free block that has them (their address and view);
+        start a background growth when less than a piece is left above the highest allocation."""
         with self.lock:
             if self._closed:
                 return None
@@ -167,7 +167,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
                 self._grower = threading.Thread(target=self._grow_ahead, name="lmcache-arena-grow",
                                                 daemon=True)
                 self._grower.start()
-            return start
+            return start, self.buffer[start : start + size]
 
     def free(self, memory_obj: MemoryObj) -> None:
         start, size = memory_obj.metadata.address, memory_obj.metadata.phy_size
