@@ -419,6 +419,19 @@ class LMCacheEngine:
         *_, (_, _, key) = self.token_database.process_tokens(tokens, extra_key=extra_key)
         return self.state_key(key)
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the engine is at rest and its books balance: no copy in
+        flight, the storage manager's checks at rest (arena, hot tier, loads; every object held by
+        the hot tier alone) and every byte the arena hands out held by the hot tier: nothing leaked."""
+        if not self._copies.wait_idle(0):
+            raise AssertionError("copies still in flight")
+        self.storage_manager.check_integrity(at_rest=True)
+        hot = self.storage_manager.hot
+        held = hot.stats().gauges["bytes_used"] if hot is not None else 0
+        used = getattr(self.memory_allocator, "used_bytes", held)
+        if used != held:
+            raise AssertionError(f"the arena has {used} bytes in use, the hot tier holds {held}")
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

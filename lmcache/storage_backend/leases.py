@@ -48,6 +48,11 @@ class PinTable:
     def is_pinned(self, key: CacheEngineKey) -> bool:
         return key in self._counts
 
+    def count(self, key: CacheEngineKey) -> int:
+        """How many holders pin `key` (0: it is not pinned)."""
+        with self._lock:
+            return self._counts.get(key, 0)
+
     def pinned(self) -> list[CacheEngineKey]:
         with self._lock:
             return list(self._counts)

@@ -4,6 +4,8 @@ engine's CPU arena.
 It owns eviction for that arena: `allocate` evicts in policy order (LRU by default) until the
 allocation fits, skipping objects somebody else still holds (ref count > 1) or that a lookup
 lease pins (`PinTable`), and returns None when nothing more can be freed. Puts are synchronous.
+Removals are reported (`on_removed`) after the tier's lock is released, never under it: the
+receiver may call back into any tier.
 """
 
 from __future__ import annotations
@@ -80,34 +82,66 @@ class LocalCPUBackend(StorageBackendInterface):
             self.policy.on_access(key)
             return obj
 
+    def keys(self) -> list[CacheEngineKey]:
+        """The keys held, in no particular order."""
+        with self.lock:
+            return list(self._objs)
+
     def remove(self, key: CacheEngineKey) -> bool:
         with self.lock:
-            obj = self._objs.pop(key, None)
-            if obj is None:
-                return False
-            self._bytes_used -= obj.metadata.phy_size
-            self.policy.on_remove(key)
+            removed = self._drop_locked(key)
+        self._report([key] if removed else [])
+        return removed
+
+    def _drop_locked(self, key: CacheEngineKey) -> bool:
+        """Forget `key` and release the tier's reference (the memory goes back to the allocator, a
+        lower layer, if nobody else holds it). Lock held; the caller reports it after release."""
+        obj = self._objs.pop(key, None)
+        if obj is None:
+            return False
+        self._bytes_used -= obj.metadata.phy_size
+        self.policy.on_remove(key)
         obj.ref_count_down()
-        if self.on_removed is not None:
-            self.on_removed([key])
         return True
+
+    def _report(self, keys: list[CacheEngineKey]) -> None:
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
         obj = self.allocator.allocate(shape, dtype, fmt)
         if obj is not None:
             return obj
+        evicted: list[CacheEngineKey] = []
+        try:
+            with self.lock:
+                for key in self.policy.candidates():
+                    victim = self._objs[key]
+                    if self.pins.is_pinned(key) or victim.get_ref_count() > 1:
+                        continue
+                    self._drop_locked(key)
+                    evicted.append(key)
+                    self.num_evicted += 1
+                    obj = self.allocator.allocate(shape, dtype, fmt)
+                    if obj is not None:
+                        return obj
+            return None
+        finally:
+            self._report(evicted)
+
+    def check_integrity(self, at_rest: bool = False) -> None:
+        """Raise AssertionError unless every object held is live (`at_rest`: and held by this tier
+        alone, ref count 1) and the byte count matches them."""
         with self.lock:
-            for key in self.policy.candidates():
-                victim = self._objs[key]
-                if self.pins.is_pinned(key) or victim.get_ref_count() > 1:
-                    continue
-                self.remove(key)
-                self.num_evicted += 1
-                obj = self.allocator.allocate(shape, dtype, fmt)
-                if obj is not None:
-                    return obj
-        return None
+            for key, obj in self._objs.items():
+                if not obj.valid or obj.get_ref_count() < 1:
+                    raise AssertionError(f"hot tier holds a released object for {key}")
+                if at_rest and obj.get_ref_count() != 1:
+                    raise AssertionError(f"{key} has {obj.get_ref_count()} references at rest")
+            held = sum(o.metadata.phy_size for o in self._objs.values())
+            if held != self._bytes_used:
+                raise AssertionError(f"hot tier counts {self._bytes_used} bytes, holds {held}")
 
     def stats(self) -> TierStats:
         with self.lock:

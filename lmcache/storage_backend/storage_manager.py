@@ -309,6 +309,18 @@ class StorageManager:
                   if t.is_local and (which == "all" or (t is self.hot) == (which == "hot"))]
         return {t.name: t.clear() for t in chosen}
 
+    def check_integrity(self, at_rest: bool = False) -> None:
+        """Raise AssertionError unless the arena's books balance, the hot tier holds only live
+        objects (`at_rest`: held by nobody else) and no load is in flight."""
+        check = getattr(self.allocator, "check_integrity", None)
+        if check is not None:
+            check()
+        if self.hot is not None:
+            self.hot.check_integrity(at_rest)
+        with self._lock:
+            if self._loading:
+                raise AssertionError(f"{len(self._loading)} loads still in flight")
+
     def health(self) -> dict[str, bool]:
         """Whether each tier works (False while its store fails)."""
         return {t.name: bool(self._guard(t, t.healthy, False)) for t in self.tiers}

@@ -59,7 +59,8 @@ def test_lookup_by_tokens_and_by_text_per_tier(served):
     text = "a prompt of thirty-two chars...."
     ids = torch.tensor([ord(c) for c in text])
     store(engine, ids[:24])
-    engine.storage_manager.hot.remove(next(iter(engine.storage_manager.hot._objs)))  # chunk 0: disk only
+    first = next(iter(engine.token_database.process_tokens(ids[:24])))[2]
+    engine.storage_manager.hot.remove(first)  # chunk 0: disk only
     expected = {"tokens": 32, "cached_tokens": 24, "tiers": {"Hot": 0, "LocalDiskBackend": 24}, "peers": {}}
     assert call(base, "/lookup", {"text": text}) == (200, expected)
     assert call(base, "/lookup", {"tokens": ids.tolist()}) == (200, expected)

@@ -215,10 +215,8 @@ def test_error_handling_turns_unexpected_errors_into_misses():
         else:
             with pytest.raises(RuntimeError, match="injected"):
                 engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)
-        assert engine._copies.wait_idle(0)  # nothing left counted in flight
-        hot = engine.storage_manager.hot
-        assert [hot._objs[k].get_ref_count() for k in hot._objs] == [1, 1, 1]  # released once
-        engine.memory_allocator.check_integrity()
+        assert len(engine.storage_manager.hot) == 3
+        engine.check_integrity()  # nothing in flight, every chunk released once: held by the tier alone
         engine.close()
 
 
@@ -312,11 +310,11 @@ def test_leases_expire_and_repeated_acquire_replaces():
     leases = LeaseTable(pins, clock=lambda: now[0])
     leases.acquire("r", keys, ttl=5)
     leases.acquire("r", keys, ttl=5)  # idempotent: pins are replaced, not stacked
-    assert pins.pinned() == keys and pins._counts == {keys[0]: 1, keys[1]: 1}
+    assert pins.pinned() == keys and [pins.count(k) for k in keys] == [1, 1]
     leases.acquire("s", keys[:1], ttl=50)
-    assert pins._counts == {keys[0]: 2, keys[1]: 1}
+    assert [pins.count(k) for k in keys] == [2, 1]
     now[0] = 6.0
     leases.acquire("other", [], ttl=5)  # any call expires old leases
-    assert pins._counts == {keys[0]: 1} and len(leases) == 2
+    assert pins.pinned() == keys[:1] and pins.count(keys[0]) == 1 and len(leases) == 2
     leases.release("s")
     assert len(pins) == 0

@@ -118,3 +118,37 @@ def test_close_releases_everything():
         put(b, i)
     b.close()
     assert len(b) == 0 and b.allocator.used_bytes == 0
+
+
+def test_evictions_and_removals_are_reported_after_the_tier_lock_is_released():
+    """`on_removed` may call back into any tier (the storage manager asks every local tier, peers
+    publish): the hot tier's lock must be free by then, for every thread."""
+    import threading
+
+    reports = []
+
+    def on_removed(keys):
+        free = []
+
+        def probe():
+            got = hot.lock.acquire(timeout=1)
+            free.append(got)
+            if got:
+                hot.lock.release()
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        reports.append((list(keys), free[0]))
+
+    arena = TensorMemoryAllocator(torch.zeros(4 * ALIGN, dtype=torch.uint8))
+    hot = LocalCPUBackend(arena, on_removed=on_removed)
+    for i in range(4):
+        obj = hot.allocate(torch.Size([ALIGN]), torch.uint8)
+        hot.submit_put_task(key(i), obj)
+        obj.ref_count_down()
+    extra = hot.allocate(torch.Size([ALIGN]), torch.uint8)  # evicts key(0)
+    assert extra is not None and reports == [([key(0)], True)]
+    hot.remove(key(1))
+    assert reports[-1] == ([key(1)], True)
+    hot.check_integrity(at_rest=True)
