@@ -130,29 +130,6 @@ static inline void transpose8x8_u16(__m128i r[8]) {
     r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
 }
 
-/* K of `r` tokens (a multiple of 8) at block offsets o..o+r-1, rows k (stride row): 8x8 tiles,
- * dims outermost so each of the 8 slab rows of a tile row is read front to back. */
-static inline void k_tiles_u16(uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint16_t *k,
-                               int64_t row, int direction) {
-    __m128i x[8];
-    for (int64_t j0 = 0; j0 < hs; j0 += 8) {
-        for (int64_t t = 0; t < r; t += 8) {
-            uint16_t *src = slab + j0 * bs + o + t, *dst = k + t * row + j0;
-            if (direction == 0) {
-                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(src + q * bs));
-                transpose8x8_u16(x);
-                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(dst + q * row), x[q]);
-            } else {
-                for (int q = 0; q < 8; q++) x[q] = _mm_loadu_si128((const __m128i *)(dst + q * row));
-                transpose8x8_u16(x);
-                for (int q = 0; q < 8; q++) _mm_storeu_si128((__m128i *)(src + q * bs), x[q]);
-            }
-        }
-    }
-}
-#endif
-
-#if defined(__SSE2__)
 static inline void transpose4x4_u32(__m128i r[4]) {
     __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
     __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
@@ -160,22 +137,23 @@ static inline void transpose4x4_u32(__m128i r[4]) {
     r[2] = _mm_unpacklo_epi64(a1, a3); r[3] = _mm_unpackhi_epi64(a1, a3);
 }
 
-/* The 4-byte form of k_tiles_u16: K of `r` tokens (a multiple of 4) at block offsets o..o+r-1. */
-static inline void k_tiles_u32(uint32_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint32_t *k,
-                               int64_t row, int direction) {
-    __m128i x[4];
-    for (int64_t j0 = 0; j0 < hs; j0 += 4) {
-        for (int64_t t = 0; t < r; t += 4) {
-            uint32_t *src = slab + j0 * bs + o + t, *dst = k + t * row + j0;
-            if (direction == 0) {
-                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(src + q * bs));
-                transpose4x4_u32(x);
-                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(dst + q * row), x[q]);
-            } else {
-                for (int q = 0; q < 4; q++) x[q] = _mm_loadu_si128((const __m128i *)(dst + q * row));
-                transpose4x4_u32(x);
-                for (int q = 0; q < 4; q++) _mm_storeu_si128((__m128i *)(src + q * bs), x[q]);
-            }
+/* K of `r` tokens (a multiple of w = 16 / elem) at block offsets o..o+r-1 <-> blob rows k (stride
+ * `row` bytes), in w x w tiles of one register per row (8x8 2-byte or 4x4 4-byte values), dims
+ * outermost so each slab row of a tile row is read front to back. Inline: callers pass elem as a
+ * constant, so each element size gets its own unrolled loop. */
+static inline void k_tiles_sse2(char *slab, int64_t bs, int64_t hs, int64_t elem, int64_t o, int64_t r,
+                                char *k, int64_t row, int direction) {
+    const int64_t w = 16 / elem;
+    __m128i x[8];
+    for (int64_t j0 = 0; j0 < hs; j0 += w) {
+        for (int64_t t = 0; t < r; t += w) {
+            char *cache = slab + (j0 * bs + o + t) * elem, *blob = k + t * row + j0 * elem;
+            char *from = direction == 0 ? cache : blob, *to = direction == 0 ? blob : cache;
+            int64_t from_stride = direction == 0 ? bs * elem : row, to_stride = direction == 0 ? row : bs * elem;
+            for (int64_t q = 0; q < w; q++) x[q] = _mm_loadu_si128((const __m128i *)(from + q * from_stride));
+            if (elem == 2) transpose8x8_u16(x);
+            else transpose4x4_u32(x);
+            for (int64_t q = 0; q < w; q++) _mm_storeu_si128((__m128i *)(to + q * to_stride), x[q]);
         }
     }
 }
@@ -253,40 +231,32 @@ AVX512 static void transpose16x16_u32(const uint32_t *src, int64_t ss, uint32_t 
 
 #endif
 
-/* K of `r` tokens (a multiple of 8) at block offsets o..o+r-1: 32x32 blocks where the CPU has
- * AVX-512 and hs % 32 == 0, the rest in 8x8 tiles. */
-static void k_tiles_u16_at(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint16_t *k,
-                           int64_t row, int direction) {
-    int64_t t = 0;
 #if defined(HAVE_X86_PATHS)
-    for (; isa == ISA_AVX512 && hs % 32 == 0 && t + 32 <= r; t += 32) {
-        for (int64_t j0 = 0; j0 < hs; j0 += 32) {
-            uint16_t *s = slab + j0 * bs + o + t, *d = k + t * row + j0;
-            if (direction == 0) transpose32x32_u16(s, bs, d, row, stream);
-            else transpose32x32_u16(d, row, s, bs, stream);
-        }
-    }
-#endif
-#if defined(__SSE2__)
-    k_tiles_u16(slab, bs, hs, o + t, r - t, k + t * row, row, direction);
-#endif
+/* One square block of 64-byte rows (32x32 2-byte or 16x16 4-byte values; strides in values). */
+static void transpose_block64(int64_t elem, char *src, int64_t ss, char *dst, int64_t ds, int stream) {
+    if (elem == 2) transpose32x32_u16((uint16_t *)src, ss, (uint16_t *)dst, ds, stream);
+    else transpose16x16_u32((uint32_t *)src, ss, (uint32_t *)dst, ds, stream);
 }
+#endif
 
-/* The 4-byte form: r a multiple of 4; 16x16 blocks with AVX-512 and hs % 16 == 0, else 4x4. */
-static void k_tiles_u32_at(int isa, int stream, uint32_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r, uint32_t *k,
-                           int64_t row, int direction) {
+/* K of `r` tokens (a multiple of 16 / elem) at block offsets o..o+r-1 <-> blob rows k (stride `row`
+ * bytes): blocks of 64-byte rows where the CPU has AVX-512 and hs allows, the rest in SSE2 tiles. */
+static void k_tiles(int isa, int stream, char *slab, int64_t bs, int64_t hs, int64_t elem, int64_t o, int64_t r,
+                    char *k, int64_t row, int direction) {
     int64_t t = 0;
 #if defined(HAVE_X86_PATHS)
-    for (; isa == ISA_AVX512 && hs % 16 == 0 && t + 16 <= r; t += 16) {
-        for (int64_t j0 = 0; j0 < hs; j0 += 16) {
-            uint32_t *s = slab + j0 * bs + o + t, *d = k + t * row + j0;
-            if (direction == 0) transpose16x16_u32(s, bs, d, row, stream);
-            else transpose16x16_u32(d, row, s, bs, stream);
+    const int64_t w = 64 / elem;
+    for (; isa == ISA_AVX512 && hs % w == 0 && t + w <= r; t += w) {
+        for (int64_t j0 = 0; j0 < hs; j0 += w) {
+            char *cache = slab + (j0 * bs + o + t) * elem, *blob = k + t * row + j0 * elem;
+            if (direction == 0) transpose_block64(elem, cache, bs, blob, row / elem, stream);
+            else transpose_block64(elem, blob, row / elem, cache, bs, stream);
         }
     }
 #endif
 #if defined(__SSE2__)
-    k_tiles_u32(slab, bs, hs, o + t, r - t, k + t * row, row, direction);
+    if (elem == 2) k_tiles_sse2(slab, bs, hs, 2, o + t, r - t, k + t * row, row, direction);
+    else k_tiles_sse2(slab, bs, hs, 4, o + t, r - t, k + t * row, row, direction);
 #endif
 }
 
@@ -374,12 +344,7 @@ static void vec_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, in
                             memcpy(k_slab, slab, bs * hs * elem);
                             from = k_slab;
                         }
-#if defined(__SSE2__)
-                        if (elem == 2)
-                            k_tiles_u16_at(isa, stream, (uint16_t *)from, bs, hs, o, tiled, (uint16_t *)kh, row / 2, direction);
-                        else
-                            k_tiles_u32_at(isa, stream, (uint32_t *)from, bs, hs, o, tiled, (uint32_t *)kh, row / 4, direction);
-#endif
+                        k_tiles(isa, stream, from, bs, hs, elem, o, tiled, kh, row, direction);
                         for (int64_t t = tiled; t < r; t++) k_token(slab, bs, hs, elem, o + t, kh + t * row, direction);
                         /* (V rows go through the caches when scattering: streamed, that measured slower) */
                         if (direction == 0) copy_rows(vh, row, pv, hs * elem, r, hs * elem, stream);
