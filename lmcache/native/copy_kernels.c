@@ -106,14 +106,10 @@ int lmc_paged_copy(const uint64_t *paged_ptrs, int64_t n_src, int64_t num_slots,
 }
 
 /* vLLM-CPU's packed caches, "vec" ISA layout: layer l is [num_blocks][heads][2][bs * hs]; inside a
- * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j).
- * Layer l uses the slot row layer_rows[l] (each KV cache group has its own block table). Slots < 0
- * are skipped when scattering (tokens the engine already has) and give zero rows when gathering
- * (tokens the layer's group does not hold). elem is 2 or 4 bytes.
- * Work items are (layer, chunk): each moves whole blob rows (all heads of a token) at once, so
- * every cache line of the blob is written by one thread in one pass. Runs of consecutive slots in
- * one block move K with transposes: 8x8 (2-byte) or 4x4 (4-byte) with SSE2, 32x32 / 16x16 with
- * AVX-512 where hs allows. */
+ * (block, head) slab, K is dim-major (element (t, j) at j * bs + t) and V token-major (t * hs + j);
+ * elem is 2 or 4 bytes. Runs of consecutive slots in one block move K with transposes: 8x8 (2-byte)
+ * or 4x4 (4-byte) with SSE2, 32x32 / 16x16 with AVX-512 where hs allows. `packed_runs` (below)
+ * walks a batch for either layout. */
 #if defined(__SSE2__)
 static inline void transpose8x8_u16(__m128i r[8]) {
     __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
@@ -302,61 +298,32 @@ static void copy_rows(char *dst, int64_t ds, const char *src, int64_t ss, int64_
     for (int64_t i = 0; i < n; i++) memcpy(dst + i * ds, src + i * ss, bytes);
 }
 
-static void vec_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs, int64_t elem,
-                       const int64_t *slots, const int64_t *layer_rows, const int64_t *chunk_starts,
-                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt, int isa,
-                       int stream) {
-    int64_t row = H * hs * elem, slab_len = 2 * bs * hs * elem, n_tokens = chunk_starts[n_chunks];
-    int64_t tile = elem == 2 ? 8 : 4;  /* the SSE2 transposes' tile side */
-    #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        /* Gathering a whole block, a head's K (bs * hs values, dim-major) is first copied here
-         * front to back, then transposed from L1 instead of from many strided streams in memory. */
-        char *k_slab = direction == 0 ? (char *)malloc(bs * hs * elem) : NULL;
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t l = 0; l < L; l++) {
-            for (int64_t c = 0; c < n_chunks; c++) {
-                const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
-                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
-                char *blob = (char *)(uintptr_t)chunk_bufs[c];
-                for (int64_t i = 0; i < n;) {
-                    char *k = blob + (l * n + i) * row, *v = blob + ((L + l) * n + i) * row;
-                    if (cs[i] < 0) {
-                        if (direction == 0) {
-                            memset(k, 0, row);
-                            memset(v, 0, row);
-                        }
-                        i++;
-                        continue;
-                    }
-                    /* A run inside one block, one head at a time: K in tiles (single tokens at the
-                     * end of the run), V row by row. */
-                    int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs, tiled = 0;
-                    char *block = layers[l] + (cs[i] / bs) * H * slab_len;
+/* What one packed copy moves and how (sizes in values, `row` a blob row in bytes). */
+typedef struct {
+    int64_t hs, bs, elem, row;
+    int isa, stream, direction;
+} packed_copy;
+
+/* Tokens o .. o + r - 1 of one (block, head) slab <-> blob rows k and v, in the vec layout: K in
+ * tiles (single tokens at the end of the run), V row by row. `scratch` (bs * hs * elem bytes, when
+ * gathering): a whole block's K is first copied there front to back, then transposed from L1
+ * instead of from many strided streams in memory. */
+static void vec_slab(const packed_copy *pc, char *slab, int64_t o, int64_t r, char *k, char *v, char *scratch) {
+    int64_t hs = pc->hs, bs = pc->bs, elem = pc->elem, row = pc->row, tiled = 0;
 #if defined(__SSE2__)
-                    if (hs % tile == 0) tiled = r - r % tile;
+    int64_t tile = 16 / elem;  /* the SSE2 transposes' tile side */
+    if (hs % tile == 0) tiled = r - r % tile;
 #endif
-                    for (int64_t h = 0; h < H; h++) {
-                        char *slab = block + h * slab_len, *kh = k + h * hs * elem, *vh = v + h * hs * elem;
-                        char *pv = slab + (bs + o) * hs * elem;
-                        char *from = slab;
-                        if (k_slab != NULL && tiled == bs) {
-                            memcpy(k_slab, slab, bs * hs * elem);
-                            from = k_slab;
-                        }
-                        k_tiles(isa, stream, from, bs, hs, elem, o, tiled, kh, row, direction);
-                        for (int64_t t = tiled; t < r; t++) k_token(slab, bs, hs, elem, o + t, kh + t * row, direction);
-                        /* (V rows go through the caches when scattering: streamed, that measured slower) */
-                        if (direction == 0) copy_rows(vh, row, pv, hs * elem, r, hs * elem, stream);
-                        else copy_rows(pv, hs * elem, vh, row, r, hs * elem, 0);
-                    }
-                    i += r;
-                }
-            }
-        }
-        free(k_slab);
-        STREAM_FENCE(stream);
+    char *from = slab, *pv = slab + (bs + o) * hs * elem;
+    if (scratch != NULL && tiled == bs) {
+        memcpy(scratch, slab, bs * hs * elem);
+        from = scratch;
     }
+    k_tiles(pc->isa, pc->stream, from, bs, hs, elem, o, tiled, k, row, pc->direction);
+    for (int64_t t = tiled; t < r; t++) k_token(slab, bs, hs, elem, o + t, k + t * row, pc->direction);
+    /* (V rows go through the caches when scattering: streamed, that measured slower) */
+    if (pc->direction == 0) copy_rows(v, row, pv, hs * elem, r, hs * elem, pc->stream);
+    else copy_rows(pv, hs * elem, v, row, r, hs * elem, 0);
 }
 
 /* vLLM-CPU's packed caches, "amx" ISA layout (bf16 only): layer l is [num_blocks][heads][2][bs * hs];
@@ -507,8 +474,12 @@ static void amx_v_pair_at(int isa, int stream, uint16_t *slab, int64_t bs, int64
 
 /* Tokens o .. o + r - 1 of one (block, head) slab <-> blob rows k and v (stride row): whole tiles
  * and pairs where the run covers them, single tokens at its ends. */
-static void amx_slab(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs, int64_t o, int64_t r,
-                     uint16_t *k, uint16_t *v, int64_t row, int direction) {
+static void amx_slab(const packed_copy *pc, char *slab_bytes, int64_t o, int64_t r, char *k_bytes,
+                     char *v_bytes, char *scratch) {
+    (void)scratch;
+    int64_t bs = pc->bs, hs = pc->hs, row = pc->row / 2;
+    int isa = pc->isa, stream = pc->stream, direction = pc->direction;
+    uint16_t *slab = (uint16_t *)slab_bytes, *k = (uint16_t *)k_bytes, *v = (uint16_t *)v_bytes;
     for (int64_t t = o; t < o + r;) {
         uint16_t *kt = k + (t - o) * row, *vt = v + (t - o) * row;
         if (t % 16 == 0 && t + 16 <= o + r) {
@@ -524,38 +495,47 @@ static void amx_slab(int isa, int stream, uint16_t *slab, int64_t bs, int64_t hs
     }
 }
 
-static void amx_packed(char *const *layers, int64_t L, int64_t H, int64_t hs, int64_t bs,
-                       const int64_t *slots, const int64_t *layer_rows, const int64_t *chunk_starts,
-                       const uint64_t *chunk_bufs, int64_t n_chunks, int direction, int nt, int isa,
-                       int stream) {
-    int64_t row = H * hs, slab_len = 2 * bs * hs, n_tokens = chunk_starts[n_chunks];
+/* Every (layer, chunk) of a batch, split into runs of consecutive slots inside one block, each
+ * moved head by head by `slab_fn` (the layout's). Layer l uses the slot row layer_rows[l] (each KV
+ * cache group has its own block table). Slots < 0 are skipped when scattering (tokens the engine
+ * already has) and give zero rows when gathering (tokens the layer's group does not hold). Work
+ * items are (layer, chunk): each moves whole blob rows (all heads of a token), so every cache line
+ * of the blob is written by one thread in one pass. */
+static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t *slots,
+                        const int64_t *layer_rows, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
+                        int64_t n_chunks, int nt, const packed_copy *pc,
+                        void (*slab_fn)(const packed_copy *, char *, int64_t, int64_t, char *, char *, char *)) {
+    int64_t bs = pc->bs, row = pc->row, head = pc->hs * pc->elem, slab_len = 2 * bs * head;
+    int64_t n_tokens = chunk_starts[n_chunks];
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-    #pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t c = 0; c < n_chunks; c++) {
-            const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
-            int64_t n = chunk_starts[c + 1] - chunk_starts[c];
-            uint16_t *blob = (uint16_t *)(uintptr_t)chunk_bufs[c];
-            for (int64_t i = 0; i < n;) {
-                uint16_t *k = blob + (l * n + i) * row, *v = blob + ((L + l) * n + i) * row;
-                if (cs[i] < 0) {
-                    if (direction == 0) {
-                        memset(k, 0, row * sizeof(uint16_t));
-                        memset(v, 0, row * sizeof(uint16_t));
+        char *scratch = pc->direction == 0 ? (char *)malloc(bs * head) : NULL;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t l = 0; l < L; l++) {
+            for (int64_t c = 0; c < n_chunks; c++) {
+                const int64_t *cs = slots + layer_rows[l] * n_tokens + chunk_starts[c];
+                int64_t n = chunk_starts[c + 1] - chunk_starts[c];
+                char *blob = (char *)(uintptr_t)chunk_bufs[c];
+                for (int64_t i = 0; i < n;) {
+                    char *k = blob + (l * n + i) * row, *v = blob + ((L + l) * n + i) * row;
+                    if (cs[i] < 0) {
+                        if (pc->direction == 0) {
+                            memset(k, 0, row);
+                            memset(v, 0, row);
+                        }
+                        i++;
+                        continue;
                     }
-                    i++;
-                    continue;
+                    int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs;
+                    char *block = layers[l] + (cs[i] / bs) * H * slab_len;
+                    for (int64_t h = 0; h < H; h++)
+                        slab_fn(pc, block + h * slab_len, o, r, k + h * head, v + h * head, scratch);
+                    i += r;
                 }
-                /* a run of consecutive slots inside one block: tokens o .. o + r - 1 of it */
-                int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs;
-                uint16_t *block = (uint16_t *)layers[l] + (cs[i] / bs) * H * slab_len;
-                for (int64_t h = 0; h < H; h++)
-                    amx_slab(isa, stream, block + h * slab_len, bs, hs, o, r, k + h * hs, v + h * hs, row, direction);
-                i += r;
             }
         }
-    }    STREAM_FENCE(stream);
+        free(scratch);
+        STREAM_FENCE(pc->stream);
     }
 }
 
@@ -576,12 +556,13 @@ int lmc_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_bl
     int64_t bytes = 2 * n_layers * n_tokens * heads * head_size * elem;
     int nt = threads_for(bytes, nthreads), isa = copy_isa(), stream = isa == ISA_AVX512 && bytes >= STREAM_MIN_BYTES;
     char *const *layers = (char *const *)layer_ptrs;
+    packed_copy pc = {head_size, block_size, elem, heads * head_size * elem, isa, stream, direction};
     if (layout == 1 && elem == 2 && head_size % 2 == 0 && block_size % 16 == 0)
-        amx_packed(layers, n_layers, heads, head_size, block_size, slots, layer_rows, chunk_starts,
-                   chunk_bufs, n_chunks, direction, nt, isa, stream);
+        packed_runs(layers, n_layers, heads, slots, layer_rows, chunk_starts, chunk_bufs, n_chunks, nt, &pc,
+                    amx_slab);
     else if (layout == 0 && (elem == 2 || elem == 4))
-        vec_packed(layers, n_layers, heads, head_size, block_size, elem, slots, layer_rows, chunk_starts,
-                   chunk_bufs, n_chunks, direction, nt, isa, stream);
+        packed_runs(layers, n_layers, heads, slots, layer_rows, chunk_starts, chunk_bufs, n_chunks, nt, &pc,
+                    vec_slab);
     else
         return -3;
     return 0;
