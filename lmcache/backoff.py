@@ -1,29 +1,34 @@
 """`Backoff`: after a failure, do not try again until a growing delay has passed.
 
-Used by everything that talks to a remote store (the lm:// client's reconnects, the remote tier's
-per-failure-domain retry), so that a dead server costs one failed attempt per delay, not one per
+Used by everything that talks to a store that can fail (`failures.FailureDomains`, the lm://
+client's reconnects), so that a dead server costs one failed attempt per delay, not one per
 request. `ready()` says whether an attempt may be made now; `failed()` doubles the delay (from
-`initial` up to `maximum`); `succeeded()` resets it. Thread-safe.
+`initial` up to `maximum`); `succeeded()` resets it. `clock` (seconds, monotonic) is injectable so
+tests step time instead of sleeping. Thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+
+Clock = Callable[[], float]
 
 
 class Backoff:
-    def __init__(self, initial: float = 0.5, maximum: float = 30.0) -> None:
+    def __init__(self, initial: float = 0.5, maximum: float = 30.0, clock: Clock = time.monotonic) -> None:
         if not 0 < initial <= maximum:
             raise ValueError(f"backoff delays must satisfy 0 < initial={initial} <= maximum={maximum}")
         self.initial = initial
         self.maximum = maximum
+        self._clock = clock
         self._lock = threading.Lock()
         self._delay = 0.0
         self._retry_at = 0.0
 
     def ready(self) -> bool:
-        return time.monotonic() >= self._retry_at
+        return self._clock() >= self._retry_at
 
     @property
     def failing(self) -> bool:
@@ -33,7 +38,7 @@ class Backoff:
         """Record a failure; returns the delay before the next attempt."""
         with self._lock:
             self._delay = self.initial if self._delay == 0 else min(self._delay * 2, self.maximum)
-            self._retry_at = time.monotonic() + self._delay
+            self._retry_at = self._clock() + self._delay
             return self._delay
 
     def succeeded(self) -> None:

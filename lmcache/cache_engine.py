@@ -17,10 +17,11 @@ exactly a prefix's tokens beside the prefix's last chunk (its key under the stat
 `retrieve_state` gives it back, and a lookup counts only up to the last boundary whose state is
 held (a hit must resume every layer).
 
-`error_handling`: with True, an unexpected error inside store/retrieve is logged and counted and
-the call returns as a miss (a failed retrieve reports nothing retrieved: the copy may have written
-any part of the range); with False it propagates. Bad input (mask shape, search_range names)
-always raises ValueError.
+Failures follow `lmcache.failures`: a tier fault is a miss inside the storage manager and never
+reaches the engine; `error_handling` decides what an unexpected error (a bug) inside store or
+retrieve does: with True it is logged and counted (``errors``) and the call returns as a miss (a
+failed retrieve reports nothing retrieved: the copy may have written any part of the range), with
+False it propagates. Bad input (mask shape, search_range names) always raises ValueError.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.controller import Controller
+from lmcache.failures import BugsAsMisses
 from lmcache.gpu_connector import CopyDone, GPUConnectorInterface
 from lmcache.memory_management import (
     MemoryAllocatorInterface,
@@ -48,7 +51,7 @@ from lmcache.memory_management import (
 from lmcache.metrics import MetricsServer
 from lmcache.observability import EngineStats, IncidentLog
 from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
-from lmcache.token_database import ChunkedTokenDatabase, TokenDatabase
+from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan, TokenDatabase
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
@@ -116,6 +119,19 @@ class InFlightCopy:
         return True
 
 
+@dataclass
+class ChunkCopy:
+    """One chunk on its way between the engine's KV and an arena object."""
+
+    chunk: ChunkSpan
+    obj: MemoryObj
+
+    @staticmethod
+    def columns(copies: list[ChunkCopy]) -> tuple[list[MemoryObj], list[int], list[int]]:
+        """The objects, starts and ends of `copies`: a connector's batched call's arguments."""
+        return [c.obj for c in copies], [c.chunk.start for c in copies], [c.chunk.end for c in copies]
+
+
 class LMCacheEngine:
     def __init__(
         self,
@@ -135,7 +151,8 @@ class LMCacheEngine:
         self.gpu_connector = gpu_connector
         self.storage_manager = StorageManager(config, metadata, memory_allocator)
         self.stats = EngineStats(self.storage_manager.stats)
-        self._incidents = IncidentLog(logger, "LMCache engine", with_traceback=True)
+        self.bugs = BugsAsMisses(logger, "LMCache engine", config.error_handling,
+                                 lambda: self.stats.add("errors"))
         self._bytes_per_token = (metadata.kv_count * metadata.num_layers * metadata.hidden_dim
                                  * metadata.kv_dtype.itemsize)
         self._copies = CopiesInFlight()
@@ -179,63 +196,51 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         self.stats.add("store_requests")
-        copied = 0
-        try:
-            copied = self._store_chunks(chunks, kwargs)
-            self._incidents.recover()
-        except Exception as e:
-            if not self.config.error_handling:
-                raise
-            self._failed("store", e)
-        finally:
-            self._observe("store", time.perf_counter() - t0, copied)
+        copied = self.bugs.call("store", partial(self._store_chunks, chunks, kwargs), 0)
+        self._observe("store", time.perf_counter() - t0, copied)
 
-    def _store_chunks(self, chunks: list[tuple[int, int, CacheEngineKey]], kwargs: dict[str, Any]) -> int:
+    def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any]) -> int:
         """Issue the copy of the chunks not cached yet; returns how many tokens it copies."""
         sm = self.storage_manager
         dtype = self.metadata.kv_dtype
-        todo: list[tuple[int, int, CacheEngineKey, MemoryObj]] = []
-        cached = sm.stored_locally([key for _, _, key in chunks])
+        todo: list[ChunkCopy] = []
+        cached = sm.stored_locally([c.key for c in chunks])
         try:
-            for (start, end, key), hit in zip(chunks, cached, strict=True):
-                if hit or self._copies.storing(key):
-                    self.stats.add("store_skipped_tokens", end - start)
+            for chunk, hit in zip(chunks, cached, strict=True):
+                if hit or self._copies.storing(chunk.key):
+                    self.stats.add("store_skipped_tokens", chunk.num_tokens)
                     continue
-                obj = sm.allocate(self.gpu_connector.get_shape(end - start), dtype, MemoryFormat.KV_BLOB)
+                obj = sm.allocate(self.gpu_connector.get_shape(chunk.num_tokens), dtype, MemoryFormat.KV_BLOB)
                 if obj is None:
-                    self.stats.add("store_dropped_tokens", chunks[-1][1] - start)
+                    self.stats.add("store_dropped_tokens", chunks[-1].end - chunk.start)
                     self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
                     break
-                todo.append((start, end, key, obj))
+                todo.append(ChunkCopy(chunk, obj))
             else:
                 self._arena_full.recover()
             if not todo:
                 return 0
-            done = self._copies.start([t[2] for t in todo], partial(self._finish_store, todo))
+            done = self._copies.start([c.chunk.key for c in todo], partial(self._finish_store, todo))
         except BaseException:
-            for *_, obj in todo:
-                obj.ref_count_down()
+            release_all([c.obj for c in todo])
             raise
         try:
-            self.gpu_connector.batched_from_gpu([t[3] for t in todo], [t[0] for t in todo],
-                                                [t[1] for t in todo], on_done=done, **kwargs)
+            self.gpu_connector.batched_from_gpu(*ChunkCopy.columns(todo), on_done=done, **kwargs)
         except BaseException:
             if done.abort():
-                for *_, obj in todo:
-                    obj.ref_count_down()
+                release_all([c.obj for c in todo])
             raise
-        return sum(end - start for start, end, _, _ in todo)
+        return sum(c.chunk.num_tokens for c in todo)
 
-    def _finish_store(self, todo: list[tuple[int, int, CacheEngineKey, MemoryObj]],
-                      error: BaseException | None) -> None:
+    def _finish_store(self, todo: list[ChunkCopy], error: BaseException | None) -> None:
         """The copy of `todo` has completed (or failed): the objects enter the tiers."""
-        for start, end, key, obj in todo:
+        for copy in todo:
             if error is None:
-                self.storage_manager.put(key, obj)
-                self.stats.add("stored_tokens", end - start)
-            obj.ref_count_down()
+                self.storage_manager.put(copy.chunk.key, copy.obj)
+                self.stats.add("stored_tokens", copy.chunk.num_tokens)
+            copy.obj.ref_count_down()
         if error is not None:
-            self._failed("asynchronous store copy", error)
+            self.bugs.failed("asynchronous store copy", error)
 
     # ---- retrieve -------------------------------------------------------------------------------
 
@@ -249,43 +254,36 @@ class LMCacheEngine:
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         ret_mask = torch.zeros(tokens.shape[0], dtype=torch.bool)
         self.stats.add("retrieve_requests")
-        self.stats.add("retrieve_requested_tokens", sum(e - s for s, e, _ in chunks))
-        found: list[tuple[int, int, MemoryObj]] = []
-        done: InFlightCopy | None = None
-        try:
-            objs = self.storage_manager.get_prefix([key for _, _, key in chunks])
-            found = [(start, end, obj) for (start, end, _), obj in zip(chunks, objs, strict=False)]
-            if found:
-                done = self._copies.start([], partial(self._finish_retrieve, [f[2] for f in found]))
-                self.gpu_connector.batched_to_gpu([f[2] for f in found], [f[0] for f in found],
-                                                  [f[1] for f in found], on_done=done, **kwargs)
-            for start, end, _ in found:
-                ret_mask[start:end] = True
-            self.stats.add("retrieve_hit_tokens", sum(end - start for start, end, _ in found))
-        except Exception as e:
-            if done is None or done.abort():
-                release_all([f[2] for f in found])
-            if not self.config.error_handling:
-                raise
-            ret_mask[:] = False  # a failed copy may have written any part: nothing counts as loaded
-            self._failed("retrieve", e)
-        else:
-            self._incidents.recover()
+        self.stats.add("retrieve_requested_tokens", sum(c.num_tokens for c in chunks))
+        hits: list[ChunkSpan] = self.bugs.call("retrieve", partial(self._retrieve_chunks, chunks, kwargs), [])
+        for chunk in hits:
+            ret_mask[chunk.start:chunk.end] = True
+        self.stats.add("retrieve_hit_tokens", sum(c.num_tokens for c in hits))
         self._observe("retrieve", time.perf_counter() - t0, int(ret_mask.sum()))
         return ret_mask
+
+    def _retrieve_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any]) -> list[ChunkSpan]:
+        """Issue the copy of the longest cached prefix of `chunks` into the engine; returns the
+        chunks it loads."""
+        found: list[ChunkCopy] = []
+        done: InFlightCopy | None = None
+        try:
+            objs = self.storage_manager.get_prefix([c.key for c in chunks])
+            found = [ChunkCopy(c, obj) for c, obj in zip(chunks, objs, strict=False)]
+            if found:
+                done = self._copies.start([], partial(self._finish_retrieve, [c.obj for c in found]))
+                self.gpu_connector.batched_to_gpu(*ChunkCopy.columns(found), on_done=done, **kwargs)
+        except BaseException:
+            if done is None or done.abort():
+                release_all([c.obj for c in found])
+            raise
+        return [c.chunk for c in found]
 
     def _finish_retrieve(self, objs: list[MemoryObj], error: BaseException | None) -> None:
         """The copy into the engine has completed (or failed): the objects may go."""
         release_all(objs)
         if error is not None:
-            self._failed("asynchronous retrieve copy", error)
-
-    def _failed(self, what: str, error: BaseException) -> None:
-        """A request the cache could not serve (a miss for the caller): counted in ``errors``,
-        logged once per incident."""
-        self.stats.add("errors")
-        self._incidents.fail(RuntimeError(f"{what}: {type(error).__name__}: {error}").with_traceback(
-            error.__traceback__))
+            self.bugs.failed("asynchronous retrieve copy", error)
 
     def _observe(self, op: str, seconds: float, tokens: int) -> None:
         self.stats.add_time(f"{op}_s", seconds)
@@ -314,8 +312,8 @@ class LMCacheEngine:
         within `tokens` where the serving engine may have kept a state mid-chunk; the prefix up to
         it, its trailing partial chunk included, must be cached); the lease pins the state too."""
         chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
-        found = self.storage_manager.contains_prefix([key for _, _, key in chunks], search_range)
-        hit = chunks[found.hits - 1][1] if found.hits else 0
+        found = self.storage_manager.contains_prefix([c.key for c in chunks], search_range)
+        hit = chunks[found.hits - 1].end if found.hits else 0
         pinned = [found]
         if self.metadata.state_layout:
             hit, pinned = self._resume_point(tokens, chunks, found, state_ends, extra_key, search_range)
@@ -336,7 +334,7 @@ class LMCacheEngine:
                  extra_key: str | None = None) -> None:
         """Start loading the cached prefix of `tokens` from lower tiers into the hot tier."""
         chunks = self.token_database.process_tokens(tokens, mask, extra_key=extra_key)
-        self.storage_manager.prefetch(self.storage_manager.contains_prefix([key for _, _, key in chunks]))
+        self.storage_manager.prefetch(self.storage_manager.contains_prefix([c.key for c in chunks]))
 
     # ---- recurrent states -----------------------------------------------------------------------
 
@@ -345,7 +343,7 @@ class LMCacheEngine:
         chunk, or a prefix's trailing partial chunk)."""
         return dataclasses.replace(chunk_key, fmt=self.metadata.state_layout)
 
-    def _resume_point(self, tokens: torch.Tensor, chunks: list[tuple[int, int, CacheEngineKey]],
+    def _resume_point(self, tokens: torch.Tensor, chunks: list[ChunkSpan],
                       found: PrefixLookup, state_ends: Iterable[int], extra_key: str | None,
                       search_range: str | list[str] | None) -> tuple[int, list[PrefixLookup]]:
         """The last boundary of the cached prefix whose state is held (0: none), and what resuming
@@ -353,14 +351,14 @@ class LMCacheEngine:
         chunk of a mid-chunk boundary) and the state."""
         cs = self.config.chunk_size
         full = 0
-        while full < found.hits and chunks[full][1] - chunks[full][0] == cs:
+        while full < found.hits and chunks[full].num_tokens == cs:
             full += 1
         # (boundary, key of its chunk, whether that chunk is a mid-chunk prefix's trailing one)
-        candidates = [(chunks[i][1], chunks[i][2], False) for i in range(full)]
+        candidates = [(chunks[i].end, chunks[i].key, False) for i in range(full)]
         for end in sorted(set(state_ends)):
             if end % cs and 0 < end <= tokens.shape[0] and end // cs <= full:
-                *_, (_, _, tail) = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
-                candidates.append((end, tail, True))
+                *_, tail = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
+                candidates.append((end, tail.key, True))
         state_keys = [self.state_key(key) for _, key, _ in candidates]
         tails = [key for _, key, is_tail in candidates if is_tail]
         tier_of = dict(zip(state_keys + tails, self.storage_manager.locate(state_keys + tails, search_range),
@@ -416,8 +414,8 @@ class LMCacheEngine:
             raise ValueError("this engine's model keeps no recurrent state (metadata.state_layout is empty)")
         if tokens.shape[0] == 0:
             raise ValueError("a state after 0 tokens is not kept")
-        *_, (_, _, key) = self.token_database.process_tokens(tokens, extra_key=extra_key)
-        return self.state_key(key)
+        *_, last = self.token_database.process_tokens(tokens, extra_key=extra_key)
+        return self.state_key(last.key)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the engine is at rest and its books balance: no copy in

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,12 +23,25 @@ from lmcache.utils import CacheEngineKey, dtype_tag
 _ROOT = b"lmcache/chunk-hash/v1"
 
 
+class ChunkSpan(NamedTuple):
+    """One chunk of a request: tokens ``[start, end)`` and its key (a tuple, so the seed's
+    ``for start, end, key in process_tokens(...)`` still reads it)."""
+
+    start: int
+    end: int
+    key: CacheEngineKey
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
 class TokenDatabase(abc.ABC):
     @abc.abstractmethod
     def process_tokens(
         self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *, extra_key: str | None = None
-    ) -> Iterable[tuple[int, int, CacheEngineKey]]:
-        """Yield ``(start, end, key)`` for each chunk whose tokens the mask marks True.
+    ) -> Iterable[ChunkSpan]:
+        """Yield a `ChunkSpan` ``(start, end, key)`` for each chunk whose tokens the mask marks True.
 
         tokens: 1-D CPU integer tensor. mask: None or a bool tensor of the same length shaped
         ``F...FT...T``. Raises ValueError if the number of Falses is not a multiple of the chunk
@@ -82,13 +96,13 @@ class ChunkedTokenDatabase(TokenDatabase):
 
     def process_tokens(
         self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *, extra_key: str | None = None
-    ) -> list[tuple[int, int, CacheEngineKey]]:
+    ) -> list[ChunkSpan]:
         hashes = self.chunk_hashes(tokens, extra_key=extra_key)
         n = tokens.shape[0]
         skip = num_masked_prefix(mask, n, self.chunk_size)
         cs = self.chunk_size
         return [
-            (i * cs, min((i + 1) * cs, n), self.make_key(digest))
+            ChunkSpan(i * cs, min((i + 1) * cs, n), self.make_key(digest))
             for i, digest in enumerate(hashes)
             if i * cs >= skip
         ]

@@ -14,7 +14,8 @@ dead instance's entries disappear by themselves `ttl` seconds after its last hea
   `ttl / 3` seconds. A failed batch is kept and sent again with the next one (bounded).
 - `holders(keys)` answers, per key, the live instances other than this one that registered it:
   one pipelined round trip (plus one for the instance list, cached for `ttl / 3` seconds).
-A store that fails is a miss (`holders` answers nobody), logged once per incident.
+The store is one failure domain (`lmcache.failures`): while it fails, `holders` answers nobody (a
+miss), registrations wait for the next batch, and it is logged once per incident.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache.observability import IncidentLog
+from lmcache.failures import FailureDomains
 from lmcache.storage_backend.connectors import create_connector, parse_remote_url
 from lmcache.storage_backend.connectors.redis_connector import RedisClientConnector
 from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED = 1 << 20  # registrations kept while the store is unreachable
+STORE = "store"  # the failure domain's name
 
 
 class LookupService:
@@ -48,7 +50,9 @@ class LookupService:
         ns = f"{parsed.namespace}:" if parsed.namespace else ""
         self._instances = f"{ns}lmcache:p2p:instances"
         self._prefix = ns
-        self._incidents = IncidentLog(logger, f"peer lookup service {url}")
+        # never backed off for longer than a heartbeat period: registrations must not expire
+        beat = max(ttl / 3, 0.01)
+        self._store = FailureDomains(lambda _: f"peer lookup service {url}", min(0.5, beat), beat)
         self._cond = threading.Condition()
         self._adds: dict[str, None] = {}  # ordered sets
         self._removes: dict[str, None] = {}
@@ -133,35 +137,22 @@ class LookupService:
             pipe.sadd(self._instances, self.address)
             pipe.set(self._alive(self.address), b"1", px=self.ttl_ms)
             pipe.pexpire(keys, self.ttl_ms)
-        try:
+
+        def send() -> bool:
             pipe.execute()
-        except Exception as e:  # noqa: BLE001 - an unreachable store: registrations wait
-            self._incidents.fail(e)
-            return False
-        self._incidents.recover()
-        return True
+            return True
+
+        return self._store.call(STORE, send, False)
 
     # ---- queries ----------------------------------------------------------------------------------
 
     def holders(self, keys: Sequence[CacheEngineKey]) -> list[list[str]]:
         """Per key, the addresses of the other live instances that hold it."""
+        out: list[list[str]] = [[] for _ in keys]
         if not keys:
             return []
-        try:
-            peers = self._live_candidates()
-            if not peers:
-                return [[] for _ in keys]
-            names = [k.to_string() for k in keys]
-            pipe = self.client.pipeline(transaction=False)
-            for peer in peers:
-                pipe.exists(self._alive(peer))
-                pipe.smismember(self._keys(peer), names)
-            replies = pipe.execute()
-        except Exception as e:  # noqa: BLE001 - an unreachable store is a miss
-            self._incidents.fail(e)
-            return [[] for _ in keys]
-        self._incidents.recover()
-        out: list[list[str]] = [[] for _ in keys]
+        nobody: tuple[list[str], list[Any]] = ([], [])
+        peers, replies = self._store.call(STORE, lambda: self._ask_holders(keys), nobody)
         dead = []
         for peer, alive, members in zip(peers, replies[0::2], replies[1::2], strict=True):
             if not alive:
@@ -173,6 +164,18 @@ class LookupService:
         if dead:
             self._forget(dead)
         return out
+
+    def _ask_holders(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str], list[Any]]:
+        """The live candidates, and per candidate its heartbeat and which of `keys` it holds."""
+        peers = self._live_candidates()
+        if not peers:
+            return [], []
+        names = [k.to_string() for k in keys]
+        pipe = self.client.pipeline(transaction=False)
+        for peer in peers:
+            pipe.exists(self._alive(peer))
+            pipe.smismember(self._keys(peer), names)
+        return peers, pipe.execute()
 
     def _live_candidates(self) -> list[str]:
         now = _now()
@@ -192,7 +195,7 @@ class LookupService:
 
     @property
     def healthy(self) -> bool:
-        return not self._incidents.failing
+        return not self._store.failing()
 
     def close(self) -> None:
         """Stop the heartbeat and withdraw this instance's registrations (best effort)."""

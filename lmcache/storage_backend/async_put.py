@@ -10,7 +10,9 @@
   that races a write is served from memory.
 - `flush(timeout)` waits for everything in flight; `close(timeout)` stops accepting, flushes with
   that bounded wait, then cancels what is still queued.
-A write that raises is counted in `num_failed` and logged once per incident.
+A write is a call into the queue's failure domain (`lmcache.failures`): one that raises is counted
+in `num_failed` and logged once per incident, and while the domain backs off, writes are not
+attempted (counted in `num_dropped`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
+from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import IncidentLog
 from lmcache.utils import CacheEngineKey
@@ -31,7 +34,10 @@ WriteFn = Callable[[CacheEngineKey, MemoryObj], None]
 
 
 class AsyncPutQueue:
-    def __init__(self, name: str, write: WriteFn, *, num_workers: int = 2, max_pending: int = 64) -> None:
+    def __init__(self, name: str, write: WriteFn, *, num_workers: int = 2, max_pending: int = 64,
+                 faults: FailureDomains | None = None) -> None:
+        """`faults`: where the writes' failure domain (named `name`) lives (by default the
+        queue's own, backing off from 0.5 s up to 30 s)."""
         if num_workers < 1 or max_pending < 1:
             raise ValueError(f"num_workers={num_workers} and max_pending={max_pending} must be >= 1")
         self.name = name
@@ -42,7 +48,7 @@ class AsyncPutQueue:
         self._idle = threading.Condition(self._lock)  # notified whenever a write is accounted for
         self._pending: dict[CacheEngineKey, tuple[Future, MemoryObj]] = {}
         self._closed = False
-        self._incidents = IncidentLog(logger, f"asynchronous writes to {name}")
+        self._faults = faults or FailureDomains(lambda domain: f"asynchronous writes to {domain}")
         self._full = IncidentLog(logger, f"queueing writes to {name}")  # puts dropped, not failed
         self.num_written = 0
         self.num_bytes_written = 0
@@ -68,29 +74,36 @@ class AsyncPutQueue:
                 return None
             self._full.recover()
             obj.ref_count_up()
-            future = self._executor.submit(self._write, key, obj)
+            future = self._executor.submit(self._attempt, key, obj)
             self._pending[key] = (future, obj)
         future.add_done_callback(partial(self._finish, key, obj))
         return future
 
+    def _attempt(self, key: CacheEngineKey, obj: MemoryObj) -> str:
+        """Write through the failure domain: "written", "failed" or "skipped" (backing off)."""
+        if not self._faults.ready(self.name):
+            return "skipped"
+
+        def write() -> str:
+            self._write(key, obj)
+            return "written"
+
+        return self._faults.call(self.name, write, "failed")
+
     def _finish(self, key: CacheEngineKey, obj: MemoryObj, future: Future) -> None:
-        error = None if future.cancelled() else future.exception()
+        outcome = "skipped" if future.cancelled() else future.result()
         with self._lock:
             if self._pending.get(key, (None,))[0] is future:
                 del self._pending[key]
             obj.ref_count_down()
-            if future.cancelled():
-                self.num_dropped += 1
-            elif error is None:
+            if outcome == "written":
                 self.num_written += 1
                 self.num_bytes_written += obj.get_size()
-            else:
+            elif outcome == "failed":
                 self.num_failed += 1
+            else:
+                self.num_dropped += 1
             self._idle.notify_all()
-        if error is not None:
-            self._incidents.fail(error)
-        elif not future.cancelled():
-            self._incidents.recover()
 
     def get_pending(self, key: CacheEngineKey) -> MemoryObj | None:
         with self._lock:

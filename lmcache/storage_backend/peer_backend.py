@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmcache.backoff import Backoff
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import TierStats
 from lmcache.p2p.lookup_service import LookupService
@@ -37,7 +38,6 @@ from lmcache.p2p.peer_server import PeerServer
 from lmcache.server.client import LMCacheClient
 from lmcache.server.server import ServerThread
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
-from lmcache.storage_backend.failure_domains import FailureDomains
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS

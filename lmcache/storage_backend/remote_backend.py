@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TypeVar
 
+from lmcache.backoff import Clock
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
-from lmcache.storage_backend.failure_domains import FailureDomains
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
@@ -51,13 +53,15 @@ class RemoteBackend(LowerTierBackend):
     may_fail = True
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, allocate: AllocateFn,
-                 pools: TierPools | None = None, connector: RemoteConnector | None = None) -> None:
+                 pools: TierPools | None = None, connector: RemoteConnector | None = None,
+                 clock: Clock = time.monotonic) -> None:
+        """`clock` times the backoff of failing parts of the store (injectable for tests)."""
         if config.remote_url is None:
             raise ValueError("RemoteBackend needs config.remote_url")
         self.url = parse_remote_url(config.remote_url)
         self._domains = FailureDomains(self._domain_label, self.url.float_option("backoff", 0.5),
                                        self.url.float_option("max_backoff", 30.0),
-                                       passthrough=(CorruptBlobError,))
+                                       passthrough=(CorruptBlobError,), clock=clock)
         self.connector = connector or create_connector(self.url, config.remote_timeout)
         super().__init__(allocate, pools)
         self.serde_name = config.remote_serde or "naive"

@@ -2,7 +2,8 @@
 
 The tiers come from the registry (`registry.create_tiers`), in lookup order: the hot tier (CPU
 memory), then the lower tiers (disk, remote, ...). Every call into a tier that `may_fail` is
-guarded: its failure is a miss, logged once per incident.
+guarded by the tier's failure domain (`lmcache.failures`): its failure is a miss, counted in the
+tier's ``failures``, logged once per incident, and the tier is backed off from until a retry works.
 
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
 - `put(key, obj)`: the hot tier keeps the object synchronously; lower tiers get it asynchronously.
@@ -33,8 +34,9 @@ from typing import Any, TypeVar
 import torch
 
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
-from lmcache.observability import Counters, IncidentLog, TierStats
+from lmcache.observability import Counters, TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -74,7 +76,9 @@ class _Load:
 
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 allocator: MemoryAllocatorInterface) -> None:
+                 allocator: MemoryAllocatorInterface, faults: FailureDomains | None = None) -> None:
+        """`faults` guards the tiers (one domain per tier name; by default backing off from 0.5 s
+        up to 30 s)."""
         self.allocator = allocator
         self.pins = PinTable()
         self.leases = LeaseTable(self.pins)
@@ -88,7 +92,7 @@ class StorageManager:
         hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
         self.hot: LocalCPUBackend | None = hot[0] if hot else None
         self.lower = [t for t in self.tiers if t is not self.hot]
-        self._incidents = {t.name: IncidentLog(logger, f"storage tier {t.name}") for t in self.tiers}
+        self._faults = faults or FailureDomains(lambda name: f"storage tier {name}")
         self._counts = {t.name: Counters() for t in self.tiers}
         self._lock = threading.Lock()
         self._loading: dict[CacheEngineKey, _Load] = {}
@@ -331,7 +335,9 @@ class StorageManager:
         out = {}
         for tier in self.tiers:
             own = self._guard(tier, tier.stats, None) or TierStats()
-            out[tier.name] = TierStats({**own.counters, **self._counts[tier.name].snapshot()}, own.gauges)
+            counts = self._counts[tier.name].snapshot()
+            ours = {**counts, "failures": self._faults.counts(tier.name)["failures"]}
+            out[tier.name] = TierStats({**own.counters, **ours}, own.gauges)
         return out
 
     def _served(self, tier: StorageBackendInterface, objs: Sequence[MemoryObj | None]) -> None:
@@ -359,18 +365,11 @@ class StorageManager:
     # ---- internals --------------------------------------------------------------------------------
 
     def _guard(self, tier: StorageBackendInterface, fn: Callable[..., T], default: Any, *args: Any) -> T:
-        """Call into a tier; the failure of one that `may_fail` is `default` (a miss), logged
-        once per incident."""
+        """Call into a tier; for one that `may_fail`, through its failure domain (a fault is
+        `default`: a miss)."""
         if not tier.may_fail:
             return fn(*args)
-        try:
-            result = fn(*args)
-        except Exception as e:  # noqa: BLE001 - any tier fault is a miss
-            self._counts[tier.name].add("failures")
-            self._incidents[tier.name].fail(e)
-            return default
-        self._incidents[tier.name].recover()
-        return result
+        return self._faults.call(tier.name, lambda: fn(*args), default)
 
     def close(self) -> None:
         with self._lock:

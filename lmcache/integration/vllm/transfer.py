@@ -86,7 +86,7 @@ def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: S
     """Load `plan`'s cached prefix into tokens [load_from, load_to) of vLLM's cache (`groups`: the
     groups stored per token; `states`: a hybrid model's recurrent layers, whose state after
     load_to tokens is loaded first: without it nothing is); returns the number of tokens now
-    valid (<= load_to). Ends the request's lookup lease."""
+    valid (vLLM's own load_from, up to load_to). Ends the request's lookup lease."""
     try:
         if states is not None and not _load_state(engine, plan, states):
             return plan.load_from
@@ -100,7 +100,7 @@ def load_plan(engine: LMCacheEngine, kvcaches: Any, plan: RequestPlan, groups: S
         loaded = engine.retrieve(tokens, mask, extra_key=plan.extra_key, kvcaches=kvcaches,
                                  slot_mapping=slots)
         first = 0 if mask is None else int((~mask).sum())
-        return min(first + int(loaded[first:].sum()), plan.load_to)
+        return max(plan.load_from, min(first + int(loaded[first:].sum()), plan.load_to))
     finally:
         engine.release(plan.req_id)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +40,6 @@ from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine, vllm_layout
 from lmcache.metrics import rank_payload
-from lmcache.observability import IncidentLog
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ class LMCacheWorker:
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # asynchronous loads done in this step
         self._failed_loads: set[str] = set()
-        self._incidents = IncidentLog(logger, "LMCache vLLM worker", with_traceback=True)
         self._reported_gauges: dict[str, Any] = {}
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -130,14 +129,13 @@ class LMCacheWorker:
     def load(self, plan: RequestPlan) -> int:
         """Load `plan`'s prefix; what could not be loaded is reported (vLLM then recomputes it):
         as failed blocks, or for an asynchronous load as a failed request. Never raises: a cache
-        fault must not fail the request."""
-        assert self.engine is not None
-        try:
-            valid = load_plan(self.engine, self.kvcaches, plan, self.kv.token_groups, self.states)
-            self._incidents.recover()
-        except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
-            self._failed(f"loading request {plan.req_id}'s cached prefix", e)
-            valid = plan.load_from
+        fault must not fail the request (the engine's `bugs`, see `lmcache.failures`)."""
+        engine = self.engine
+        assert engine is not None
+        valid = engine.bugs.call(f"loading request {plan.req_id}'s cached prefix",
+                                 partial(load_plan, engine, self.kvcaches, plan, self.kv.token_groups,
+                                         self.states),
+                                 plan.load_from)
         if plan.load_async:
             self._loaded.add(plan.req_id)
         if valid < plan.load_to:
@@ -150,29 +148,22 @@ class LMCacheWorker:
                 failed = plan.block_ids[0][first : -(-plan.load_to // bs)]
                 self._load_errors.update(failed)
                 blocks = len(failed)
-            self.engine.stats.add("load_error_blocks", blocks)
+            engine.stats.add("load_error_blocks", blocks)
             logger.debug("request %s: loaded %d of %d planned tokens; vLLM recomputes the rest",
                          plan.req_id, max(valid - plan.load_from, 0), plan.load_to - plan.load_from)
         return valid
 
     def save(self, plan: RequestPlan) -> None:
-        """Store what `plan` says; a failure only means the KV is not cached (never raises)."""
-        assert self.engine is not None
-        try:
-            first = save_plan(self.engine, self.kvcaches, plan, self.kv.token_groups, self.states)
-            if first > plan.save_from:
-                self.engine.stats.add("store_unkept_tokens", min(first, plan.save_to) - plan.save_from)
-            self._incidents.recover()
-        except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
-            self._failed(f"storing request {plan.req_id}'s KV", e)
-
-    def _failed(self, what: str, error: Exception) -> None:
-        """A request the cache could not serve: counted in the engine's ``errors``, logged once
-        per incident (with the traceback)."""
-        assert self.engine is not None
-        self.engine.stats.add("errors")
-        self._incidents.fail(RuntimeError(f"{what}: {type(error).__name__}: {error}").with_traceback(
-            error.__traceback__))
+        """Store what `plan` says; a failure only means the KV is not cached (never raises: the
+        engine's `bugs`)."""
+        engine = self.engine
+        assert engine is not None
+        first = engine.bugs.call(f"storing request {plan.req_id}'s KV",
+                                 partial(save_plan, engine, self.kvcaches, plan, self.kv.token_groups,
+                                         self.states),
+                                 plan.save_from)
+        if first > plan.save_from:
+            engine.stats.add("store_unkept_tokens", min(first, plan.save_to) - plan.save_from)
 
     def stats_interval(self) -> LMCacheKVConnectorStats | None:
         """What the engine counted since the last report (vLLM asks after every step); None when

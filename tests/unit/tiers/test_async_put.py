@@ -2,7 +2,9 @@ import threading
 
 import pytest
 
+from lmcache.failures import FailureDomains
 from lmcache.storage_backend.async_put import AsyncPutQueue
+from tests.helpers.clock import ManualClock
 
 
 class GatedWriter:
@@ -75,13 +77,34 @@ def test_get_pending_serves_the_object_being_written(make_obj, key):
 def test_failed_write_is_counted_logged_once_and_releases_the_reference(make_obj, key, caplog):
     w = GatedWriter(fail=True)
     w.gate.set()
-    q = AsyncPutQueue("t", w, num_workers=1)
-    objs = [make_obj(i) for i in range(3)]
+    clock = ManualClock()
+    q = AsyncPutQueue("t", w, num_workers=1, faults=FailureDomains(str, 0.5, 4.0, clock=clock))
+    objs = [make_obj(i) for i in range(4)]
     for i, o in enumerate(objs):
+        if i == 3:
+            clock.advance(0.5)  # the backoff delay has passed: tried again
         q.submit(key(i), o)
         q.flush(5)
-    assert q.num_failed == 3 and all(o.get_ref_count() == 1 for o in objs)
+    assert q.num_failed == 2 and q.num_dropped == 2  # tried and failed; not tried while backing off
+    assert all(o.get_ref_count() == 1 for o in objs)
     assert sum("failed" in r.message for r in caplog.records if r.levelname == "WARNING") == 1
+    q.close()
+
+
+def test_writes_resume_once_the_store_works_again(make_obj, key):
+    w = GatedWriter(fail=True)
+    w.gate.set()
+    clock = ManualClock()
+    q = AsyncPutQueue("t", w, num_workers=1, faults=FailureDomains(str, 0.5, 4.0, clock=clock))
+    q.submit(key(0), make_obj(0))
+    q.flush(5)
+    w.fail = False
+    q.submit(key(1), make_obj(1))  # within the backoff: not tried
+    q.flush(5)
+    clock.advance(0.5)
+    q.submit(key(2), make_obj(2))
+    q.flush(5)
+    assert (q.num_failed, q.num_dropped, q.num_written) == (1, 1, 1)
     q.close()
 
 

@@ -2,7 +2,6 @@
 timeouts and per-node failures are exercised in tests/integration/tiers)."""
 
 import logging
-import time
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from lmcache.config import LMCacheEngineConfig
 from lmcache.storage_backend.connectors.base import RemoteConnector
 from lmcache.storage_backend.remote_backend import RemoteBackend
+from tests.helpers.clock import ManualClock
 
 
 class FlakyStore(RemoteConnector):
@@ -19,6 +19,7 @@ class FlakyStore(RemoteConnector):
         self.data: dict[str, bytes] = {}
         self.down: set[str] = set()
         self.calls = 0
+        self.clock = ManualClock()  # the backend's (the test steps time past a backoff delay)
 
     def failure_domain(self, key: str) -> str:
         return "odd" if int(key.split("@")[4][-1], 16) % 2 else "even"
@@ -49,7 +50,7 @@ class FlakyStore(RemoteConnector):
 def remote(meta, allocator):
     store = FlakyStore()
     config = LMCacheEngineConfig.from_defaults(remote_url="lm://127.0.0.1:1?backoff=0.05&max_backoff=0.05")
-    backend = RemoteBackend(config, meta, allocator.allocate, connector=store)
+    backend = RemoteBackend(config, meta, allocator.allocate, connector=store, clock=store.clock)
     yield backend, store
     backend.close()
 
@@ -82,7 +83,7 @@ def test_a_failing_store_is_a_miss_warned_once_per_incident_and_retried_after_ba
     assert len(warnings) == 1 and store.calls < 10  # backing off: most calls never reach the store
     assert not backend.available and backend.num_skipped > 0
     store.down = set()
-    time.sleep(0.06)
+    store.clock.advance(0.05)
     got = backend.get_blocking(key(2))
     assert got is not None and backend.available
     store.down = {"even"}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmcache.config import LMCacheEngineConfig
+from lmcache.failures import FailureDomains
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -14,6 +15,7 @@ from lmcache.storage_backend.peer_backend import PeerBackend
 from lmcache.storage_backend.registry import register_tier, tier_classes, tier_names
 from lmcache.storage_backend.remote_backend import RemoteBackend
 from lmcache.storage_backend.storage_manager import StorageManager
+from tests.helpers.clock import ManualClock
 
 
 @pytest.fixture
@@ -129,3 +131,31 @@ def test_the_interface_declares_safe_defaults():
     assert StorageBackendInterface.may_fail and StorageBackendInterface.is_local
     with pytest.raises(NotImplementedError):
         StorageBackendInterface.create(None)  # type: ignore[arg-type]
+
+
+def test_a_failing_tier_is_a_miss_backed_off_counted_and_warned_once(disk_config, meta, key, make_obj,
+                                                                    monkeypatch, caplog):
+    clock = ManualClock()
+    alloc = MixedMemoryAllocator(1 << 20)
+    sm = StorageManager(disk_config(), meta, alloc,
+                        faults=FailureDomains(lambda name: f"storage tier {name}", 0.5, 4.0, clock=clock))
+    disk = sm.backends["LocalDiskBackend"]
+    store(sm, [key(0)], make_obj, [0])
+    sm.clear("hot")
+    calls = []
+
+    def eio(keys):  # an I/O error a healthy test disk cannot produce
+        calls.append(keys)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk, "batched_contains", eio)
+    with caplog.at_level("WARNING"):
+        assert sm.contains_prefix([key(0)]).hits == 0  # a miss, not an error
+        assert sm.contains_prefix([key(0)]).hits == 0  # backing off: the disk is not asked
+    assert len(calls) == 1 and sm.stats()["LocalDiskBackend"].counters["failures"] == 1
+    assert [r.message for r in caplog.records].count(
+        "storage tier LocalDiskBackend failed (treated as a cache miss): [Errno 5] Input/output error") == 1
+    monkeypatch.undo()
+    clock.advance(0.5)
+    assert sm.contains_prefix([key(0)]).hits == 1 and sm.health()["LocalDiskBackend"]
+    sm.close()

@@ -29,7 +29,7 @@ def worker_over(engine, kv, groups=1):
 
 
 def test_a_failing_load_reports_its_blocks_for_recompute_and_does_not_raise():
-    engine = build_engine(8, error_handling=False)  # errors propagate out of the engine itself
+    engine = build_engine(8, error_handling=True)  # as the connector always runs it
     kv = PagedKV()
     tokens = torch.randint(0, 1000, (16,))
     slots = kv.slots_for(16)
@@ -48,7 +48,7 @@ def test_a_failing_load_reports_its_blocks_for_recompute_and_does_not_raise():
 
 def test_a_failing_asynchronous_load_is_reported_by_request():
     """With several KV cache groups vLLM recovers only a failed load reported by request."""
-    engine = build_engine(8, error_handling=False)
+    engine = build_engine(8, error_handling=True)
     kv = PagedKV()
     tokens = torch.randint(0, 1000, (16,))
     slots = kv.slots_for(16)
@@ -67,11 +67,32 @@ def test_a_failing_asynchronous_load_is_reported_by_request():
 
 
 def test_a_failing_save_is_logged_not_raised():
-    engine = build_engine(8, error_handling=False)
+    engine = build_engine(8, error_handling=True)
     engine.gpu_connector = BrokenConnector(8, 2)
     kv = PagedKV()
     tokens = torch.randint(0, 1000, (16,))
     blocks = (kv.slots_for(16)[:: kv.block_size] // kv.block_size).tolist()
     worker_over(engine, kv).save(RequestPlan("s", tokens.tolist(), [blocks], save_from=0, save_to=16))
-    assert engine.lookup(tokens) == 0
+    assert engine.lookup(tokens) == 0 and engine.stats.get("errors") == 1
+    engine.close()
+
+
+def test_a_bug_in_the_workers_own_code_is_a_miss_counted_by_the_engine(monkeypatch):
+    """The worker has no catch of its own: its load and save run under the engine's `bugs`."""
+    engine = build_engine(8, error_handling=True)
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (16,))
+    slots = kv.slots_for(16)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+
+    def broken(*args, **kwargs):
+        raise KeyError("injected bug")
+
+    monkeypatch.setattr("lmcache.integration.vllm.worker.load_plan", broken)
+    worker = worker_over(engine, kv)
+    blocks = (slots[:: kv.block_size] // kv.block_size).tolist()
+    plan = RequestPlan("r", tokens.tolist(), [blocks], load_from=4, load_to=15, retrieve_to=16)
+    assert worker.load(plan) == 4
+    assert worker.get_block_ids_with_load_errors() == set(blocks[1:4])
+    assert engine.stats.get("errors") == 1
     engine.close()

@@ -1,0 +1,158 @@
+"""The failure policy: a cache never fails a request and never takes the serving engine down.
+
+Every fault is one of three kinds, and each kind is caught in exactly one place:
+
+1. **A store that fails** — a disk that errors, a remote server or cluster node that is down, a
+   peer that does not answer, the peer lookup service unreachable. `FailureDomains.call` (here)
+   is the only code that turns it into a miss. A failure domain is what fails together: a tier,
+   a cluster node, a peer, the lookup service. While a domain is failing it is backed off from
+   (`backoff.Backoff`: calls answer the miss at once, counted in ``skipped``); each failure is
+   counted (``failures``), the first of an incident is one warning naming the domain, repeats
+   are debug lines, and the first success logs "works again" (`observability.IncidentLog`).
+   It is used by the `StorageManager` around every call into a tier that `may_fail` (one domain
+   per tier: faults the tier itself does not absorb), by `RemoteBackend` per cluster node, by
+   `PeerBackend` per peer, by `AsyncPutQueue` for a lower tier's background writes and by the
+   peer `LookupService` for its store. Connectors (the wire to a store:
+   `storage_backend/connectors`, the lm:// client, `disk_file`) and tiers raise: they never catch
+   an error to answer a miss. Exceptions a domain lists in `passthrough` (the store answered,
+   with a bad value: `CorruptBlobError`) reach the tier that reads them, which deletes the value
+   and counts it.
+2. **A bug** — anything else raised while serving a request (a copy into the serving engine that
+   fails, a broken invariant). With ``error_handling=True``, `BugsAsMisses.call` (here) makes it a
+   miss for that request: counted in the engine's ``errors``, logged once per incident with the
+   traceback; with False it propagates. An engine has one, used by its store and retrieve and by
+   whatever serves requests through it (the vLLM worker's load and save, which always run with
+   ``error_handling=True``).
+3. **Bad input** — a mask, shape, search range, config, URL or command that cannot be right: a
+   specific ValueError at the boundary, always, whatever ``error_handling`` says. Bad bytes read
+   from a store (corrupt, truncated, foreign) are a miss, never an error.
+
+Servers (the lm:// server, the controller, the vLLM lookup channel, the peer server) answer a bad
+or failing request with an error reply and keep serving; a client whose server does not answer
+counts a miss (the vLLM lookup channel asks again on the next scheduler step, without backoff).
+Something that does not change while the process runs (a setting, a missing device) is logged
+once per process with `observability.log_once`; every other repeated warning is an incident.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from lmcache.backoff import Backoff, Clock
+from lmcache.observability import Counters, IncidentLog
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Domain:
+    def __init__(self, label: str, initial: float, maximum: float, clock: Clock) -> None:
+        self.backoff = Backoff(initial, maximum, clock)
+        self.incidents = IncidentLog(logger, label)
+
+
+class FailureDomains:
+    """`call(name, fn, default)` runs `fn()` against domain `name`: while the domain is backing
+    off it answers `default` at once (counted in ``skipped``); an exception is a failure
+    (`default`, counted in ``failures``, backoff doubled, a warning on the first failure of an
+    incident); a success ends the incident. Domains are created on first use."""
+
+    def __init__(self, label: Callable[[str], str], initial: float = 0.5, maximum: float = 30.0,
+                 passthrough: tuple[type[BaseException], ...] = (), clock: Clock = time.monotonic) -> None:
+        """`label(domain)` names a domain in log lines."""
+        Backoff(initial, maximum)  # validates the range now, not at the first failure
+        self._label = label
+        self._range = (initial, maximum)
+        self._clock = clock
+        self._passthrough = passthrough
+        self._lock = threading.Lock()
+        self._domains: dict[str, _Domain] = {}
+        self._counts: dict[str, Counters] = {}
+
+    def _get(self, name: str) -> _Domain:
+        with self._lock:
+            domain = self._domains.get(name)
+            if domain is None:
+                domain = self._domains[name] = _Domain(self._label(name), *self._range, self._clock)
+                self._counts[name] = Counters()
+            return domain
+
+    def call(self, name: str, fn: Callable[[], T], default: T) -> T:
+        domain = self._get(name)
+        if not domain.backoff.ready():
+            self._counts[name].add("skipped")
+            return default
+        try:
+            result = fn()
+        except self._passthrough:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the store is a miss
+            self._counts[name].add("failures")
+            domain.backoff.failed()
+            domain.incidents.fail(e)
+            return default
+        if domain.backoff.failing:
+            domain.backoff.succeeded()
+            domain.incidents.recover()
+        return result
+
+    def counts(self, name: str | None = None) -> dict[str, float]:
+        """``failures`` and ``skipped`` calls of domain `name` (summed over every domain, for
+        None)."""
+        with self._lock:
+            chosen = [self._counts[name]] if name in self._counts else [] if name else list(
+                self._counts.values())
+        out = {"failures": 0.0, "skipped": 0.0}
+        for counts in chosen:
+            for key, value in counts.snapshot().items():
+                out[key] += value
+        return out
+
+    @property
+    def num_skipped(self) -> int:
+        return int(self.counts()["skipped"])
+
+    def ready(self, name: str) -> bool:
+        """Whether domain `name` may be tried now (not within a backoff delay)."""
+        with self._lock:
+            domain = self._domains.get(name)
+        return domain is None or domain.backoff.ready()
+
+    def failing(self, name: str | None = None) -> bool:
+        """Whether domain `name` (any domain, for None) is failing (being backed off from)."""
+        with self._lock:
+            domains = [self._domains[name]] if name in self._domains else [] if name else list(
+                self._domains.values())
+        return any(d.backoff.failing for d in domains)
+
+
+class BugsAsMisses:
+    """An engine's handling of bugs (kind 2 above). `call(what, fn, default)` runs `fn()`; if it
+    raises and `enabled`, the error is counted (`count()`), logged once per incident with its
+    traceback, and `default` is returned; if not `enabled` it propagates. `failed(what, error)`
+    reports an error caught elsewhere (a copy that failed after its call had returned)."""
+
+    def __init__(self, log: logging.Logger, what: str, enabled: bool, count: Callable[[], None]) -> None:
+        self.enabled = enabled
+        self._count = count
+        self._incidents = IncidentLog(log, what, with_traceback=True)
+
+    def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        try:
+            result = fn()
+        except Exception as e:
+            if not self.enabled:
+                raise
+            self.failed(what, e)
+            return default
+        self._incidents.recover()
+        return result
+
+    def failed(self, what: str, error: BaseException) -> None:
+        self._count()
+        self._incidents.fail(RuntimeError(f"{what}: {type(error).__name__}: {error}").with_traceback(
+            error.__traceback__))
