@@ -83,6 +83,13 @@ class StagedCopier:
     def kernel(self) -> str:
         return "triton" if self._triton is not None else "torch"
 
+    @property
+    def staging(self) -> tuple[int, int]:
+        """The staging ring now: (slots allocated, bytes per slot); at most ``max(2,
+        staging_bytes // slot size)`` slots."""
+        with self._lock:
+            return len(self._slots), self._capacity
+
     def copy(self, sources: KVSources, request: CopyRequest, on_done: CopyDone) -> None:
         """Issue the request's copy; `on_done` runs once it completed (before returning, off CUDA)."""
         largest = max(b.nbytes for b in request.blobs)

@@ -55,6 +55,10 @@ class MemoryAllocatorInterface(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Give the memory back now. Objects still alive keep working; nothing is allocated after."""
 
+    def check_integrity(self) -> None:  # noqa: B027 - optional hook
+        """Raise AssertionError unless the books balance (free + used = total, nothing handed out
+        twice). An allocator that keeps no books (each object its own tensor) has nothing to check."""
+
 
 class TensorMemoryAllocator(MemoryAllocatorInterface):
     ALIGN_BYTES = 512

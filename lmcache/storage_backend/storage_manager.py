@@ -316,9 +316,7 @@ class StorageManager:
     def check_integrity(self, at_rest: bool = False) -> None:
         """Raise AssertionError unless the arena's books balance, the hot tier holds only live
         objects (`at_rest`: held by nobody else) and no load is in flight."""
-        check = getattr(self.allocator, "check_integrity", None)
-        if check is not None:
-            check()
+        self.allocator.check_integrity()
         if self.hot is not None:
             self.hot.check_integrity(at_rest)
         with self._lock:

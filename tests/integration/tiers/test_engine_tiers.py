@@ -209,7 +209,7 @@ def test_processes_sharing_a_directory_never_read_torn_files(tmp_path):
         time.sleep(0.01)
     assert [w.returncode for w in writers] == [0, 0]
     assert disk_worker.read_all(reader, 6) == (6, 0)
-    assert reader.num_corrupt == 0 and len(reader_disk(d)._index) == 6
+    assert reader.num_corrupt == 0 and reader_disk(d).stats().gauges["files"] == 6
     reader.close()
 
 

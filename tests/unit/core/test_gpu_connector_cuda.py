@@ -155,7 +155,7 @@ def test_back_to_back_requests_share_a_bounded_staging_ring():
         assert done.calls == [None]
         assert all(torch.equal(o.tensor, src.rows(slots[a:b])) for o, a, b in zip(objs, starts, ends))
     copier = conn.staged_copier(torch.device("cuda", torch.cuda.current_device()))
-    assert len(copier._slots) == 2
+    assert copier.staging[0] == 2
 
 
 def test_engine_store_and_retrieve_on_cuda():

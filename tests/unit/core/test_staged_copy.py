@@ -97,7 +97,7 @@ def test_the_staging_ring_is_bounded_and_reused_across_requests():
         objs = chunk_objects_host(conn, [CHUNK] * 4)
         conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
         assert all(torch.equal(o.tensor, src.rows(slots[a:b])) for o, a, b in zip(objs, starts, ends))
-    assert len(copier._slots) == 3 and copier._capacity == CHUNK_BYTES
+    assert copier.staging == (3, CHUNK_BYTES)
 
 
 def test_lmcache_staged_copy_env_forces_the_staged_path(monkeypatch):
