@@ -27,15 +27,15 @@ import threading
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
 
+from lmcache.observability import EngineStats
 from lmcache.storage_backend.peer_backend import PeerBackend
-
-if TYPE_CHECKING:
-    from lmcache.cache_engine import LMCacheEngine
+from lmcache.storage_backend.storage_manager import StorageManager
+from lmcache.token_database import TokenDatabase
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 16 << 20
@@ -46,8 +46,21 @@ class BadRequest(ValueError):
     """The request is malformed (answered 400)."""
 
 
+class ControlledEngine(Protocol):
+    """What the controller uses of an engine (`LMCacheEngine` is one)."""
+
+    storage_manager: StorageManager
+    token_database: TokenDatabase
+    stats: EngineStats
+
+    def lookup(self, tokens: torch.Tensor, search_range: str | list[str] | None = None, *,
+               extra_key: str | None = None, lease_id: str | None = None, lease_ttl: float = 60.0) -> int: ...
+
+    def release(self, lease_id: str) -> None: ...
+
+
 class Controller:
-    def __init__(self, engine: LMCacheEngine, host: str, port: int,
+    def __init__(self, engine: ControlledEngine, host: str, port: int,
                  tokenize: Callable[[str], list[int]] | None = None) -> None:
         self.engine = engine
         self.tokenize = tokenize

@@ -14,12 +14,9 @@ import enum
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from lmcache.memory_management.tensor_allocator import MemoryAllocatorInterface
 
 
 class MemoryFormat(enum.Enum):
@@ -45,10 +42,19 @@ class MemoryObjMetadata:
 _ORPHAN_LOCK = threading.Lock()
 
 
+class Owner(Protocol):
+    """Where an object's memory returns (an allocator): its `lock` guards the object's ref count,
+    `free` takes the memory back when the count reaches zero."""
+
+    lock: threading.Lock
+
+    def free(self, memory_obj: MemoryObj) -> None: ...
+
+
 class MemoryObj(abc.ABC):
     """Interface of everything a cache tier holds."""
 
-    def __init__(self, metadata: MemoryObjMetadata, allocator: MemoryAllocatorInterface | None) -> None:
+    def __init__(self, metadata: MemoryObjMetadata, allocator: Owner | None) -> None:
         self._metadata = metadata
         self._allocator = allocator
         self._lock = allocator.lock if allocator is not None else _ORPHAN_LOCK
@@ -128,7 +134,7 @@ class TensorMemoryObj(MemoryObj):
         self,
         raw_data: torch.Tensor,
         metadata: MemoryObjMetadata,
-        allocator: MemoryAllocatorInterface | None = None,
+        allocator: Owner | None = None,
     ) -> None:
         super().__init__(metadata, allocator)
         self.raw_data = raw_data
@@ -163,7 +169,7 @@ class BytesBufferMemoryObj(MemoryObj):
         self,
         raw_bytes: bytes | bytearray | memoryview,
         metadata: MemoryObjMetadata | None = None,
-        allocator: MemoryAllocatorInterface | None = None,
+        allocator: Owner | None = None,
     ) -> None:
         if metadata is None:
             metadata = MemoryObjMetadata(torch.Size([len(raw_bytes)]), None, 0, len(raw_bytes), 1,
