@@ -2,7 +2,8 @@
 combined by `storage_manager`.
 
 `create_storage_backends` builds the tiers a config enables, in lookup order: "Hot"
-(`LocalCPUBackend`), "LocalDiskBackend", "RemoteBackend".
+(`LocalCPUBackend`), "LocalDiskBackend", "RemoteBackend", "PeerBackend" (other instances' local
+tiers, found through the peer lookup service). Their faults are misses (`lmcache.failures`).
 """
 
 from __future__ import annotations
