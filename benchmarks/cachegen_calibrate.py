@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from cachegen_common import FIT, KVModel, kl_and_top1
 
+from lmcache.cachegen.config import CacheGenConfig, specs_from_bins
+from lmcache.cachegen.decoder import CacheGenDeserializer
+from lmcache.cachegen.encoder import CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, specs_from_bins
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
 
 OUT = Path(__file__).with_name("out")
 CHUNK = 256

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from lmcache.cachegen import decoder as decoder
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import gpu as gpu
 from lmcache.observability import forget_logged_once
 from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_decoder as decoder
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_gpu as gpu
 from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmcache.storage_backend.serde import cachegen_quant as cgq
-from lmcache.storage_backend.serde.cachegen_basics import (
+from lmcache.cachegen import quant as cgq
+from lmcache.cachegen.config import (
     CacheGenConfig,
     CacheGenEncoderOutput,
     CacheGenGPUEncoderOutput,
 )
-from lmcache.storage_backend.serde.cachegen_decoder import do_dequantize, quant
-from lmcache.storage_backend.serde.cachegen_encoder import (
+from lmcache.cachegen.decoder import do_dequantize, quant
+from lmcache.cachegen.encoder import (
     collect_bytes,
     concat_max,
     encode_function,
@@ -61,7 +61,7 @@ def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
 def test_exponents_and_classes_by_thresholds_are_the_rounded_logarithms() -> None:
     """Both are defined by comparisons with precomputed thresholds (exact in numpy and C alike);
     away from ties they are the rounded logarithms they stand for."""
-    from lmcache.storage_backend.serde.cachegen_layout import channel_classes
+    from lmcache.cachegen.layout import channel_classes
 
     rng = np.random.default_rng(5)
     sumsq = rng.lognormal(0.0, 6.0, (40, 300))

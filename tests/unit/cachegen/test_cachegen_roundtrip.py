@@ -7,17 +7,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde import create_serde
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, CacheGenGPUEncoderOutput
-from lmcache.storage_backend.serde.cachegen_decoder import (
+from lmcache.cachegen.config import CacheGenConfig, CacheGenGPUEncoderOutput
+from lmcache.cachegen.decoder import (
     CacheGenDeserializer,
     StreamTables,
     decode_chunk,
     decode_kv,
 )
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, encode_function
-from lmcache.storage_backend.serde.cachegen_quant import steps
+from lmcache.cachegen.encoder import CacheGenSerializer, encode_function
+from lmcache.cachegen.quant import steps
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.storage_backend.serde import create_serde
 
 
 def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:

@@ -25,22 +25,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryFormat, MemoryObj
-from lmcache.observability import log_once
-from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_gpu as gpu
-from lmcache.storage_backend.serde import cachegen_quant as cgq
-from lmcache.storage_backend.serde import cachegen_rans as rans
-from lmcache.storage_backend.serde.cachegen_basics import (
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import gpu, rans
+from lmcache.cachegen import quant as cgq
+from lmcache.cachegen.config import (
     CacheGenConfig,
     CacheGenEncoderOutput,
     CacheGenGPUBytestream,
     CacheGenGPUEncoderOutput,
 )
-from lmcache.storage_backend.serde.cachegen_kernels import Kernels, kernels
-from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
+from lmcache.cachegen.kernels import Kernels, kernels
+from lmcache.cachegen.layout import CodeLayout
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryFormat, MemoryObj
+from lmcache.observability import log_once
+from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
 
 logger = logging.getLogger(__name__)

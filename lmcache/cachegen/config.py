@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde.cachegen_tables import known_table
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen.tables import known_table
 
 MAX_BINS = 1024
 DEFAULT_KEY_BINS = 36  # the default for models without a fitted table (`default_for_layers`)

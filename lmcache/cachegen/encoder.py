@@ -35,25 +35,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_gpu as gpu
-from lmcache.storage_backend.serde import cachegen_quant as quant
-from lmcache.storage_backend.serde.cachegen_basics import (
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import gpu, quant
+from lmcache.cachegen.config import (
     CacheGenConfig,
     CacheGenEncoderOutput,
     CacheGenGPUEncoderOutput,
 )
-from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
-from lmcache.storage_backend.serde.cachegen_kernels import (
+from lmcache.cachegen.format import MAX_ALPHABET
+from lmcache.cachegen.kernels import (
     ChunkCode,
     Kernels,
     Quantized,
     coded_input,
     kernels,
 )
-from lmcache.storage_backend.serde.cachegen_layout import CodeLayout, channel_classes
+from lmcache.cachegen.layout import CodeLayout, channel_classes
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde.serde import Serializer
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_quant as quant
-from lmcache.storage_backend.serde.cachegen_basics import (
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import quant
+from lmcache.cachegen.config import (
     CacheGenEncoderOutput,
     CacheGenGPUBytestream,
     CacheGenGPUEncoderOutput,

@@ -27,10 +27,9 @@ import numpy as np
 import torch
 
 from lmcache import native
-from lmcache.storage_backend.serde import cachegen_quant as quant
-from lmcache.storage_backend.serde import cachegen_rans as rans
-from lmcache.storage_backend.serde.cachegen_format import MAX_ALPHABET
-from lmcache.storage_backend.serde.cachegen_layout import (
+from lmcache.cachegen import quant, rans
+from lmcache.cachegen.format import MAX_ALPHABET
+from lmcache.cachegen.layout import (
     CLASS_THRESHOLDS,
     NUM_CLASSES,
     CodeLayout,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmcache.storage_backend.serde.cachegen_layout import CodeLayout
+from lmcache.cachegen.layout import CodeLayout
 from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 PROB_BITS = 12

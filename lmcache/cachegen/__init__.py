@@ -1,0 +1,1 @@
+"""CacheGen: a codec that compresses KV caches (per-layer quantization + entropy coding)."""
