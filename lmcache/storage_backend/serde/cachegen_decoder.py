@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.decoder`."""
+
+from lmcache.cachegen.decoder import *  # noqa: F403

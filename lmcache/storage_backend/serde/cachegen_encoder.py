@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.encoder`."""
+
+from lmcache.cachegen.encoder import *  # noqa: F403

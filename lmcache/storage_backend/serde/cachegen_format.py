@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.format`."""
+
+from lmcache.cachegen.format import *  # noqa: F403

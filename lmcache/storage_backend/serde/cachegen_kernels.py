@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.kernels`."""
+
+from lmcache.cachegen.kernels import *  # noqa: F403

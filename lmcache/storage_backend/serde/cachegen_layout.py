@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.layout`."""
+
+from lmcache.cachegen.layout import *  # noqa: F403

@@ -1,0 +1,3 @@
+"""Seed path alias of `lmcache.cachegen.quant`."""
+
+from lmcache.cachegen.quant import *  # noqa: F403
