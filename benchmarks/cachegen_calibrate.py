@@ -33,8 +33,7 @@ import torch
 from cachegen_common import FIT, KVModel, kl_and_top1
 
 from lmcache.cachegen.config import CacheGenConfig, specs_from_bins
-from lmcache.cachegen.decoder import CacheGenDeserializer
-from lmcache.cachegen.encoder import CacheGenSerializer
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 
 OUT = Path(__file__).with_name("out")

@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 from cachegen_common import EVAL_TEXTS, KVModel, kv_8b_like
 
-from lmcache.cachegen.decoder import CacheGenDeserializer
-from lmcache.cachegen.encoder import CacheGenSerializer
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj, TensorMemoryAllocator
 
@@ -118,8 +117,8 @@ def measure(label: str, chunks: list[torch.Tensor], shape: tuple[int, int, int],
 
 def measure_gpu(chunks: list[torch.Tensor], shape: tuple[int, int, int], repeats: int) -> dict:
     """The GPU coder on `chunks` (moved to the CUDA device first)."""
-    from lmcache.cachegen.config import CacheGenEncoderOutput
     from lmcache.cachegen.decoder import decode_stream
+    from lmcache.cachegen.encoded import CacheGenEncoderOutput
     from lmcache.cachegen.kernels import kernels
     from lmcache.storage_backend.serde import blob
 
@@ -241,7 +240,7 @@ def main() -> None:
         print(f"{r['kv']:24s} {r['bits_per_value']:8.3f} {r['native_encode_MBps']:9.0f} "
               f"{r['native_decode_MBps']:9.0f} {r['reference_encode_MBps']:8.1f} "
               f"{r['reference_decode_MBps']:8.1f} {r['native_equals_reference']!s:>9s}")
-    from lmcache.cachegen import gpu as gpu
+    from lmcache.cachegen import gpu
 
     gpu_rows: dict[str, dict] | str
     if gpu.available():

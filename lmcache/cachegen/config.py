@@ -1,45 +1,23 @@
-"""CacheGen's configuration (bins per layer) and its encoder outputs (seed 003 names).
+"""CacheGen's configuration: quantization bins per layer (seed 003 names).
 
 `QuantizationSpec(start_layer, end_layer, bins)` gives layers ``[start_layer, end_layer)`` (end
 exclusive) a number of quantization bins; `CacheGenConfig(nlayers, kspecs, vspecs)` holds one
 spec list for keys and one for values, which must cover every layer exactly once.
 
 What `bins` means here: a token's vector x_t (one layer, K or V, all ``hidden`` channels) is
-quantized with the uniform step ``8 * rms(x_t) / bins`` (see `cachegen_quant`), i.e. `bins` steps
-span +-4 RMS of the token; values further out are still coded exactly (no clipping), so the error
-of every value is at most half a step. More bins = finer steps = more bits.
+quantized with the uniform step ``8 * rms(x_t) / bins`` (see `quant`), i.e. `bins` steps span
++-4 RMS of the token; values further out are still coded exactly (no clipping), so the error of
+every value is at most half a step. More bins = finer steps = more bits.
 
-`CacheGenConfig.from_model_name` returns the table fitted for a known model family
-(`cachegen_tables`), else `default_for_layers`: the same bins on every layer, keys more than
-values (on the model measured, keys are the more sensitive and no depth rule holds).
-
-The encoder output classes keep the seed's names and fields, with these meanings:
-
-- `cdf`: the frequency tables of all symbol groups, concatenated (int32; each group's sums to
-  2**12, `cachegen_rans`); a group is (K/V, layer, channel class) (`cachegen_layout`);
-  `symbol_ranges[g] = (lowest symbol, alphabet size)`.
-- `max_tensors_key` / `max_tensors_value`: the per-token scales, as step exponents
-  ``e`` (int16, ``step = 2 ** (e / 8)``), shape ``[nlayers, ntokens]``.
-- extra fields: `channel_means` (bf16 ``[2, nlayers, hidden]``), `channel_classes` (uint8
-  ``[2, nlayers, hidden]``), `symbol_ranges` (int32 ``[ngroups, 2]``), `key_bins` / `value_bins`
-  (the bins used, int32 ``[nlayers]``), `anchor_refinements` (uint8 ``[nblocks, 2 * nlayers,
-  hidden]``: the 3 extra bits of each block's first token, `cachegen_quant`), `coder` (which
-  entropy coder wrote the data:
-  `cachegen_format.CODER_RANS` or `CODER_NVCOMP`; nvCOMP streams have no classes or tables).
-
-`CacheGenGPUEncoderOutput` keeps the entropy-coded data as one `CacheGenGPUBytestream` per token
-block (uint8 tensors; blocks decode independently); `CacheGenEncoderOutput` is the same content
-with all blocks in one `bytes` object and `start_indices` (byte offsets) — the form written to
-the wire. Both `to_bytes` / `from_bytes` use the versioned format of `cachegen_format`.
+`CacheGenConfig.from_model_name` returns the table fitted for a known model family (`tables`),
+else `default_for_layers`: the same bins on every layer, keys more than values (on the model
+measured, keys are the more sensitive and no depth rule holds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from lmcache.cachegen import format as fmt
 from lmcache.cachegen.tables import known_table
 
 MAX_BINS = 1024
@@ -150,103 +128,3 @@ class CacheGenConfig:
             raise ValueError(f"no CacheGen table for model {model_name!r}; pass nlayers to get "
                              "the default allocation")
         return CacheGenConfig.default_for_layers(nlayers)
-
-
-@dataclass
-class CacheGenGPUBytestream:
-    """One token block's entropy-coded data: `bytestream` (uint8) is the concatenation of one
-    substream per (K/V, layer), whose byte lengths are `bytestream_lengths` (int64 ``[2 *
-    nlayers]``); `ntokens` tokens."""
-
-    bytestream: torch.Tensor
-    bytestream_lengths: torch.Tensor
-    ntokens: int
-
-
-@dataclass
-class CacheGenGPUEncoderOutput:
-    data_chunks: list[CacheGenGPUBytestream]
-    cdf: torch.Tensor
-    max_tensors_key: torch.Tensor
-    max_tensors_value: torch.Tensor
-    num_heads: int
-    head_size: int
-    channel_means: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    channel_classes: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    symbol_ranges: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    key_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    value_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    coder: int = fmt.CODER_RANS
-    anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-
-    @property
-    def ntokens(self) -> int:
-        return sum(c.ntokens for c in self.data_chunks)
-
-    def debug_print_device(self) -> None:
-        print({name: getattr(self, name).device for name in fmt.TENSOR_FIELDS})
-
-    def to_flat(self) -> CacheGenEncoderOutput:
-        streams = [c.bytestream.cpu().numpy().tobytes() for c in self.data_chunks]
-        lengths = torch.stack([c.bytestream_lengths.cpu().long() for c in self.data_chunks])
-        starts = torch.cat([torch.zeros(len(streams), 1, dtype=torch.long), lengths.cumsum(1)], 1)
-        starts += torch.tensor([0, *[len(s) for s in streams]]).cumsum(0)[:-1, None]
-        return CacheGenEncoderOutput(
-            b"".join(streams), starts, self.cdf, self.max_tensors_key, self.max_tensors_value,
-            self.num_heads, self.head_size, self.channel_means, self.channel_classes,
-            self.symbol_ranges, self.key_bins, self.value_bins,
-            block_tokens=torch.tensor([c.ntokens for c in self.data_chunks]), coder=self.coder,
-            anchor_refinements=self.anchor_refinements)
-
-    def to_bytes(self) -> bytes:
-        return self.to_flat().to_bytes()
-
-    @staticmethod
-    def from_bytes(bs: bytes | bytearray | memoryview) -> CacheGenGPUEncoderOutput:
-        return CacheGenEncoderOutput.from_bytes(bs).to_gpu_output()
-
-
-@dataclass
-class CacheGenEncoderOutput:
-    """All token blocks in one `bytestream`; block b's substream s (s = kv * nlayers + layer)
-    is ``bytestream[start_indices[b, s]:start_indices[b, s + 1]]``."""
-
-    bytestream: bytes
-    start_indices: torch.Tensor
-    cdf: torch.Tensor
-    max_tensors_key: torch.Tensor
-    max_tensors_value: torch.Tensor
-    num_heads: int
-    head_size: int
-    channel_means: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    channel_classes: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    symbol_ranges: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    key_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    value_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    block_tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    coder: int = fmt.CODER_RANS
-    anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-
-    def to_gpu_output(self) -> CacheGenGPUEncoderOutput:
-        data = torch.frombuffer(bytearray(self.bytestream), dtype=torch.uint8) \
-            if self.bytestream else torch.empty(0, dtype=torch.uint8)
-        chunks = []
-        for b, ntok in enumerate(self.block_tokens.tolist()):
-            starts = self.start_indices[b]
-            chunks.append(CacheGenGPUBytestream(data[int(starts[0]):int(starts[-1])],
-                                                starts.diff(), int(ntok)))
-        return CacheGenGPUEncoderOutput(
-            chunks, self.cdf, self.max_tensors_key, self.max_tensors_value, self.num_heads,
-            self.head_size, self.channel_means, self.channel_classes, self.symbol_ranges,
-            self.key_bins, self.value_bins, self.coder, self.anchor_refinements)
-
-    def to_bytes(self) -> bytes:
-        return fmt.pack(self)
-
-    def to_parts(self) -> list[bytes]:
-        """`to_bytes` as [the stream's header and tables, the substreams] (not joined)."""
-        return fmt.pack_parts(self)
-
-    @staticmethod
-    def from_bytes(bs: bytes | bytearray | memoryview) -> CacheGenEncoderOutput:
-        return CacheGenEncoderOutput(**fmt.unpack(bs))

@@ -1,25 +1,18 @@
-"""CacheGen decoder: versioned stream -> KV, in one fused pass (entropy decode + dequantize).
+"""CacheGen decoder: encoded token blocks -> KV, in one fused pass (entropy decode + dequantize).
 
-`CacheGenDeserializer.from_bytes(blob)` validates the common blob header, parses the stream
-(`cachegen_format`), rebuilds the symbol groups from the shipped classes and frequency tables
-(`StreamTables`), then the kernels (`cachegen_kernels`: native, or the numpy reference) decode
-every (token block, pair) substream and write ``q * step + mean`` straight into the output dtype.
-`from_bytes_to` decodes straight into the arena buffer the tier allocates (no extra copy).
-Streams written by the GPU coder decode on the CUDA device (`cachegen_gpu`).
-
-Errors: anything inconsistent raises `CorruptBlobError` (the tiers count a miss and delete the
-value); a stream of the previous format version raises its subclass `StaleStreamError`; an
-nvCOMP-coded stream where CUDA or nvCOMP is missing raises `UnavailableCoderError` (a miss, the
-value kept). Each of the last two is logged once per process.
+`decode_stream(encoded, dtype)` rebuilds the symbol groups from the stream's classes and frequency
+tables (`StreamTables`), then the kernels (`kernels`: native, or the numpy reference) decode every
+(token block, pair) substream and write ``q * step + mean`` straight into the output dtype, into a
+given buffer if wanted. Streams written by the GPU coder decode on the CUDA device (`gpu`).
+Anything inconsistent raises `CorruptBlobError`.
 
 `do_dequantize` / `quant` invert the seed's max-scaled quantizers (`torch_quant_vectorized` /
-`torch_quant` in `cachegen_encoder`).
+`torch_quant` in `encoder`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,21 +21,10 @@ import torch
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import gpu, rans
 from lmcache.cachegen import quant as cgq
-from lmcache.cachegen.config import (
-    CacheGenConfig,
-    CacheGenEncoderOutput,
-    CacheGenGPUBytestream,
-    CacheGenGPUEncoderOutput,
-)
+from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUBytestream, CacheGenGPUEncoderOutput
 from lmcache.cachegen.kernels import Kernels, kernels
 from lmcache.cachegen.layout import CodeLayout
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryFormat, MemoryObj
-from lmcache.observability import log_once
-from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
-
-logger = logging.getLogger(__name__)
+from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 
 def do_dequantize(t: torch.Tensor, bins: torch.Tensor, maxtensors: torch.Tensor) -> torch.Tensor:
@@ -155,69 +137,3 @@ def decode_kv(encoded: CacheGenGPUEncoderOutput, dtype: torch.dtype,
               device: torch.device | str = "cpu", coder: Kernels | None = None) -> torch.Tensor:
     """A whole encoder output -> KV [2, nlayers, ntokens, nchannels] of `dtype` on `device`."""
     return decode_stream(encoded.to_flat(), dtype, coder).to(device)
-
-
-def _log_once(error: CorruptBlobError) -> None:
-    log_once(logger, type(error), "CacheGen: treating a stream as a cache miss: %s (logged once per kind)",
-              error)
-
-
-class CacheGenDeserializer(Deserializer):
-    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 dtype: torch.dtype, coder: Kernels | None = None) -> None:
-        super().__init__(dtype)
-        self.chunk_size = config.chunk_size
-        self.nlayers = metadata.num_layers
-        self.cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, self.nlayers)
-        self.coder = coder
-
-    def make_key_bins(self, config: CacheGenConfig) -> torch.Tensor:
-        return torch.tensor(config.key_bins(), dtype=torch.int32)
-
-    def make_value_bins(self, config: CacheGenConfig) -> torch.Tensor:
-        return torch.tensor(config.value_bins(), dtype=torch.int32)
-
-    def get_output_buffer(self, nlayers: int, nchannels: int, ntokens: int) -> torch.Tensor:
-        """An empty KV_BLOB [2, nlayers, ntokens, nchannels] of the deserializer's dtype."""
-        return torch.empty(2, nlayers, ntokens, nchannels, dtype=self.dtype)
-
-    def _parse(self, bs: bytes | bytearray | memoryview) -> tuple[blob.Blob, CacheGenEncoderOutput]:
-        header = blob.unpack(bs, "cachegen")
-        try:
-            encoded = CacheGenEncoderOutput.from_bytes(header.payload)
-        except (fmt.StaleStreamError, fmt.UnavailableCoderError) as e:
-            _log_once(e)
-            raise
-        shape = (2, len(encoded.key_bins), int(encoded.block_tokens.sum()),
-                 encoded.channel_means.shape[-1])
-        if tuple(header.shape) != shape:
-            raise CorruptBlobError(f"blob header shape {tuple(header.shape)} != stream shape {shape}")
-        return header, encoded
-
-    def _decode(self, encoded: CacheGenEncoderOutput, dtype: torch.dtype,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        try:
-            return decode_stream(encoded, dtype, self.coder, out)
-        except fmt.UnavailableCoderError as e:
-            _log_once(e)
-            raise
-
-    def from_bytes(self, bs: bytes | bytearray | memoryview) -> torch.Tensor:
-        """Blob -> KV_BLOB [2, L, T, C] on the CPU, in the dtype it was serialized from."""
-        header, encoded = self._parse(bs)
-        return self._decode(encoded, header.dtype).cpu()
-
-    def from_bytes_to(self, bs: bytes | bytearray | memoryview, allocate: AllocateFn) -> MemoryObj | None:
-        """Decode into a KV_BLOB object from `allocate` (one reference, owned by the caller)."""
-        header, encoded = self._parse(bs)
-        obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)
-        if obj is None:
-            return None
-        try:
-            target = obj.tensor
-            assert target is not None
-            self._decode(encoded, header.dtype, target)
-        except BaseException:
-            obj.ref_count_down()
-            raise
-        return obj

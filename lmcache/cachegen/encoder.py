@@ -1,30 +1,27 @@
-"""CacheGen encoder: KV chunk -> quantized symbols -> entropy-coded, versioned stream.
+"""CacheGen encoder: KV -> quantized symbols -> entropy-coded token blocks (CPU coder).
 
-Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)` (CPU coder):
+Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)`:
 
 1. `CacheGenEncoderImpl.quantize()`: per-channel means, per-token step exponents (anchor tokens
-   finer), int16 symbols with per-channel statistics (`cachegen_quant`; the data passes run in
-   `cachegen_kernels`, native or numpy reference).
+   finer), int16 symbols with per-channel statistics (`quant`; the data passes run in `kernels`,
+   native or numpy reference).
 2. `CacheGenEncoderImpl.compute_cdf(is_key)`: channel classes, symbol groups and one frequency
-   table per (pair, class) group (`cachegen_layout`, `cachegen_rans.normalize`), counted on every
-   symbol.
+   table per (pair, class) group (`layout`, `rans.normalize`), counted on every symbol.
 3. Token blocks of `chunk_size` tokens are entropy-coded independently, one interleaved-rANS
-   substream per (block, pair) (`cachegen_rans`), in parallel.
+   substream per (block, pair) (`rans`), in parallel.
 
 `CacheGenEncoderImpl.code()` runs all three: with the native kernels in one fused pass over each
 (K/V, layer) pair while its data is in cache (`NativeKernels.encode_chunk`), else step by step
-(`code_by_passes`); both give the same stream.
+(`code_by_passes`); both give the same stream. `code_blocks` returns the coder's arrays (what the
+serializer packs, `serde`), `encode_stream` the flat encoder output (`encoded`).
 
-`encode_function` (seed name) and the serializer run the same on the CPU, or on the CUDA device with
-nvCOMP where CUDA and nvCOMP (`lmcache[gpu]`) are present (`cachegen_gpu`; such streams decode
-only where CUDA and nvCOMP are).
-`CacheGenSerializer.to_bytes(kv)` encodes one KV_BLOB chunk ``[2, L, T, C]`` (T <= chunk_size)
-as a single block, packs the coder's arrays (`cachegen_format.pack_fields`) and wraps the stream
-in the common blob header (`blob.pack_header`).
+`encode_function` (seed name) runs the same on the CPU, or on the CUDA device with nvCOMP where
+CUDA and nvCOMP (`lmcache[gpu]`) are present (`gpu`; such streams decode only where CUDA and
+nvCOMP are).
 
 `torch_quant` / `torch_quant_vectorized` are the seed's max-scaled quantizers (one max per tensor /
-per token); the codec itself uses RMS-relative steps (see `cachegen_quant` for why), and the
-quality benchmark uses `torch_quant_vectorized` for its 8-bit per-token baseline.
+per token); the codec itself uses RMS-relative steps (see `quant` for why), and the quality
+benchmark uses `torch_quant_vectorized` for its 8-bit per-token baseline.
 """
 
 from __future__ import annotations
@@ -37,23 +34,11 @@ import torch
 
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import gpu, quant
-from lmcache.cachegen.config import (
-    CacheGenConfig,
-    CacheGenEncoderOutput,
-    CacheGenGPUEncoderOutput,
-)
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
 from lmcache.cachegen.format import MAX_ALPHABET
-from lmcache.cachegen.kernels import (
-    ChunkCode,
-    Kernels,
-    Quantized,
-    coded_input,
-    kernels,
-)
+from lmcache.cachegen.kernels import ChunkCode, Kernels, Quantized, coded_input, kernels
 from lmcache.cachegen.layout import CodeLayout, channel_classes
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde.serde import Serializer
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -101,7 +86,7 @@ class SymbolTables:
 class CacheGenEncoderImpl:
     """One encode call's state. kwargs: either `kv` ([2, L, T, C] float, any device) or `fp_k`,
     `fp_v` ([L, T, C] each); `key_bins`, `value_bins` ([L] ints); optionally `block_tokens` (token
-    block sizes, default one block), `kernels` (`cachegen_kernels.kernels()` by default) and
+    block sizes, default one block), `kernels` (`kernels.kernels()` by default) and
     `reuse_buffers` (the symbols live in a per-thread scratch buffer, valid until the thread's next
     encode: what `encode_stream` does, as it is done with them when it returns)."""
 
@@ -180,7 +165,7 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
     the reference `coder` given). Returns the flat encoder output (num_heads=1, head_size=C)."""
     ntok = kv.shape[2]
     blocks = [min(chunk_size, ntok - t0) for t0 in range(0, ntok, chunk_size)]
-    code = _code(kv, key_bins, value_bins, blocks, coder)
+    code = code_blocks(kv, key_bins, value_bins, blocks, coder)
     lengths = code.encoded.lengths.reshape(len(blocks), -1)
     starts = np.zeros((len(blocks), lengths.shape[1] + 1), np.int64)
     np.cumsum(lengths, axis=1, out=starts[:, 1:])
@@ -199,7 +184,7 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
         anchor_refinements=torch.from_numpy(code.refine))
 
 
-def _code(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, blocks: list[int],
+def code_blocks(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, blocks: list[int],
           coder: Kernels | None) -> ChunkCode:
     """kv [2, L, T, C] coded in token blocks of the given sizes (CPU rANS coder)."""
     impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
@@ -207,7 +192,7 @@ def _code(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, bl
     return impl.code()
 
 
-def _check_input(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
+def check_kv(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
     if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
         raise ValueError(f"CacheGen encodes KV of shape [2, L, T, C]; got {tuple(kv.shape)}")
     if kv.dtype not in _FLOAT_DTYPES:
@@ -222,66 +207,12 @@ def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Te
                     value_bins: torch.Tensor, chunk_size: int) -> CacheGenGPUEncoderOutput:
     """Encode kv [2, L, T, C] (any float dtype and device) in independent token blocks of
     `chunk_size` tokens: on the CUDA device with nvCOMP where CUDA and nvCOMP are present
-    (`cachegen_gpu`; one block), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
+    (`gpu`; one block), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
     `config`). The output says num_heads=1, head_size=C; callers that know the head split
     overwrite both."""
-    _check_input(kv, config.nlayers, chunk_size)
+    check_kv(kv, config.nlayers, chunk_size)
     if len(key_bins) != config.nlayers:
         raise ValueError(f"{len(key_bins)} key bins for {config.nlayers} layers")
     if gpu.available():
         return gpu.encode(kv, key_bins, value_bins)
     return encode_stream(kv, key_bins, value_bins, chunk_size).to_gpu_output()
-
-
-class CacheGenSerializer(Serializer):
-    """Bins come from `cachegen_config` if given, else `CacheGenConfig.from_model_name` (the
-    model's fitted table, or the layer-count default) scaled by `config.cachegen_quality`.
-    `coder`: the CPU kernels (default: native where available, else the numpy reference)."""
-
-    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 cachegen_config: CacheGenConfig | None = None, coder: Kernels | None = None) -> None:
-        if metadata.kv_count != 2:
-            raise ValueError("CacheGen codes K and V per layer; this engine stores one latent per token "
-                             "and layer (MLA): choose another serde (naive, fast, safe, torch)")
-        self.coder = coder
-        self.chunk_size = config.chunk_size
-        self.num_heads, self.head_size = metadata.kv_shape[3], metadata.kv_shape[4]
-        if cachegen_config is None:
-            cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, metadata.num_layers)
-            if config.cachegen_quality != 1.0:
-                cachegen_config = cachegen_config.scaled(config.cachegen_quality)
-        self.cachegen_config = cachegen_config
-        self.key_bins = self.make_key_bins(self.cachegen_config)
-        self.value_bins = self.make_value_bins(self.cachegen_config)
-
-    def make_key_bins(self, config: CacheGenConfig) -> torch.Tensor:
-        return torch.tensor(config.key_bins(), dtype=torch.int32)
-
-    def make_value_bins(self, config: CacheGenConfig) -> torch.Tensor:
-        return torch.tensor(config.value_bins(), dtype=torch.int32)
-
-    def to_bytes(self, tensor: torch.Tensor) -> bytes:
-        """KV_BLOB chunk [2, L, T, num_heads * head_size] -> blob (header + cachegen stream)."""
-        return b"".join(self.to_parts(tensor))
-
-    def to_parts(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
-        """The blob as [header, stream header and tables, substreams] (what the tiers write;
-        saves joining them)."""
-        if tensor.dim() != 4 or tensor.shape[3] != self.num_heads * self.head_size:
-            raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
-                             f"; got {tuple(tensor.shape)}")
-        _check_input(tensor, self.cachegen_config.nlayers, 1)
-        if gpu.available():
-            out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
-            out.num_heads, out.head_size = self.num_heads, self.head_size
-            parts: list[bytes | memoryview] = list(out.to_parts())
-        else:  # packed straight from the coder's arrays (no encoder output tensors)
-            code = _code(tensor, self.key_bins, self.value_bins, [tensor.shape[2]], self.coder)
-            tables = fmt.RansTables(code.refine, code.classes, code.low, code.size, code.freqs,
-                                    code.encoded.lengths)
-            parts = list(fmt.pack_fields(
-                fmt.CODER_RANS, self.num_heads, self.head_size, self.key_bins.numpy(),
-                self.value_bins.numpy(), np.array([tensor.shape[2]]),
-                (code.means.view(np.uint32) >> 16).astype(np.uint16), code.exps, tables,
-                code.encoded.payload))
-        return [blob.pack_header("cachegen", tensor.shape, tensor.dtype, parts), *parts]

@@ -7,7 +7,7 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     magic            4 bytes  b"CGEN"
     version          u8 (2)
     coder            u8       which entropy coder wrote the payload: 1 rANS (CPU kernels,
-                              `cachegen_rans`), 2 nvCOMP ANS (CUDA, `cachegen_gpu`)
+                              `rans`), 2 nvCOMP ANS (CUDA, `gpu`)
     nlayers          u16      L
     num_heads        u16
     head_size        u16
@@ -20,20 +20,20 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     channel_means    bf16[G*C]            per (K/V, layer, channel) mean, subtracted before
                                           quantization
     exp_base         i16[G]               step exponents e[g, t] = exp_base[g] + exp_offset[g, t]
-    exp_offset       i8[G*T]              (step = 2 ** (e / 8), see cachegen_quant)
+    exp_offset       i8[G*T]              (step = 2 ** (e / 8), see quant)
   coder 1 (rANS):
     anchor_refine    u8[ceil(B*G*C*3/8)]  3-bit refinement of each block's first token
                                           ([B, G, C], packed most significant bit first)
     channel_classes  u8[ceil(G*C/2)]      4-bit class per channel, low nibble first
     group_low        i16[N]               lowest symbol of each group
     group_size       u16[N]               alphabet size n of each group (1..4095)
-    frequencies      u16[sum n]           each group's table, summing to 2**12 (cachegen_rans)
+    frequencies      u16[sum n]           each group's table, summing to 2**12 (rans)
     stream_lengths   u32[B*G]             byte length of substream (block b, pair g)
     payload          bytes                the substreams, block-major, then pair order
   coder 2 (nvCOMP):
-    payload          bytes                nvCOMP's ANS container of the symbols (cachegen_gpu)
+    payload          bytes                nvCOMP's ANS container of the symbols (gpu)
 
-Groups are implied by the classes (`cachegen_layout`; `N` must match). `unpack` checks every size
+Groups are implied by the classes (`layout`; `N` must match). `unpack` checks every size
 against the header and raises `CorruptBlobError` for anything inconsistent; streams of format
 version 1 (constriction's coder, before rANS) raise its subclass `StaleStreamError`: a miss, and
 the store replaces the value.
@@ -70,7 +70,7 @@ class UnavailableCoderError(ForeignSerdeError):
 
 
 def pack(out: Any) -> bytes:
-    """Serialize a `CacheGenEncoderOutput` (fields as documented in `cachegen_basics`)."""
+    """Serialize a `CacheGenEncoderOutput` (fields as documented in `encoded`)."""
     return b"".join(pack_parts(out))
 
 

@@ -6,13 +6,13 @@ serializer in host memory (the engine's arena; it is copied to the device, ~55 G
 Readers without CUDA or nvCOMP cannot decode such streams (a miss), so a fleet that mixes CPU-only
 readers with GPU writers should leave the extra out. Nothing here runs on a CPU-only machine.
 
-Encode (all on the device): the quantizer of `cachegen_quant` (per-channel means, RMS-relative
+Encode (all on the device): the quantizer of `quant` (per-channel means, RMS-relative
 steps; the small per-token exponent arithmetic runs on the host on ``[G, T]`` arrays; the anchor
 token gets a step 8x finer instead of refinement bits), with steps raised where needed so that
 ``|q| <= 127``; symbols ``q + 128`` as uint8, one
 (K/V, layer) pair after another, channel-major (each channel's tokens contiguous), coded in one
 nvCOMP ANS call (nvCOMP cuts the buffer into chunks with their own tables, which adapt to the
-pairs' different spreads). The stream (`cachegen_format`, coder 2) holds the means and exponents
+pairs' different spreads). The stream (`format`, coder 2) holds the means and exponents
 like a rANS stream, and nvCOMP's container as the payload.
 
 Decode: nvCOMP on the device, then ``q * step + mean`` on the device. The nvCOMP calls are the
@@ -39,7 +39,7 @@ import torch
 
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import quant
-from lmcache.cachegen.config import (
+from lmcache.cachegen.encoded import (
     CacheGenEncoderOutput,
     CacheGenGPUBytestream,
     CacheGenGPUEncoderOutput,

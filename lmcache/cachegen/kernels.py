@@ -2,9 +2,9 @@
 
 `kernels()` returns `NativeKernels` (`lmcache/native/cachegen_kernels.c`: compiled on first use,
 parallel over pairs / substreams with OpenMP, the GIL released) where a C compiler is available
-and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy definitions in
-`cachegen_quant` and `cachegen_rans`). Both produce bit-identical streams and values
-(`tests/unit/cachegen/test_cachegen_kernels.py`); the reference is ~50x slower.
+and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy definitions in `quant` and
+`rans`). Both produce bit-identical streams and values (`tests/unit/cachegen/test_cachegen_kernels.py`);
+the reference is ~50x slower.
 
 Passes, on KV viewed as ``x: [G, T, C]`` (G = 2 * layers (K/V, layer) pairs, CPU, contiguous):
 `stats` (channel sums, token sums of squares), `quantize` (symbols, anchor refinements and the
@@ -12,9 +12,9 @@ per-channel statistics), `group_ranges` / `layout` (symbol groups and `CodeLayou
 the decoder), `histogram` (symbol counts per table entry), `normalize` (frequency tables),
 `encode` (every substream's rANS words) and `decode` (substreams -> dequantized KV in the output
 dtype, one fused pass, into a given buffer if wanted). `encode_chunk` runs every encoder pass
-and the steps between them (`cachegen_quant.step_exponents`, `cachegen_layout.channel_classes`,
-...) in one native call, each pair's passes back to back while its symbols are in cache (native
-only; the reference has no fused form, its caller runs the passes).
+and the steps between them (`quant.step_exponents`, `layout.channel_classes`, ...) in one native
+call, each pair's passes back to back while its symbols are in cache (native only; the reference
+has no fused form, its caller runs the passes).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Encoded(NamedTuple):
 
 
 class ChunkCode(NamedTuple):
-    """One encode call's result: everything its stream holds (`cachegen_encoder.encode_stream`)."""
+    """One encode call's result: everything its stream holds (`encoder.encode_stream`)."""
 
     means: np.ndarray  # float32 [G, C], bf16 values
     exps: np.ndarray  # int32 [G, T], step exponents
@@ -250,7 +250,7 @@ class NativeKernels:
         """Every pass of the encoder on KV x [G, T, C] (`coded_input`) with bins [G] in token
         blocks at block_starts [B + 1], in one native call, each pair's passes back to back while
         its symbols are in cache: `CacheGenEncoderImpl.code_by_passes`'s results, or None where a
-        token's step must be raised to bound its symbols (`cachegen_quant.bound_exponents`: rare;
+        token's step must be raised to bound its symbols (`quant.bound_exponents`: rare;
         the passes do it). Raises ValueError for non-finite KV or an alphabet past the format's
         limit."""
         npairs, ntok, nch = x.shape

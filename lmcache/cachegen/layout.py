@@ -11,7 +11,7 @@ Groups of one pair are numbered in increasing class order, pairs in order; group
 ``size[n]`` entries for the symbols ``low[n] .. low[n] + size[n] - 1``, at entries
 ``group_start[n] ..`` of the concatenated tables. A group with one symbol is not coded at all:
 its channels decode to that symbol. A *substream* codes one (token block, pair): the symbols of
-the pair's coded channels, token-major (`cachegen_rans`).
+the pair's coded channels, token-major (`rans`).
 
 All arrays are numpy, built without Python loops over groups (the decoder builds this per chunk);
 this module is the definition, which the native kernels' `cg_group_ranges` / `cg_layout` follow.

@@ -13,7 +13,7 @@ pairs, T tokens, C = hidden channels); for each pair g:
     f           = rint(8 * (x - mean) * (1 / step)),  q = floor(f / 8),  r = f - 8 q in [0, 8)
     x_hat       = (q + r / 8) * step + mean     (q coded like any symbol, r as 3 raw bits)
 
-The data passes (sums, quantization) run in `cachegen_kernels` (native or numpy, bit-identical);
+The data passes (sums, quantization) run in `kernels` (native or numpy, bit-identical);
 this module holds the arithmetic between them and the numpy reference of those passes, so the
 rounding of every intermediate is defined here once.
 

@@ -5,7 +5,7 @@ Tables. Each group's symbol counts are scaled to frequencies summing to ``PROB_S
 bits cost ~0.0003 bits/value over exact probabilities on real KV symbols.
 
 Substreams. Substream s = b * G + g codes the symbols of token block b, pair g, token-major over
-the pair's coded channels (`cachegen_layout.CodeLayout`); symbol i uses table entry
+the pair's coded channels (`layout.CodeLayout`); symbol i uses table entry
 ``sym_base[g, c] + q`` and lane ``i % LANES``. Each lane is a 64-bit rANS state in
 ``[RANS_L, 2**32 * RANS_L)``, RANS_L = 2**31, renormalized by 32-bit words:
 

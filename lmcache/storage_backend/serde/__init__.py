@@ -25,8 +25,7 @@ _REGISTRY = {
     "torch": (".torch_serde:TorchSerializer", ".torch_serde:TorchDeserializer"),
     "safe": (".safe_serde:SafeSerializer", ".safe_serde:SafeDeserializer"),
     "fast": (".fast_serde:FastSerializer", ".fast_serde:FastDeserializer"),
-    "cachegen": ("lmcache.cachegen.encoder:CacheGenSerializer",
-                 "lmcache.cachegen.decoder:CacheGenDeserializer"),
+    "cachegen": ("lmcache.cachegen.serde:CacheGenSerializer", "lmcache.cachegen.serde:CacheGenDeserializer"),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 
 from lmcache.cachegen import format as cachegen_format
 from lmcache.cachegen import gpu as cachegen_gpu
-from lmcache.cachegen.config import CacheGenEncoderOutput
+from lmcache.cachegen.encoded import CacheGenEncoderOutput
 from lmcache.config import LMCacheEngineConfig
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX

@@ -10,10 +10,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lmcache.cachegen.config import CacheGenEncoderOutput
-from lmcache.cachegen.decoder import CacheGenDeserializer
-from lmcache.cachegen.encoder import CacheGenSerializer
+from lmcache.cachegen.encoded import CacheGenEncoderOutput
 from lmcache.cachegen.quant import steps
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import blob
 

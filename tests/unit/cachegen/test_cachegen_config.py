@@ -88,7 +88,7 @@ def test_specs_from_bins_merges_runs_and_scaled_clamps() -> None:
 
 
 def test_cachegen_quality_scales_the_serializers_bins_and_is_validated(metadata) -> None:
-    from lmcache.cachegen.encoder import CacheGenSerializer
+    from lmcache.cachegen.serde import CacheGenSerializer
     from lmcache.config import LMCacheEngineConfig
 
     default = CacheGenSerializer(LMCacheEngineConfig.from_defaults(), metadata).cachegen_config

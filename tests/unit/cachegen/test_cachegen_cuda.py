@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmcache.cachegen import format as fmt
-from lmcache.cachegen import gpu as gpu
+from lmcache.cachegen import gpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_nvcomp = pytest.mark.skipif(not gpu.available(), reason="needs nvCOMP (lmcache[gpu])")

@@ -111,7 +111,7 @@ def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv
 def test_the_serializer_writes_the_stream_encode_stream_gives(make_kv) -> None:
     """`CacheGenSerializer` packs the coder's arrays directly: the same bytes as packing
     `encode_stream`'s output."""
-    from lmcache.cachegen.encoder import CacheGenSerializer
+    from lmcache.cachegen.serde import CacheGenSerializer
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
     from lmcache.storage_backend.serde import blob
 

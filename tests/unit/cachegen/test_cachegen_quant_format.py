@@ -6,12 +6,9 @@ import numpy as np
 import torch
 
 from lmcache.cachegen import quant as cgq
-from lmcache.cachegen.config import (
-    CacheGenConfig,
-    CacheGenEncoderOutput,
-    CacheGenGPUEncoderOutput,
-)
+from lmcache.cachegen.config import CacheGenConfig
 from lmcache.cachegen.decoder import do_dequantize, quant
+from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
 from lmcache.cachegen.encoder import (
     collect_bytes,
     concat_max,

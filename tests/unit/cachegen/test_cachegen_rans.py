@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lmcache.cachegen import rans as rans
+from lmcache.cachegen import rans
 from lmcache.cachegen.layout import (
     NUM_CLASSES,
     CodeLayout,

@@ -7,15 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache.cachegen.config import CacheGenConfig, CacheGenGPUEncoderOutput
-from lmcache.cachegen.decoder import (
-    CacheGenDeserializer,
-    StreamTables,
-    decode_chunk,
-    decode_kv,
-)
-from lmcache.cachegen.encoder import CacheGenSerializer, encode_function
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.decoder import StreamTables, decode_chunk, decode_kv
+from lmcache.cachegen.encoded import CacheGenGPUEncoderOutput
+from lmcache.cachegen.encoder import encode_function
 from lmcache.cachegen.quant import steps
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import create_serde
 
