@@ -38,9 +38,8 @@ import torch
 from cachegen_common import EVAL, EVAL_TEXTS, KVModel, kl_and_top1
 
 from lmcache.cachegen.config import CacheGenConfig
-from lmcache.cachegen.decoder import do_dequantize
-from lmcache.cachegen.encoder import torch_quant_vectorized
 from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
+from lmcache.compat.cachegen_seed import do_dequantize, torch_quant_vectorized
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde.blob import HEADER_SIZE
 

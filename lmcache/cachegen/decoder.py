@@ -6,8 +6,8 @@ tables (`StreamTables`), then the kernels (`kernels`: native, or the numpy refer
 given buffer if wanted. Streams written by the GPU coder decode on the CUDA device (`gpu`).
 Anything inconsistent raises `CorruptBlobError`.
 
-`do_dequantize` / `quant` invert the seed's max-scaled quantizers (`torch_quant_vectorized` /
-`torch_quant` in `encoder`).
+Token blocks decode independently: `StreamTables.block` gives one block's tables, and
+`decode_substreams` decodes the substreams of any tables.
 """
 
 from __future__ import annotations
@@ -21,22 +21,10 @@ import torch
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import gpu, rans
 from lmcache.cachegen import quant as cgq
-from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUBytestream, CacheGenGPUEncoderOutput
+from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
 from lmcache.cachegen.kernels import Kernels, kernels
 from lmcache.cachegen.layout import CodeLayout
 from lmcache.storage_backend.serde.serde import CorruptBlobError
-
-
-def do_dequantize(t: torch.Tensor, bins: torch.Tensor, maxtensors: torch.Tensor) -> torch.Tensor:
-    """Invert `torch_quant_vectorized`: t [nlayers, ntokens, nchannels], bins [nlayers],
-    maxtensors [nlayers, ntokens, 1] -> float32 [nlayers, ntokens, nchannels]."""
-    half = (bins.to(t.device) // 2).float()[:, None, None]
-    return t.float() / half * maxtensors
-
-
-def quant(bins: int, xq: torch.Tensor, max1: float | torch.Tensor) -> torch.Tensor:
-    """Invert `torch_quant`: integral xq -> float32 values."""
-    return xq.float() / (bins // 2) * max1
 
 
 @dataclass
@@ -75,44 +63,25 @@ class StreamTables:
         return StreamTables(layout, freq, means, cgq.steps(exps.reshape(2 * nlayers, ntok).numpy()),
                             cgq.refinement_values(refine))
 
+    def block(self, t0: int, ntokens: int) -> StreamTables:
+        """The tables of the token block starting at token t0 alone (`ntokens` tokens)."""
+        (b,) = np.flatnonzero(self.layout.block_starts[:-1] == t0)
+        return StreamTables(dataclasses.replace(self.layout, block_starts=np.array([0, ntokens])),
+                            self.freq, self.means, np.ascontiguousarray(self.steps[:, t0:t0 + ntokens]),
+                            self.refine[b:b + 1])
 
-def _decode(tables: StreamTables, payload: bytes | memoryview, lengths: np.ndarray,
-            dtype: torch.dtype, coder: Kernels | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """All substreams of `tables.layout` -> [2L, T, C] of `dtype` (CPU), into `out` if given."""
+
+def decode_substreams(tables: StreamTables, payload: bytes | memoryview, lengths: np.ndarray,
+                      dtype: torch.dtype, coder: Kernels | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """All substreams of `tables.layout` (byte lengths [B * 2L], one after another in `payload`)
+    -> [2L, T, C] of `dtype` (CPU), into `out` if given."""
     if len(lengths) != tables.layout.num_blocks * tables.layout.num_pairs or \
             int(np.sum(lengths)) != len(payload):
         raise CorruptBlobError("cachegen substream lengths do not match the payload")
     values = (coder or kernels()).decode(payload, lengths, tables.layout, tables.freq, tables.means,
                                          tables.steps, tables.refine, tables.steps.shape[1], dtype, out)
     return values if values.dtype == dtype else values.to(dtype)
-
-
-def decode_chunk(cdf: StreamTables, data_chunk: CacheGenGPUBytestream,
-                 target_buffer: torch.Tensor, t0: int = 0) -> None:
-    """Decode one token block (tokens t0 .. t0 + ntokens of the stream) into
-    target_buffer [2 * nlayers, ntokens, nchannels] (any float dtype)."""
-    ntok = data_chunk.ntokens
-    (block,) = np.flatnonzero(cdf.layout.block_starts[:-1] == t0)
-    single = StreamTables(dataclasses.replace(cdf.layout, block_starts=np.array([0, ntok])),
-                          cdf.freq, cdf.means, np.ascontiguousarray(cdf.steps[:, t0:t0 + ntok]),
-                          cdf.refine[block:block + 1])
-    data = data_chunk.bytestream.cpu().numpy()
-    target_buffer.copy_(_decode(single, data.tobytes(), data_chunk.bytestream_lengths.numpy(),
-                                target_buffer.dtype, None))
-
-
-def decode_function_gpu(cdf: StreamTables, data_chunks: list[CacheGenGPUBytestream],
-                        layers_in_key: int, chunk_size: int, output: torch.Tensor) -> None:
-    """Decode every token block into output [2 * layers_in_key, ntokens, nchannels] (block b
-    covers the tokens after blocks 0..b-1; each has at most `chunk_size` tokens)."""
-    if output.shape[0] != 2 * layers_in_key:
-        raise ValueError(f"output has {output.shape[0]} pairs, expected {2 * layers_in_key}")
-    t0 = 0
-    for chunk in data_chunks:
-        if chunk.ntokens > chunk_size:
-            raise CorruptBlobError(f"token block of {chunk.ntokens} tokens > chunk_size {chunk_size}")
-        decode_chunk(cdf, chunk, output[:, t0:t0 + chunk.ntokens], t0)
-        t0 += chunk.ntokens
 
 
 def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Kernels | None = None,
@@ -129,7 +98,7 @@ def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Ker
     if int(starts[0, 0]) != 0 or (len(starts) > 1 and bool((starts[1:, 0] != starts[:-1, -1]).any())):
         raise CorruptBlobError("cachegen token blocks are not contiguous in the payload")
     lengths = starts.diff(dim=1).reshape(-1).numpy()
-    values = _decode(tables, encoded.bytestream, lengths, dtype, coder, out)
+    values = decode_substreams(tables, encoded.bytestream, lengths, dtype, coder, out)
     return values.view(2, nlayers, ntok, -1)
 
 

@@ -61,9 +61,6 @@ class CacheGenGPUEncoderOutput:
     def ntokens(self) -> int:
         return sum(c.ntokens for c in self.data_chunks)
 
-    def debug_print_device(self) -> None:
-        print({name: getattr(self, name).device for name in fmt.TENSOR_FIELDS})
-
     def to_flat(self) -> CacheGenEncoderOutput:
         streams = [c.bytestream.cpu().numpy().tobytes() for c in self.data_chunks]
         lengths = torch.stack([c.bytestream_lengths.cpu().long() for c in self.data_chunks])

@@ -15,13 +15,8 @@ Pipeline of `encode_stream(kv [2, L, T, C], key_bins, value_bins, chunk_size)`:
 (`code_by_passes`); both give the same stream. `code_blocks` returns the coder's arrays (what the
 serializer packs, `serde`), `encode_stream` the flat encoder output (`encoded`).
 
-`encode_function` (seed name) runs the same on the CPU, or on the CUDA device with nvCOMP where
-CUDA and nvCOMP (`lmcache[gpu]`) are present (`gpu`; such streams decode only where CUDA and
-nvCOMP are).
-
-`torch_quant` / `torch_quant_vectorized` are the seed's max-scaled quantizers (one max per tensor /
-per token); the codec itself uses RMS-relative steps (see `quant` for why), and the quality
-benchmark uses `torch_quant_vectorized` for its 8-bit per-token baseline.
+The CUDA coder (`gpu`) quantizes the same way but codes with nvCOMP; the serializer picks it where
+CUDA and nvCOMP are present.
 """
 
 from __future__ import annotations
@@ -33,45 +28,13 @@ import numpy as np
 import torch
 
 from lmcache.cachegen import format as fmt
-from lmcache.cachegen import gpu, quant
-from lmcache.cachegen.config import CacheGenConfig
-from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
+from lmcache.cachegen import quant
+from lmcache.cachegen.encoded import CacheGenEncoderOutput
 from lmcache.cachegen.format import MAX_ALPHABET
 from lmcache.cachegen.kernels import ChunkCode, Kernels, Quantized, coded_input, kernels
 from lmcache.cachegen.layout import CodeLayout, channel_classes
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def torch_quant(bins: int, qA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a whole float tensor to `bins` symmetric levels scaled by its max |value|.
-
-    Returns (xq, max1): xq float32 with integral values in [-(bins // 2), bins // 2] (same shape
-    as qA) and max1, the 0-d max |qA|. `do_dequantize` / `quant` invert it."""
-    half = bins // 2
-    max1 = qA.abs().amax().float().clamp_min(1e-30)
-    return torch.round(qA.float() / max1 * half), max1
-
-
-def torch_quant_vectorized(bins: torch.Tensor, input_groups: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token max scaling: input_groups [nlayers, ntokens, nchannels], bins [nlayers].
-
-    Returns (quantized [nlayers, ntokens, nchannels] float32 integral values in
-    [-(bins // 2), bins // 2], maxes [nlayers, ntokens, 1] float32)."""
-    half = (bins.to(input_groups.device) // 2).float()[:, None, None]
-    maxes = input_groups.abs().amax(dim=2, keepdim=True).float().clamp_min(1e-30)
-    return torch.round(input_groups.float() / maxes * half), maxes
-
-
-def concat_max(max1: dict[int, torch.Tensor]) -> torch.Tensor:
-    """{layer: [ntokens] or [ntokens, 1]} per-token scales -> [nlayers, ntokens] in layer order."""
-    return torch.stack([max1[k].reshape(-1) for k in sorted(max1)])
-
-
-def collect_bytes(output_buffer: torch.Tensor, output_lengths: torch.Tensor) -> torch.Tensor:
-    """Rows of a padded byte buffer [n, capacity] with used lengths [n] -> one uint8 tensor."""
-    return torch.cat([output_buffer[i, :int(n)] for i, n in enumerate(output_lengths.tolist())])
 
 
 @dataclass
@@ -185,7 +148,7 @@ def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Te
 
 
 def code_blocks(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor, blocks: list[int],
-          coder: Kernels | None) -> ChunkCode:
+                coder: Kernels | None) -> ChunkCode:
     """kv [2, L, T, C] coded in token blocks of the given sizes (CPU rANS coder)."""
     impl = CacheGenEncoderImpl(kv=kv, key_bins=key_bins, value_bins=value_bins,
                                block_tokens=blocks, kernels=coder, reuse_buffers=True)
@@ -193,6 +156,7 @@ def code_blocks(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tens
 
 
 def check_kv(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
+    """Raise ValueError unless kv is float KV [2, nlayers, T, C] and chunk_size >= 1."""
     if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
         raise ValueError(f"CacheGen encodes KV of shape [2, L, T, C]; got {tuple(kv.shape)}")
     if kv.dtype not in _FLOAT_DTYPES:
@@ -201,18 +165,3 @@ def check_kv(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
         raise ValueError(f"KV has {kv.shape[1]} layers, CacheGen config has {nlayers}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-
-
-def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Tensor,
-                    value_bins: torch.Tensor, chunk_size: int) -> CacheGenGPUEncoderOutput:
-    """Encode kv [2, L, T, C] (any float dtype and device) in independent token blocks of
-    `chunk_size` tokens: on the CUDA device with nvCOMP where CUDA and nvCOMP are present
-    (`gpu`; one block), else with the CPU rANS coder. `key_bins` / `value_bins`: [L] bins (from
-    `config`). The output says num_heads=1, head_size=C; callers that know the head split
-    overwrite both."""
-    check_kv(kv, config.nlayers, chunk_size)
-    if len(key_bins) != config.nlayers:
-        raise ValueError(f"{len(key_bins)} key bins for {config.nlayers} layers")
-    if gpu.available():
-        return gpu.encode(kv, key_bins, value_bins)
-    return encode_stream(kv, key_bins, value_bins, chunk_size).to_gpu_output()

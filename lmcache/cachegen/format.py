@@ -56,8 +56,6 @@ CODER_NVCOMP = 2
 CODERS = {CODER_RANS: "rANS (CPU)", CODER_NVCOMP: "nvCOMP ANS (CUDA)"}
 MAX_ALPHABET = 4095
 _HEAD = struct.Struct("<4sBBHHHIII")
-TENSOR_FIELDS = ("cdf", "max_tensors_key", "max_tensors_value", "channel_means",
-                 "channel_classes", "symbol_ranges")
 
 
 class StaleStreamError(CorruptBlobError):

@@ -7,12 +7,13 @@ import torch
 
 from lmcache.cachegen import quant as cgq
 from lmcache.cachegen.config import CacheGenConfig
-from lmcache.cachegen.decoder import do_dequantize, quant
 from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
-from lmcache.cachegen.encoder import (
+from lmcache.compat.cachegen_seed import (
     collect_bytes,
     concat_max,
+    do_dequantize,
     encode_function,
+    quant,
     torch_quant,
     torch_quant_vectorized,
 )

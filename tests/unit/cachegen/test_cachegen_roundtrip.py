@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache.cachegen.config import CacheGenConfig
-from lmcache.cachegen.decoder import StreamTables, decode_chunk, decode_kv
+from lmcache.cachegen.decoder import StreamTables, decode_kv
 from lmcache.cachegen.encoded import CacheGenGPUEncoderOutput
-from lmcache.cachegen.encoder import encode_function
 from lmcache.cachegen.quant import steps
 from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
+from lmcache.compat.cachegen_seed import decode_chunk, encode_function
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import create_serde
 
