@@ -21,20 +21,23 @@ CUDA and nvCOMP are present.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import quant
+from lmcache.cachegen.config import MAX_BINS
 from lmcache.cachegen.encoded import CacheGenEncoderOutput
 from lmcache.cachegen.format import MAX_ALPHABET
-from lmcache.cachegen.kernels import ChunkCode, Kernels, Quantized, coded_input, kernels
+from lmcache.cachegen.kernels import ChunkCode, Kernels, Quantized, coded_input
+from lmcache.cachegen.kernels import kernels as default_kernels
 from lmcache.cachegen.layout import CodeLayout, channel_classes
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+Bins = Sequence[int] | torch.Tensor | np.ndarray  # one entry per layer
 
 
 @dataclass
@@ -47,25 +50,28 @@ class SymbolTables:
 
 
 class CacheGenEncoderImpl:
-    """One encode call's state. kwargs: either `kv` ([2, L, T, C] float, any device) or `fp_k`,
-    `fp_v` ([L, T, C] each); `key_bins`, `value_bins` ([L] ints); optionally `block_tokens` (token
-    block sizes, default one block), `kernels` (`kernels.kernels()` by default) and
-    `reuse_buffers` (the symbols live in a per-thread scratch buffer, valid until the thread's next
-    encode: what `encode_stream` does, as it is done with them when it returns)."""
+    """One encode call's state. The KV comes as `kv` ([2, L, T, C] float, any device) or as `fp_k`,
+    `fp_v` ([L, T, C] each); `key_bins`, `value_bins`: [L] bins each; `block_tokens`: token block
+    sizes (default one block); `kernels`: the CPU kernels (`kernels.kernels()` by default);
+    `reuse_buffers`: the symbols live in a per-thread scratch buffer, valid until the thread's next
+    encode (what `encode_stream` does, as it is done with them when it returns).
 
-    def __init__(self, **kwargs: Any) -> None:
-        kv = kwargs.get("kv")
-        if kv is None:
-            kv = torch.stack([kwargs["fp_k"], kwargs["fp_v"]])
-        two, ntok, nch = kv.shape[0], kv.shape[2], kv.shape[3]
-        self.nlayers: int = kv.shape[1]
-        self.x = coded_input(kv.reshape(two * self.nlayers, ntok, nch))
-        self.key_bins = np.asarray(torch.as_tensor(kwargs["key_bins"]).reshape(-1), np.int64)
-        self.value_bins = np.asarray(torch.as_tensor(kwargs["value_bins"]).reshape(-1), np.int64)
-        blocks = kwargs.get("block_tokens") or [ntok]
-        self.block_starts = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
-        self.kernels: Kernels = kwargs.get("kernels") or kernels()
-        self.reuse = bool(kwargs.get("reuse_buffers", False))
+    Keyword arguments only, as the seed's ``CacheGenEncoderImpl(**kwargs)``; raises ValueError for
+    a KV shape, bins or block sizes that do not fit together."""
+
+    def __init__(self, *, kv: torch.Tensor | None = None, fp_k: torch.Tensor | None = None,
+                 fp_v: torch.Tensor | None = None, key_bins: Bins, value_bins: Bins,
+                 block_tokens: Sequence[int] | None = None, kernels: Kernels | None = None,
+                 reuse_buffers: bool = False) -> None:
+        kv = _stacked(kv, fp_k, fp_v)
+        two, nlayers, ntok, nch = kv.shape
+        self.nlayers: int = nlayers
+        self.x = coded_input(kv.reshape(two * nlayers, ntok, nch))
+        self.key_bins = _layer_bins("key_bins", key_bins, nlayers)
+        self.value_bins = _layer_bins("value_bins", value_bins, nlayers)
+        self.block_starts = _block_starts([ntok] if block_tokens is None else block_tokens, ntok)
+        self.kernels: Kernels = kernels or default_kernels()
+        self.reuse = reuse_buffers
         self.means = np.empty(0, np.float32)
         self.exps = np.empty(0, np.int32)
         self.refinements = np.empty(0, np.uint8)
@@ -119,6 +125,39 @@ class CacheGenEncoderImpl:
         return ChunkCode(self.means, self.exps, self.refinements, tables.classes, layout.group_low,
                          layout.group_size, tables.freqs,
                          self.kernels.encode(qz.q, layout, tables.freqs))
+
+
+def _stacked(kv: torch.Tensor | None, fp_k: torch.Tensor | None, fp_v: torch.Tensor | None
+             ) -> torch.Tensor:
+    """`kv`, or `fp_k` and `fp_v` stacked, checked to be float KV [2, L, T, C]."""
+    if kv is None:
+        if fp_k is None or fp_v is None:
+            raise ValueError("CacheGenEncoderImpl needs kv [2, L, T, C] or both fp_k and fp_v [L, T, C]")
+        if fp_k.shape != fp_v.shape:
+            raise ValueError(f"fp_k {tuple(fp_k.shape)} and fp_v {tuple(fp_v.shape)} differ in shape")
+        kv = torch.stack([fp_k, fp_v])
+    elif fp_k is not None or fp_v is not None:
+        raise ValueError("CacheGenEncoderImpl takes kv or fp_k and fp_v, not both")
+    check_kv(kv, kv.shape[1] if kv.dim() == 4 else 0, 1)
+    return kv
+
+
+def _layer_bins(name: str, bins: Bins, nlayers: int) -> np.ndarray:
+    """[L] bins -> int64 array; raises ValueError for another length or bins outside [2, MAX_BINS]."""
+    out = np.asarray(torch.as_tensor(bins).reshape(-1), np.int64)
+    if len(out) != nlayers:
+        raise ValueError(f"{name} has {len(out)} entries for {nlayers} layers")
+    if not 2 <= int(out.min()) <= int(out.max()) <= MAX_BINS:
+        raise ValueError(f"{name} {out.tolist()} must each be in [2, {MAX_BINS}]")
+    return out
+
+
+def _block_starts(block_tokens: Sequence[int], ntok: int) -> np.ndarray:
+    """Token block sizes -> int64 block boundaries [B + 1]; they must be >= 1 and add up to ntok."""
+    sizes = np.asarray(block_tokens, np.int64).reshape(-1)
+    if len(sizes) == 0 or int(sizes.min()) < 1 or int(sizes.sum()) != ntok:
+        raise ValueError(f"block_tokens {sizes.tolist()[:8]} must be >= 1 each and add up to T={ntok}")
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 def encode_stream(kv: torch.Tensor, key_bins: torch.Tensor, value_bins: torch.Tensor,

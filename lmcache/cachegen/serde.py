@@ -36,16 +36,22 @@ from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, De
 logger = logging.getLogger(__name__)
 
 
+def _check_kv_pairs(metadata: LMCacheEngineMetadata) -> None:
+    if metadata.kv_count != 2:
+        raise ValueError("CacheGen codes K and V per layer; this engine stores one latent per token "
+                         "and layer (MLA): choose another serde (naive, fast, safe, torch)")
+
+
 class CacheGenSerializer(Serializer):
-    """Bins come from `cachegen_config` if given, else `CacheGenConfig.from_model_name` (the
-    model's fitted table, or the layer-count default) scaled by `config.cachegen_quality`.
-    `coder`: the CPU kernels (default: native where available, else the numpy reference)."""
+    """Bins come from `cachegen_config` if given (it must have the model's layer count), else
+    `CacheGenConfig.from_model_name` (the model's fitted table, or the layer-count default)
+    scaled by `config.cachegen_quality`. `coder`: the CPU kernels (default: native where
+    available, else the numpy reference). Raises ValueError for an MLA engine (one latent per
+    token and layer) or a `cachegen_config` of another layer count."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  cachegen_config: CacheGenConfig | None = None, coder: Kernels | None = None) -> None:
-        if metadata.kv_count != 2:
-            raise ValueError("CacheGen codes K and V per layer; this engine stores one latent per token "
-                             "and layer (MLA): choose another serde (naive, fast, safe, torch)")
+        _check_kv_pairs(metadata)
         self.coder = coder
         self.chunk_size = config.chunk_size
         self.num_heads, self.head_size = metadata.kv_shape[3], metadata.kv_shape[4]
@@ -53,6 +59,9 @@ class CacheGenSerializer(Serializer):
             cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, metadata.num_layers)
             if config.cachegen_quality != 1.0:
                 cachegen_config = cachegen_config.scaled(config.cachegen_quality)
+        elif cachegen_config.nlayers != metadata.num_layers:
+            raise ValueError(f"cachegen_config covers {cachegen_config.nlayers} layers, the model has "
+                             f"{metadata.num_layers}")
         self.cachegen_config = cachegen_config
         self.key_bins = self.make_key_bins(self.cachegen_config)
         self.value_bins = self.make_value_bins(self.cachegen_config)
@@ -96,8 +105,15 @@ def _log_once(error: CorruptBlobError) -> None:
 
 
 class CacheGenDeserializer(Deserializer):
+    """`dtype`: the float dtype of `get_output_buffer` (a blob decodes to the dtype it was
+    serialized from). `coder`: the CPU kernels (default: native where available, else the numpy
+    reference). Raises ValueError for an MLA engine or a non-float `dtype`."""
+
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  dtype: torch.dtype, coder: Kernels | None = None) -> None:
+        _check_kv_pairs(metadata)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"CacheGenDeserializer decodes to a float dtype; got {dtype!r}")
         super().__init__(dtype)
         self.chunk_size = config.chunk_size
         self.nlayers = metadata.num_layers
