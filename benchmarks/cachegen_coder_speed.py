@@ -9,8 +9,8 @@ and the numpy reference (the fallback without a C compiler) encode and decode th
 two must produce the same bytes and the same KV (checked). Native timings: median of --repeats,
 encode and decode alternating; reference: one run (it is ~50x slower). MB/s of bf16 input.
 
-Where CUDA and nvCOMP (`lmcache[gpu]`) are present, the GPU coder (`cachegen_gpu`) is measured on
-the same chunks moved to the device: `to_bytes` of a CUDA chunk (quantize + nvCOMP encode + the
+Where CUDA and nvCOMP (`lmcache[gpu]`) are present, the GPU coder (`lmcache.cachegen.gpu`) is measured
+on the same chunks moved to the device: `to_bytes` of a CUDA chunk (quantize + nvCOMP encode + the
 compressed bytes to the host) and decode of its stream to a CUDA tensor (host bytes to the
 device + nvCOMP decode + dequantize), with its bits/value; otherwise that row says why it is
 missing.
