@@ -1,4 +1,4 @@
-"""Fit CacheGen's per-layer bin table for SmolLM2-135M (the table in cachegen_tables.py).
+"""Fit CacheGen's per-layer bin table for SmolLM2-135M (the table in lmcache/cachegen/tables.py).
 
 On the fitting texts only (one per genre, `cachegen_common.FIT`; never the evaluation texts of
 cachegen_quality.py):
@@ -11,7 +11,7 @@ cachegen_quality.py):
 3. scale: c is the smallest value (bisection) whose KL on *every* fitting text is <= --target
    (the goal is per genre, so the worst text decides).
 
-Prints the table (paste into lmcache/storage_backend/serde/cachegen_tables.py) and writes
+Prints the table (paste into lmcache/cachegen/tables.py) and writes
 benchmarks/out/cachegen_calibration.json. ~6 minutes on 2 idle cores.
 
 `--layer-count-default` instead fits the default for models without a table
@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 from cachegen_common import FIT, KVModel, kl_and_top1
 
+from lmcache.cachegen.config import CacheGenConfig, specs_from_bins
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, specs_from_bins
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
 
 OUT = Path(__file__).with_name("out")
 CHUNK = 256

@@ -9,8 +9,8 @@ and the numpy reference (the fallback without a C compiler) encode and decode th
 two must produce the same bytes and the same KV (checked). Native timings: median of --repeats,
 encode and decode alternating; reference: one run (it is ~50x slower). MB/s of bf16 input.
 
-Where CUDA and nvCOMP (`lmcache[gpu]`) are present, the GPU coder (`cachegen_gpu`) is measured on
-the same chunks moved to the device: `to_bytes` of a CUDA chunk (quantize + nvCOMP encode + the
+Where CUDA and nvCOMP (`lmcache[gpu]`) are present, the GPU coder (`lmcache.cachegen.gpu`) is measured
+on the same chunks moved to the device: `to_bytes` of a CUDA chunk (quantize + nvCOMP encode + the
 compressed bytes to the host) and decode of its stream to a CUDA tensor (host bytes to the
 device + nvCOMP decode + dequantize), with its bits/value; otherwise that row says why it is
 missing.
@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 from cachegen_common import EVAL_TEXTS, KVModel, kv_8b_like
 
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat, MemoryObj, TensorMemoryAllocator
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
 
 # `--worker` runs with another checkout's lmcache too: only names every version has are imported
 # at the top; this checkout's coder modules are imported where they are used.
@@ -84,7 +83,7 @@ def time_chunk(ser: CacheGenSerializer, de: CacheGenDeserializer, chunk: torch.T
 
 
 def measure(label: str, chunks: list[torch.Tensor], shape: tuple[int, int, int], repeats: int) -> dict:
-    from lmcache.storage_backend.serde.cachegen_kernels import NativeKernels, ReferenceKernels, kernels
+    from lmcache.cachegen.kernels import NativeKernels, ReferenceKernels, kernels
 
     native = kernels()
     if not isinstance(native, NativeKernels):
@@ -118,10 +117,10 @@ def measure(label: str, chunks: list[torch.Tensor], shape: tuple[int, int, int],
 
 def measure_gpu(chunks: list[torch.Tensor], shape: tuple[int, int, int], repeats: int) -> dict:
     """The GPU coder on `chunks` (moved to the CUDA device first)."""
+    from lmcache.cachegen.decoder import decode_stream
+    from lmcache.cachegen.encoded import CacheGenEncoderOutput
+    from lmcache.cachegen.kernels import kernels
     from lmcache.storage_backend.serde import blob
-    from lmcache.storage_backend.serde.cachegen_basics import CacheGenEncoderOutput
-    from lmcache.storage_backend.serde.cachegen_decoder import decode_stream
-    from lmcache.storage_backend.serde.cachegen_kernels import kernels
 
     ser, _ = serde_pair("gpu", shape, kernels())
     enc, dec, nbytes, blob_bytes = [], [], 0, 0
@@ -241,7 +240,7 @@ def main() -> None:
         print(f"{r['kv']:24s} {r['bits_per_value']:8.3f} {r['native_encode_MBps']:9.0f} "
               f"{r['native_decode_MBps']:9.0f} {r['reference_encode_MBps']:8.1f} "
               f"{r['reference_decode_MBps']:8.1f} {r['native_equals_reference']!s:>9s}")
-    from lmcache.storage_backend.serde import cachegen_gpu as gpu
+    from lmcache.cachegen import gpu
 
     gpu_rows: dict[str, dict] | str
     if gpu.available():

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from cachegen_common import EVAL, EVAL_TEXTS, KVModel, kl_and_top1
 
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
+from lmcache.compat.cachegen_seed import do_dequantize, torch_quant_vectorized
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde.blob import HEADER_SIZE
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer, do_dequantize
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, torch_quant_vectorized
 
 OUT = Path(__file__).with_name("out")
 CHUNK = 256

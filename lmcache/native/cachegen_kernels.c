@@ -1,6 +1,6 @@
 /* CacheGen's CPU kernels: the quantizer's data passes and the interleaved rANS coder.
  *
- * Python (`lmcache/storage_backend/serde/cachegen_kernels.py`) holds the reference of every
+ * Python (`lmcache/cachegen/kernels.py`) holds the reference of every
  * function here in numpy; both produce bit-identical results, so the arithmetic below is fixed:
  * float32 operations in the stated order, no fused multiply-add (built with -ffp-contract=off),
  * round-half-to-even everywhere.
@@ -8,7 +8,7 @@
  * KV is [G][T][C] (G = 2 * layers (K/V, layer) pairs, T tokens, C channels), dtype code
  * 0 = bf16, 1 = fp16, 2 = fp32. Symbols q are int16 [G][T][C].
  *
- * rANS (see cachegen_rans.py for the format): 64-bit states in [L, 2^32 L), L = 2^31, 32-bit
+ * rANS (see lmcache/cachegen/rans.py for the format): 64-bit states in [L, 2^32 L), L = 2^31, 32-bit
  * words, PROB_BITS-bit frequencies, LANES interleaved states per substream. A substream codes the
  * symbols of one (token block, pair) token-major over the pair's coded channels; symbol i uses
  * lane i % LANES. Words are read front to back: first the LANES initial states (high word, then
@@ -34,7 +34,7 @@
 #define LANES 8 /* the coding loops below hold the 8 states in 8 variables */
 #define RANS_L (1ull << 31)
 #define QLIMIT 32767.0f
-#define ANCHOR_LIMIT 2048.0f /* QMAX + 1 (cachegen_quant) */
+#define ANCHOR_LIMIT 2048.0f /* QMAX + 1 (cachegen.quant) */
 #define RINT_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 half to even */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -262,7 +262,7 @@ HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const in
     return failed ? -2 : 0;
 }
 
-/* Symbol groups (cachegen_layout): channel c of pair g is in class classes[g][c] < NUM_CLASSES;
+/* Symbol groups (cachegen.layout): channel c of pair g is in class classes[g][c] < NUM_CLASSES;
  * a pair's groups are its classes that occur, in increasing order, numbered across pairs in pair
  * order. */
 #define NUM_CLASSES 16
@@ -364,7 +364,7 @@ int cg_layout(const uint8_t *classes, int64_t G, int64_t C, int64_t N, const int
     return n == N ? 0 : -1;
 }
 
-/* `cachegen_rans.normalize` of one group: its counts cnt [size] -> f, scaled to sum to
+/* `cachegen.rans.normalize` of one group: its counts cnt [size] -> f, scaled to sum to
  * PROB_SCALE, 1 + count * (PROB_SCALE - k) / total (floor) for the k symbols that occur, 0 for the
  * others, the remainder added to the group's most frequent symbol (the first of ties). Returns 0,
  * or -1 if the group has no counts. */
@@ -585,12 +585,12 @@ HOT int64_t cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t
 }
 
 /* The whole encoder in one call (`NativeKernels.encode_chunk`): the results of the passes above
- * and of the numpy steps between them (`cachegen_quant`, `cachegen_layout`), each pair's passes
+ * and of the numpy steps between them (`cachegen.quant`, `cachegen.layout`), each pair's passes
  * back to back on its own symbols while they are in cache. */
-#define EXP_LIMIT 800     /* cachegen_quant: exponents e in [-EXP_LIMIT, EXP_LIMIT] ... */
+#define EXP_LIMIT 800     /* cachegen.quant: exponents e in [-EXP_LIMIT, EXP_LIMIT] ... */
 #define EXP_WINDOW 255    /* ... within EXP_WINDOW of their pair's largest */
 #define QMAX 2047
-#define MAX_ALPHABET 4095 /* cachegen_format: symbols per group */
+#define MAX_ALPHABET 4095 /* cachegen.format: symbols per group */
 #define PAIR_ENTRIES (NUM_CLASSES * MAX_ALPHABET) /* table entries a pair can have */
 
 /* A per-thread buffer grown to the largest need seen (0, or -1 if it cannot grow). */
@@ -616,7 +616,7 @@ static int grow(void **buf, int64_t *cap, int64_t need, size_t item) {
  * g's are written at g * PAIR_ENTRIES first), and the substreams to the start of out
  * (compact_substreams, lengths[s] receiving each one's bytes). Returns the number of words; -1 if a region was too
  * small, -2 on allocation failure, -3 for non-finite sums, -4 if a token's symbols reach QMAX
- * (its step needs raising: `cachegen_quant.bound_exponents`, which the passes do), -5 for a group
+ * (its step needs raising: `cachegen.quant.bound_exponents`, which the passes do), -5 for a group
  * of more than MAX_ALPHABET symbols. */
 HOT int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t C, int64_t B,
                             const int64_t *block_starts, const int64_t *anchor_of,
@@ -839,7 +839,7 @@ typedef struct {
 
 /* The decoder tables of groups [first, last] (one pair's groups): index gets PROB_SCALE slots
  * per group (in group order), entry the group's entries f << 16 | cum at entry + group_start[grp]
- * - group_start[first]. freq: the concatenated tables (`cachegen_rans.check_tables` has checked
+ * - group_start[first]. freq: the concatenated tables (`cachegen.rans.check_tables` has checked
  * that each sums to PROB_SCALE; checked again here, so that no caller can make this write past
  * the tables). Returns 0, or -1 for a group whose frequencies do not sum to PROB_SCALE. */
 static int dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,

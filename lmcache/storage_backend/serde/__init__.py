@@ -18,13 +18,14 @@ from lmcache.storage_backend.serde.serde import (
     SerializerDebugWrapper,
 )
 
-# name -> ("module:SerializerClass", "module:DeserializerClass"), imported on first use
+# name -> ("module:SerializerClass", "module:DeserializerClass"), imported on first use; a module
+# starting with "." is one of this package's
 _REGISTRY = {
-    "naive": ("naive_serde:NaiveSerializer", "naive_serde:NaiveDeserializer"),
-    "torch": ("torch_serde:TorchSerializer", "torch_serde:TorchDeserializer"),
-    "safe": ("safe_serde:SafeSerializer", "safe_serde:SafeDeserializer"),
-    "fast": ("fast_serde:FastSerializer", "fast_serde:FastDeserializer"),
-    "cachegen": ("cachegen_encoder:CacheGenSerializer", "cachegen_decoder:CacheGenDeserializer"),
+    "naive": (".naive_serde:NaiveSerializer", ".naive_serde:NaiveDeserializer"),
+    "torch": (".torch_serde:TorchSerializer", ".torch_serde:TorchDeserializer"),
+    "safe": (".safe_serde:SafeSerializer", ".safe_serde:SafeDeserializer"),
+    "fast": (".fast_serde:FastSerializer", ".fast_serde:FastDeserializer"),
+    "cachegen": ("lmcache.cachegen.serde:CacheGenSerializer", "lmcache.cachegen.serde:CacheGenDeserializer"),
 }
 
 
@@ -34,7 +35,7 @@ def serde_names() -> list[str]:
 
 def _load(ref: str) -> type:
     module_name, cls_name = ref.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module_name}"), cls_name)
+    return getattr(importlib.import_module(module_name, __name__), cls_name)
 
 
 def create_serde(name: str, config: LMCacheEngineConfig,

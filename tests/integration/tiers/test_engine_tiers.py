@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache.cachegen import format as cachegen_format
+from lmcache.cachegen import gpu as cachegen_gpu
+from lmcache.cachegen.encoded import CacheGenEncoderOutput
 from lmcache.config import LMCacheEngineConfig
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
-from lmcache.storage_backend.serde import blob, cachegen_format, cachegen_gpu
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenEncoderOutput
+from lmcache.storage_backend.serde import blob
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.servers import REPO
 from tests.integration.tiers import disk_worker

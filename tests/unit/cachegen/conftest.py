@@ -10,12 +10,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from lmcache.cachegen.encoded import CacheGenEncoderOutput
+from lmcache.cachegen.quant import steps
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenEncoderOutput
-from lmcache.storage_backend.serde.cachegen_decoder import CacheGenDeserializer
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
-from lmcache.storage_backend.serde.cachegen_quant import steps
 
 NLAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 16, 64
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache.storage_backend.serde.cachegen_basics import (
+from lmcache.cachegen.config import (
     DEFAULT_KEY_BINS,
     DEFAULT_VALUE_BINS,
     CacheGenConfig,
     QuantizationSpec,
     specs_from_bins,
 )
-from lmcache.storage_backend.serde.cachegen_tables import known_table
+from lmcache.cachegen.tables import known_table
 
 
 @pytest.mark.parametrize("start,end,bins", [(-1, 2, 8), (3, 3, 8), (4, 2, 8), (0, 2, 1),
@@ -88,8 +88,8 @@ def test_specs_from_bins_merges_runs_and_scaled_clamps() -> None:
 
 
 def test_cachegen_quality_scales_the_serializers_bins_and_is_validated(metadata) -> None:
+    from lmcache.cachegen.serde import CacheGenSerializer
     from lmcache.config import LMCacheEngineConfig
-    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
 
     default = CacheGenSerializer(LMCacheEngineConfig.from_defaults(), metadata).cachegen_config
     finer = CacheGenSerializer(LMCacheEngineConfig.from_defaults(cachegen_quality=2.0),

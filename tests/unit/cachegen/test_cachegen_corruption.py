@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import gpu
+from lmcache.cachegen import serde as cachegen_serde
 from lmcache.observability import forget_logged_once
 from lmcache.storage_backend.serde import blob
-from lmcache.storage_backend.serde import cachegen_decoder as decoder
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_gpu as gpu
 from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 
@@ -74,9 +74,9 @@ def test_a_stream_of_the_previous_format_version_is_a_logged_stale_miss(serde, g
                                                                          caplog) -> None:
     payload = bytearray(blob.unpack(good).payload)
     payload[4] = 1  # format version 1: constriction's coder, before rANS
-    decoder.logger.propagate = True
+    cachegen_serde.logger.propagate = True
     forget_logged_once()
-    with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
+    with caplog.at_level(logging.WARNING, logger=cachegen_serde.logger.name):
         for _ in range(3):
             with pytest.raises(fmt.StaleStreamError, match="version 1"):
                 serde[1].from_bytes(rewrap(good, bytes(payload)))
@@ -166,9 +166,9 @@ def gpu_coded(good: bytes, stream_of) -> bytes:
 def test_a_gpu_coded_stream_without_cuda_is_a_kept_miss_logged_once(serde, good: bytes, stream_of,
                                                                     caplog) -> None:
     data = gpu_coded(good, stream_of)
-    decoder.logger.propagate = True
+    cachegen_serde.logger.propagate = True
     forget_logged_once()
-    with caplog.at_level(logging.WARNING, logger=decoder.logger.name):
+    with caplog.at_level(logging.WARNING, logger=cachegen_serde.logger.name):
         for _ in range(3):
             with pytest.raises(fmt.UnavailableCoderError, match="nvCOMP") as info:
                 serde[1].from_bytes(data)

@@ -4,8 +4,8 @@ needs the optional extra lmcache[gpu])."""
 import pytest
 import torch
 
-from lmcache.storage_backend.serde import cachegen_format as fmt
-from lmcache.storage_backend.serde import cachegen_gpu as gpu
+from lmcache.cachegen import format as fmt
+from lmcache.cachegen import gpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_nvcomp = pytest.mark.skipif(not gpu.available(), reason="needs nvCOMP (lmcache[gpu])")

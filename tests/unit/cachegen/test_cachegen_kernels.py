@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig
-from lmcache.storage_backend.serde.cachegen_decoder import decode_stream
-from lmcache.storage_backend.serde.cachegen_encoder import encode_stream
-from lmcache.storage_backend.serde.cachegen_kernels import NativeKernels, ReferenceKernels, kernels
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.decoder import decode_stream
+from lmcache.cachegen.encoder import encode_stream
+from lmcache.cachegen.kernels import NativeKernels, ReferenceKernels, kernels
 from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 NATIVE = kernels()
@@ -52,7 +52,7 @@ def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Te
     """The native fused encoder gives the native passes' results, field by field."""
     import numpy as np
 
-    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenEncoderImpl
+    from lmcache.cachegen.encoder import CacheGenEncoderImpl
 
     def impl() -> CacheGenEncoderImpl:
         return CacheGenEncoderImpl(kv=kv, key_bins=kb, value_bins=vb, block_tokens=blocks,
@@ -111,9 +111,9 @@ def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv
 def test_the_serializer_writes_the_stream_encode_stream_gives(make_kv) -> None:
     """`CacheGenSerializer` packs the coder's arrays directly: the same bytes as packing
     `encode_stream`'s output."""
+    from lmcache.cachegen.serde import CacheGenSerializer
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
     from lmcache.storage_backend.serde import blob
-    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer
 
     kv = make_kv(3, 50, 2 * 8)
     md = LMCacheEngineMetadata("m", 1, 0, "vllm", torch.bfloat16, (3, 2, 64, 2, 8))
@@ -128,7 +128,7 @@ def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv)
     """The native coder reads the symbols of a pair whose channels are all coded directly and
     those of a pair with single-symbol (uncoded) channels through its channel list: both must
     give the reference's stream."""
-    from lmcache.storage_backend.serde.cachegen_encoder import CacheGenEncoderImpl
+    from lmcache.cachegen.encoder import CacheGenEncoderImpl
 
     kv = make_kv(2, 96, 64)
     kv[0, 1, :, 5:9] = kv[0, 1, 0, 5:9]  # K of layer 1: four channels constant over the tokens
@@ -146,7 +146,7 @@ def test_the_native_decoder_checks_its_tables_itself(make_kv) -> None:
     """Frequency tables that do not sum to the scale never reach the native decoder through the
     stream parser; called directly with such tables it reports corrupt substreams (it must not
     write its slot tables out of bounds)."""
-    from lmcache.storage_backend.serde.cachegen_decoder import StreamTables
+    from lmcache.cachegen.decoder import StreamTables
 
     cfg = CacheGenConfig.default_for_layers(2)
     encoded = encode_stream(make_kv(2, 32, 16), torch.tensor(cfg.key_bins()),

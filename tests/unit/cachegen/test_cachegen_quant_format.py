@@ -5,17 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmcache.storage_backend.serde import cachegen_quant as cgq
-from lmcache.storage_backend.serde.cachegen_basics import (
-    CacheGenConfig,
-    CacheGenEncoderOutput,
-    CacheGenGPUEncoderOutput,
-)
-from lmcache.storage_backend.serde.cachegen_decoder import do_dequantize, quant
-from lmcache.storage_backend.serde.cachegen_encoder import (
+from lmcache.cachegen import quant as cgq
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.encoded import CacheGenEncoderOutput, CacheGenGPUEncoderOutput
+from lmcache.compat.cachegen_seed import (
     collect_bytes,
     concat_max,
+    do_dequantize,
     encode_function,
+    quant,
     torch_quant,
     torch_quant_vectorized,
 )
@@ -61,7 +59,7 @@ def test_step_exponents_follow_rms_and_bins_and_stay_in_window() -> None:
 def test_exponents_and_classes_by_thresholds_are_the_rounded_logarithms() -> None:
     """Both are defined by comparisons with precomputed thresholds (exact in numpy and C alike);
     away from ties they are the rounded logarithms they stand for."""
-    from lmcache.storage_backend.serde.cachegen_layout import channel_classes
+    from lmcache.cachegen.layout import channel_classes
 
     rng = np.random.default_rng(5)
     sumsq = rng.lognormal(0.0, 6.0, (40, 300))

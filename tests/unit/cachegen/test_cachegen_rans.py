@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lmcache.storage_backend.serde import cachegen_rans as rans
-from lmcache.storage_backend.serde.cachegen_layout import (
+from lmcache.cachegen import rans
+from lmcache.cachegen.layout import (
     NUM_CLASSES,
     CodeLayout,
     channel_classes,

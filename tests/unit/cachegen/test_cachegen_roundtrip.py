@@ -7,17 +7,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmcache.cachegen.config import CacheGenConfig
+from lmcache.cachegen.decoder import StreamTables, decode_kv
+from lmcache.cachegen.encoded import CacheGenGPUEncoderOutput
+from lmcache.cachegen.quant import steps
+from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
+from lmcache.compat.cachegen_seed import decode_chunk, encode_function
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import create_serde
-from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, CacheGenGPUEncoderOutput
-from lmcache.storage_backend.serde.cachegen_decoder import (
-    CacheGenDeserializer,
-    StreamTables,
-    decode_chunk,
-    decode_kv,
-)
-from lmcache.storage_backend.serde.cachegen_encoder import CacheGenSerializer, encode_function
-from lmcache.storage_backend.serde.cachegen_quant import steps
 
 
 def test_registry_builds_the_cachegen_pair(engine_config, metadata) -> None:
