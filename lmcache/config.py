@@ -23,6 +23,9 @@ import torch
 import yaml
 
 from lmcache.observability import log_once
+from lmcache.storage_backend.connectors import parse_remote_url, remote_schemes
+from lmcache.storage_backend.evictor import POLICIES
+from lmcache.storage_backend.serde.registry import serde_names
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +145,6 @@ class LMCacheEngineConfig:
             self.lookup_url = _as_url(self.lookup_url)
 
     def _validate(self) -> None:
-        # valid names come from the registries (imported here: they import this module)
-        from lmcache.storage_backend.connectors import parse_remote_url, remote_schemes
-        from lmcache.storage_backend.evictor import POLICIES
-        from lmcache.storage_backend.serde import serde_names
-
         schemes, serdes = remote_schemes(), serde_names()
         _check(self.chunk_size > 0, "chunk_size", self.chunk_size, "must be > 0")
         for name in ("max_local_cpu_size", "max_local_disk_size"):

@@ -8,12 +8,16 @@ tiers, found through the peer lookup service). Their faults are misses (`lmcache
 
 from __future__ import annotations
 
-from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from typing import TYPE_CHECKING
+
 from lmcache.memory_management import MemoryAllocatorInterface
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.registry import create_tiers, register_tier, tier_classes, tier_names
 from lmcache.storage_backend.serde.serde import AllocateFn
+
+if TYPE_CHECKING:  # the config names plug-ins from this package's registries
+    from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 
 
 def create_storage_backends(
