@@ -1,3 +1,3 @@
-"""Seed path alias of `lmcache.config`."""
+"""Seed path alias of `lmcache.config` (part of the compat edge)."""
 
 from lmcache.config import *  # noqa: F403

@@ -1,3 +1,3 @@
-"""Seed path alias of `lmcache.memory_management`."""
+"""Seed path alias of `lmcache.memory_management` (part of the compat edge)."""
 
 from lmcache.memory_management import *  # noqa: F403

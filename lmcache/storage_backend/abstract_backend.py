@@ -16,8 +16,6 @@ Primitives and when they are called (by the `StorageManager`):
 - `get_blocking(key)` / `batched_get(keys)`: objects with one reference each owned by the caller
   (None for misses); a key still being written is served from memory. A batched get of a remote
   tier is one round trip per failure domain; of the disk tier, concurrent reads.
-- `submit_prefetch_task(key)`: `get_blocking` on a load pool (seed 000's name); returns a Future
-  of the object (or None). The storage manager prefers its own batched, joinable loads.
 - `remove(key)`: drop `key`; True if it was there.
 - `clear()`: drop everything this tier holds (local tiers; an operator's request); the count.
 - `healthy()`: False while the tier is failing (e.g. its store is unreachable).
@@ -96,9 +94,6 @@ class StorageBackendInterface(abc.ABC):
 
     @abc.abstractmethod
     def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj) -> Future | None: ...
-
-    @abc.abstractmethod
-    def submit_prefetch_task(self, key: CacheEngineKey) -> Future | None: ...
 
     @abc.abstractmethod
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None: ...

@@ -70,9 +70,6 @@ class LocalCPUBackend(StorageBackendInterface):
             self.policy.on_insert(key)
         return None
 
-    def submit_prefetch_task(self, key: CacheEngineKey) -> Future | None:
-        return None
-
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         with self.lock:
             obj = self._objs.get(key)

@@ -25,7 +25,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -70,7 +70,9 @@ class LocalDiskBackend(LowerTierBackend):
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
         self.pins = pins if pins is not None else PinTable()
         self.on_removed = on_removed
+        pools = pools or TierPools()
         super().__init__(allocate, pools)
+        self._loads = ThreadPoolExecutor(pools.load_workers, thread_name_prefix=f"lmcache-{self.name}-load")
         self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> bytes, LRU first
         self._keys: dict[str, CacheEngineKey] = {}  # file stem -> key, for the keys this process saw
         self._index_lock = threading.Lock()
@@ -120,10 +122,6 @@ class LocalDiskBackend(LowerTierBackend):
             return False
         self._insert_stem(self._seen(key), size)
         return True
-
-    def insert_key(self, key: CacheEngineKey, size: int) -> None:
-        """Record that `key`'s file (of `size` bytes) is on disk."""
-        self._insert_stem(self._seen(key), size)
 
     def _insert_stem(self, stem: str, size: int) -> None:
         with self._index_lock:
@@ -265,9 +263,8 @@ class LocalDiskBackend(LowerTierBackend):
             return [self._read(k) for k in keys]
         return gather_all([self._loads.submit(self._read, k) for k in keys])
 
-    def async_load_bytes_from_disk(self, key: CacheEngineKey) -> Future:
-        """`load_bytes_from_disk(key)` on the load pool."""
-        return self._loads.submit(self.load_bytes_from_disk, key)
+    def _close(self) -> None:
+        self._loads.shutdown(wait=True, cancel_futures=True)
 
     def load_bytes_from_disk(self, key: CacheEngineKey) -> MemoryObj | None:
         """`key`'s chunk in a buffer from `allocate` (reference owned by the caller), or None if

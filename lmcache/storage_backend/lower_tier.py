@@ -8,8 +8,7 @@ holds) and `_close()`. This class provides the rest of the backend interface:
 - puts go through an `AsyncPutQueue` (bounded, deduplicated, holds a reference until written);
 - `get_blocking` / `batched_get` serve keys still being written from memory, and `_read` /
   `_read_many` the rest; `batched_contains` counts keys being written as contained;
-- `submit_prefetch_task` runs `get_blocking` on a small load pool;
-- `close` flushes the queued writes (bounded wait), then stops the pools.
+- `close` flushes the queued writes (bounded wait), then stops the put workers and calls `_close`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from lmcache.memory_management import MemoryObj, release_all
@@ -48,7 +47,8 @@ def gather_all(futures: Sequence[Future]) -> list[MemoryObj | None]:
 @dataclass(frozen=True)
 class TierPools:
     """Sizes of a lower tier's pools. `max_pending_puts` bounds the writes in flight (each holds
-    a hot-tier buffer); `close_timeout` bounds how long `close` waits for them."""
+    a hot-tier buffer); `close_timeout` bounds how long `close` waits for them; `load_workers`
+    read a batch concurrently (the disk tier)."""
 
     put_workers: int = 2
     max_pending_puts: int = 64
@@ -63,7 +63,6 @@ class LowerTierBackend(StorageBackendInterface):
         self.close_timeout = pools.close_timeout
         self.puts = AsyncPutQueue(self.name, self._write, num_workers=pools.put_workers,
                                   max_pending=pools.max_pending_puts)
-        self._loads = ThreadPoolExecutor(pools.load_workers, thread_name_prefix=f"lmcache-{self.name}-load")
         self._lock = threading.Lock()
         self._closed = False
 
@@ -120,12 +119,6 @@ class LowerTierBackend(StorageBackendInterface):
                 out[i] = hit
         return out
 
-    def submit_prefetch_task(self, key: CacheEngineKey) -> Future | None:
-        with self._lock:
-            if self._closed:
-                return None
-            return self._loads.submit(self.get_blocking, key)
-
     def stats(self) -> TierStats:
         q = self.puts
         return TierStats({"puts_written": q.num_written, "bytes_written": q.num_bytes_written,
@@ -138,5 +131,4 @@ class LowerTierBackend(StorageBackendInterface):
                 return
             self._closed = True
         self.puts.close(self.close_timeout)
-        self._loads.shutdown(wait=True, cancel_futures=True)
         self._close()

@@ -127,9 +127,6 @@ class PeerBackend(StorageBackendInterface):
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self.batched_get([key])[0]
 
-    def submit_prefetch_task(self, key: CacheEngineKey) -> Future | None:
-        return None
-
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         holders = self._usable(self.lookup.holders(keys))
         out: list[MemoryObj | None] = [None] * len(keys)

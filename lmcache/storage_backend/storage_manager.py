@@ -345,21 +345,6 @@ class StorageManager:
             counts.add("hits", len(found))
             counts.add("bytes_read", sum(o.get_size() for o in found))
 
-    # ---- single keys (seed 000's per-key API) -------------------------------------------------------
-
-    def contains(self, key: CacheEngineKey, search_range: str | Iterable[str] | None = None) -> bool:
-        return self.contains_prefix([key], search_range).hits == 1
-
-    def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        objs = self.get_prefix([key])
-        return objs[0] if objs else None
-
-    def remove(self, key: CacheEngineKey) -> bool:
-        removed = False
-        for tier in self.tiers:
-            removed = bool(self._guard(tier, tier.remove, False, key)) or removed
-        return removed
-
     # ---- internals --------------------------------------------------------------------------------
 
     def _guard(self, tier: StorageBackendInterface, fn: Callable[..., T], default: Any, *args: Any) -> T:

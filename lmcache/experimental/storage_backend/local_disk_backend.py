@@ -1,4 +1,7 @@
-"""Seed path alias of `lmcache.storage_backend.local_disk_backend`."""
+"""Seed path of `lmcache.storage_backend.local_disk_backend`, part of the compat edge:
+`LocalDiskBackend` here is `lmcache.compat.disk_seed.LocalDiskBackend`, the core disk tier plus
+seed 000's per-key calls (`insert_key`, `async_load_bytes_from_disk`, `submit_prefetch_task`)."""
 
-from lmcache.storage_backend.local_disk_backend import *  # noqa: F403
-from lmcache.storage_backend.local_disk_backend import LocalDiskBackend  # noqa: F401
+from lmcache.compat.disk_seed import LocalDiskBackend
+
+__all__ = ["LocalDiskBackend"]

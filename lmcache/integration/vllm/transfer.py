@@ -1,6 +1,6 @@
 """Moving one request's KV between vLLM's paged cache and the engine, as a `RequestPlan` says.
 
-Used by the worker-side connector and by the seed's adapter functions (`vllm_adapter`).
+Used by the worker-side connector and by seed 004's adapter functions (`lmcache.compat.vllm_adapter`).
 
 Slots. Each KV cache group has its own block table, so the slot of a token is per group:
 ``block_id * block_size + offset`` in the group's table, -1 where the group holds nothing for it

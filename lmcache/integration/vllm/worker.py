@@ -1,6 +1,6 @@
 """The worker side of the vLLM connector (runs in each vLLM worker process, next to the model).
 
-- `register_kv_caches`: builds this rank's engine (`vllm_adapter.init_lmcache_engine`) around
+- `register_kv_caches`: builds this rank's engine (`engine_setup.build_engine`) around
   vLLM's per-layer caches of the layers `kv_groups.ModelKV` stores per token: on CPU the packed
   vLLM-CPU layout (probed with vLLM's own kernel), on CUDA the flash-attention or FlashInfer
   layout; both store the canonical KV_BLOB layout. Then it starts the lookup server the scheduler
@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.engine_setup import build_engine, connector_kvcaches, vllm_layout
 from lmcache.integration.vllm.kv_groups import ModelKV, unsupported
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
@@ -38,7 +39,6 @@ from lmcache.integration.vllm.mla_layout import check_latent_rows
 from lmcache.integration.vllm.states import StateCopier
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
-from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, init_lmcache_engine, vllm_layout
 from lmcache.metrics import rank_payload
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,8 @@ class LMCacheWorker:
         else:
             self.kvcaches = connector_kvcaches(tensors, block_size)
             layout = "mla" if self.kv.kv_count == 1 else vllm_layout(tensors, block_size)
-            self.engine = init_lmcache_engine(vc.model_config, vc.parallel_config, vc.cache_config,
-                                              config=self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
-                                              device=tensors[0].device.type, layout=layout, model=self.kv)
+            self.engine = build_engine(vc, self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
+                                       device=tensors[0].device.type, layout=layout, model=self.kv)
             if self.engine.controller is not None:
                 self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)

@@ -16,7 +16,7 @@ L, H, D, BS, NB = 4, 2, 64, 16, 32
 def test_vllm_cuda_layouts_round_trip_through_the_engine(layout):
     from lmcache.cache_engine import LMCacheEngine
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-    from lmcache.integration.vllm.vllm_adapter import connector_kvcaches, platform_connector, vllm_layout
+    from lmcache.integration.vllm.engine_setup import connector_kvcaches, platform_connector, vllm_layout
     from lmcache.memory_management import MixedMemoryAllocator
     from lmcache.token_database import ChunkedTokenDatabase
 

@@ -192,3 +192,20 @@ def test_from_legacy_remote_names_need_a_remote_url_and_others_ignore_it(caplog)
     assert LMCacheEngineConfig.from_legacy(backend="cuda", remote_url="lm://h:1").remote_url == "lm://h:1"
     disk = LMCacheEngineConfig.from_legacy(backend="file:///tmp/kv")
     assert disk.local_cpu and disk.local_disk == "/tmp/kv" and disk.max_local_disk_size == 5.0
+
+
+def test_from_legacy_and_its_tables_answer_from_the_config_module_as_before():
+    from lmcache.compat import legacy_config
+    from lmcache.config import DEFAULT_LEGACY_DISK_GB, LEGACY_BACKENDS, LegacyTiers, default_local_disk
+
+    assert LEGACY_BACKENDS is legacy_config.LEGACY_BACKENDS
+    assert LEGACY_BACKENDS["cpu"] == LegacyTiers(True, False, False)
+    assert DEFAULT_LEGACY_DISK_GB == 5.0 and default_local_disk().endswith("lmcache/disk")
+    c = LMCacheEngineConfig.from_legacy(16, "cuda", "lm://h:1")  # seed 000's positional order
+    assert (c.chunk_size, c.local_cpu, c.remote_url) == (16, True, "lm://h:1")
+    with pytest.raises(TypeError):
+        LMCacheEngineConfig.from_legacy(backnd="cpu")
+    with pytest.raises(AttributeError):
+        import lmcache.config
+
+        lmcache.config.NOT_A_NAME  # noqa: B018

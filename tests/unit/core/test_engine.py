@@ -143,7 +143,7 @@ def test_full_arena_stores_fewer_chunks_and_never_crashes(caplog):
     held = []
     engine.store(tokens[:24], kvcaches=kv.layers, slot_mapping=slots)  # fills the arena
     for _, _, key in engine.token_database.process_tokens(tokens[:24]):
-        held.append(engine.storage_manager.get(key))  # readers hold every chunk
+        held += engine.storage_manager.get_prefix([key])  # readers hold every chunk
     other = torch.randint(0, 1000, (16,))
 
     def warnings() -> int:

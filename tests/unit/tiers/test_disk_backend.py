@@ -146,16 +146,6 @@ def test_get_while_the_write_is_in_flight_is_served_from_memory(disk, make_obj, 
     assert not d.exists_in_put_tasks(key(1)) and d.contains(key(1))
 
 
-def test_prefetch_loads_into_a_new_buffer(disk, make_obj, key):
-    d = disk()
-    obj = make_obj(1)
-    put(d, key(1), obj)
-    got = d.submit_prefetch_task(key(1)).result(5)
-    assert got is not obj and torch.equal(got.tensor, obj.tensor)
-    got.ref_count_down()
-    assert d.submit_prefetch_task(key(2)).result(5) is None
-
-
 def test_get_when_allocate_has_no_room_is_a_miss_and_keeps_the_file(disk_config, meta, make_obj, key):
     d = LocalDiskBackend(disk_config(), meta, lambda *a: None)
     put(d, key(1), make_obj(1))
