@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.controller import Controller
 from lmcache.failures import BugsAsMisses
@@ -52,7 +53,6 @@ from lmcache.metrics import MetricsServer
 from lmcache.observability import EngineStats, IncidentLog
 from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan, TokenDatabase
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import xxhash
 
+from lmcache.cache_key import CacheEngineKey, dtype_tag
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.utils import CacheEngineKey, dtype_tag
 
 _ROOT = b"lmcache/chunk-hash/v1"
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend import local_disk_backend
-from lmcache.utils import CacheEngineKey
 
 
 class LocalDiskBackend(local_disk_backend.LocalDiskBackend):

@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.failures import FailureDomains
 from lmcache.storage_backend.connectors import create_connector, parse_remote_url
 from lmcache.storage_backend.connectors.redis_connector import RedisClientConnector
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED = 1 << 20  # registrations kept while the store is unreachable

@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
 from lmcache.server.protocol import Op, Status
 from lmcache.server.server import FrameServer, Reply
 from lmcache.storage_backend.serde import keyed_blob
 from lmcache.storage_backend.serde.serde import Serializer
-from lmcache.utils import CacheEngineKey
 
 READ_ONLY = b"this is a read-only peer server"
 

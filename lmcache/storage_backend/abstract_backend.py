@@ -34,9 +34,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats
-from lmcache.utils import CacheEngineKey
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import IncidentLog
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from lmcache.utils import CacheEngineKey
+from lmcache.cache_key import CacheEngineKey
 
 
 class PinTable:

@@ -16,13 +16,13 @@ from concurrent.futures import Future
 
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import CachePolicy, make_policy
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.registry import register_tier
-from lmcache.utils import CacheEngineKey
 
 
 @register_tier

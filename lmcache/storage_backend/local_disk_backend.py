@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats
@@ -41,7 +42,6 @@ from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.serde import AllocateFn
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 

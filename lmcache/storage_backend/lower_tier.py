@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.async_put import AsyncPutQueue
 from lmcache.storage_backend.serde.serde import AllocateFn
-from lmcache.utils import CacheEngineKey
 
 
 def gather_all(futures: Sequence[Future]) -> list[MemoryObj | None]:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmcache.backoff import Backoff
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
@@ -43,7 +44,6 @@ from lmcache.storage_backend.serde import CorruptBlobError, create_serde, keyed_
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 PULL_WORKERS = 4

@@ -27,6 +27,7 @@ from functools import partial
 from typing import TypeVar
 
 from lmcache.backoff import Clock
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
@@ -39,7 +40,6 @@ from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, c
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob, read_whole_blob
 from lmcache.storage_backend.serde.serde import AllocateFn
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

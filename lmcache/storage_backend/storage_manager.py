@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
@@ -41,7 +42,6 @@ from lmcache.storage_backend.abstract_backend import StorageBackendInterface, Ti
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.storage_backend.registry import create_tiers, tier_names
-from lmcache.utils import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

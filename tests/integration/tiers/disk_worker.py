@@ -12,10 +12,10 @@ import sys
 
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
-from lmcache.utils import CacheEngineKey
 
 SHAPE = torch.Size([2, 30, 256, 192])  # a SmolLM2 chunk, 5.9 MB: writes take long enough to be cut
 META = LMCacheEngineMetadata("SmolLM2", 1, 0, "vllm", torch.bfloat16, (30, 2, 256, 3, 64))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator
 from lmcache.p2p.lookup_service import LookupService
@@ -24,7 +25,6 @@ from lmcache.server.client import LMCacheClient, LMServerError
 from lmcache.server.protocol import Op, Status
 from lmcache.server.server import FrameServer, Reply, ServerThread
 from lmcache.storage_backend.serde import create_serde, keyed_blob
-from lmcache.utils import CacheEngineKey
 from tests.helpers.servers import REPO
 from tests.integration.tiers.peer_worker import CHUNK, paged_kv, peer_engine, tokens_for
 

@@ -13,10 +13,10 @@ import redis
 import torch
 from redis.crc import key_slot
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator, release_all
 from lmcache.storage_backend.remote_backend import RemoteBackend
-from lmcache.utils import CacheEngineKey
 
 pytestmark = pytest.mark.integration
 SHAPE = torch.Size([2, 2, 16, 8])

@@ -190,3 +190,9 @@ def test_importing_the_core_and_the_connector_loads_nothing_of_the_edge():
                          cwd=PACKAGE_DIR.parent).stdout.split()
     assert "lmcache.integration.vllm.worker" in out
     assert [m for m in out if in_edge(m)] == []
+
+
+def test_the_seed_path_lmcache_utils_is_the_cache_key_module():
+    from lmcache import cache_key, utils
+
+    assert (utils.CacheEngineKey, utils.dtype_tag) == (cache_key.CacheEngineKey, cache_key.dtype_tag)

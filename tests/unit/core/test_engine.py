@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache.cache_engine import LMCacheEngineBuilder
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import VLLMPagedMemGPUConnectorV2
-from lmcache.utils import CacheEngineKey
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 
@@ -301,8 +301,8 @@ def test_lookup_lease_pins_counted_chunks_until_released():
 
 
 def test_leases_expire_and_repeated_acquire_replaces():
+    from lmcache.cache_key import CacheEngineKey
     from lmcache.storage_backend.leases import LeaseTable, PinTable
-    from lmcache.utils import CacheEngineKey
 
     pins = PinTable()
     keys = [CacheEngineKey("kv_blob", "m", 1, 0, str(i), "uint8") for i in range(2)]

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
 from lmcache.storage_backend.evictor import FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.utils import CacheEngineKey
 
 ALIGN = TensorMemoryAllocator.ALIGN_BYTES
 

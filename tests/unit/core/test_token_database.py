@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.token_database import ChunkedTokenDatabase
-from lmcache.utils import CacheEngineKey
 
 
 def make_db(chunk_size=4, model="org/model@v1", worker_id=0):

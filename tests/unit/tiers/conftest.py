@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MemoryObj, MixedMemoryAllocator
-from lmcache.utils import CacheEngineKey
 
 LAYERS, HEADS, HEAD, CHUNK = 2, 2, 4, 8
 SHAPE = torch.Size([2, LAYERS, CHUNK, HEADS * HEAD])
