@@ -336,6 +336,29 @@ class LMCacheEngine:
         chunks = self.token_database.process_tokens(tokens, mask, extra_key=extra_key)
         self.storage_manager.prefetch(self.storage_manager.contains_prefix([c.key for c in chunks]))
 
+    def held_prefix(self, tokens: torch.Tensor, *, extra_key: str | None = None,
+                    state_ends: Iterable[int] = ()) -> list[tuple[CacheEngineKey, MemoryObj]]:
+        """What this engine holds for the cached prefix of `tokens`, to hand to another engine
+        (prefill/decode disaggregation): its chunks, in order, and for a hybrid model the
+        recurrent states it holds at their ends and at `state_ends` (with the trailing partial
+        chunk a mid-chunk end needs). One reference per object, owned by the caller. Waits for
+        stores still being copied (bounded)."""
+        self._copies.wait_idle(CLOSE_TIMEOUT)
+        sm = self.storage_manager
+        chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
+        objs = sm.get_prefix([c.key for c in chunks])
+        held = [(c.key, obj) for c, obj in zip(chunks, objs, strict=False)]
+        if self.metadata.state_layout and objs:
+            extra = [self.state_key(c.key) for c in chunks[: len(objs)]]
+            cs, end_of_prefix = self.config.chunk_size, chunks[len(objs) - 1].end
+            for end in sorted(set(state_ends)):
+                if end % cs and 0 < end <= end_of_prefix:
+                    *_, tail = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
+                    extra += [tail.key, self.state_key(tail.key)]
+            for key in extra:
+                held += [(key, obj) for obj in sm.get_prefix([key])]
+        return held
+
     # ---- recurrent states -----------------------------------------------------------------------
 
     def state_key(self, chunk_key: CacheEngineKey) -> CacheEngineKey:

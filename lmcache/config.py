@@ -69,6 +69,15 @@ class LMCacheEngineConfig:
     ``redis://host:port``); `distributed_url` is ``host:port`` of this instance's read-only chunk
     server (port 0 = any free port).
 
+    Prefill/decode disaggregation (`enable_pd`, upstream's names; see `lmcache.pd`): `pd_role`
+    "sender" (a prefill instance: after computing a prompt it sends the prompt's KV to the decoder
+    the request names) or "receiver" (a decode instance: it receives KV into a bounded buffer of
+    `pd_buffer_size` bytes on `pd_buffer_device`, listening on `pd_peer_host`, port
+    `pd_peer_init_port` + its tensor-parallel rank); `transfer_channel` "nixl" (NIXL writes over
+    `nixl_backends`; falls back to "tcp" with one log line where NIXL is not installed) or "tcp";
+    `pd_send_timeout`: seconds a sender waits for room in a full receive buffer before it skips
+    the rest (the decoder then computes it).
+
     One default differs from the seed on purpose: `remote_url` is None (no remote tier), not
     ``'lm://localhost:65432'``, so the default engine needs no server that nobody started; set
     `remote_url` (or ``LMCACHE_REMOTE_URL``) to use a remote store."""
@@ -101,6 +110,15 @@ class LMCacheEngineConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     cachegen_quality: float = 1.0
+    enable_pd: bool = False
+    pd_role: str | None = None
+    pd_buffer_size: int = 1 << 30
+    pd_buffer_device: str = "cpu"
+    pd_peer_host: str = "127.0.0.1"
+    pd_peer_init_port: int | None = None
+    transfer_channel: str = "nixl"
+    nixl_backends: list[str] = field(default_factory=lambda: ["UCX"])
+    pd_send_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -158,6 +176,24 @@ class LMCacheEngineConfig:
         if self.enable_p2p:
             _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
                    True, "needs lookup_url and distributed_url")
+        self._validate_pd()
+
+    def _validate_pd(self) -> None:
+        _check(self.pd_role in (None, "sender", "receiver"), "pd_role", self.pd_role,
+               "must be 'sender' or 'receiver'")
+        _check(self.transfer_channel in ("nixl", "tcp"), "transfer_channel", self.transfer_channel,
+               "must be 'nixl' or 'tcp'")
+        _check(self.pd_buffer_size > 0, "pd_buffer_size", self.pd_buffer_size, "must be > 0 bytes")
+        _check(self.pd_buffer_device == "cpu", "pd_buffer_device", self.pd_buffer_device,
+               "must be 'cpu' (GPU receive buffers are not built)")
+        _check(self.pd_send_timeout >= 0, "pd_send_timeout", self.pd_send_timeout, "must be >= 0")
+        _check(len(self.nixl_backends) > 0, "nixl_backends", self.nixl_backends, "must name a backend")
+        port = self.pd_peer_init_port
+        _check(port is None or 0 < port < 65536, "pd_peer_init_port", port, "must be a TCP port")
+        if self.enable_pd:
+            _check(self.pd_role is not None, "enable_pd", True, "needs pd_role 'sender' or 'receiver'")
+            _check(self.pd_role != "receiver" or port is not None, "pd_role", self.pd_role,
+                   "a receiver needs pd_peer_init_port (where it listens for KV)")
 
     @property
     def max_local_cpu_bytes(self) -> int:

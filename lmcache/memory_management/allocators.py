@@ -110,6 +110,10 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
         else:
             self.pin_allocator.free(memory_obj)
 
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return self.pin_allocator.arena
+
     def close(self) -> None:
         self.pin_allocator.close()
 

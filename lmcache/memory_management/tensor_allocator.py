@@ -52,6 +52,12 @@ class MemoryAllocatorInterface(abc.ABC):
     def get_ref_count(self, memory_obj: MemoryObj) -> int:
         return memory_obj.get_ref_count()
 
+    @property
+    def arena(self) -> torch.Tensor | None:
+        """The one buffer every tensor object is carved from (uint8; for registering it with a
+        transfer library), or None when objects are not carved from one buffer."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Give the memory back now. Objects still alive keep working; nothing is allocated after."""
 
@@ -82,6 +88,10 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
         self._grow_lock = threading.Lock()  # one grower at a time
         self._grower: threading.Thread | None = None
         self._grow(self._step, touch=grow_bytes is not None)
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        return self.buffer
 
     @property
     def grown(self) -> int:

@@ -2,8 +2,9 @@
 combined by `storage_manager`.
 
 `create_storage_backends` builds the tiers a config enables, in lookup order: "Hot"
-(`LocalCPUBackend`), "LocalDiskBackend", "RemoteBackend", "PeerBackend" (other instances' local
-tiers, found through the peer lookup service). Their faults are misses (`lmcache.failures`).
+(`LocalCPUBackend`), "PDBackend" (KV a prefill instance sent this decode instance: `lmcache.pd`),
+"LocalDiskBackend", "RemoteBackend", "PeerBackend" (other instances' local tiers, found through
+the peer lookup service). Their faults are misses (`lmcache.failures`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Primitives and when they are called (by the `StorageManager`):
 - `clear()`: drop everything this tier holds (local tiers; an operator's request); the count.
 - `healthy()`: False while the tier is failing (e.g. its store is unreachable).
 - `stats()`: the tier's counters and gauges (`TierStats`, for operators and metrics).
+- `promote_hits`: whether what a read returns enters the hot tier (the manager's promotion and
+  prefetch); False for a tier whose objects are handed over, not shared (default True).
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed`; called only on tiers with `publishes_local_keys` (e.g. the peer tier, which tells
   other instances). Default: nothing.
@@ -80,6 +82,7 @@ class StorageBackendInterface(abc.ABC):
     # True for tiers that publish what this instance holds: the manager then calls
     # `local_keys_changed` whenever the local tiers gain or lose keys
     publishes_local_keys: ClassVar[bool] = False
+    promote_hits: bool = True
 
     @classmethod
     def create(cls, ctx: TierContext) -> StorageBackendInterface | None:

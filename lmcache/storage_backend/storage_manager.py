@@ -14,8 +14,9 @@ tier's ``failures``, logged once per incident, and the tier is backed off from u
   in which tier each one is (a `PrefixLookup`).
 - `get_prefix(keys)`: the objects of the longest cached prefix: hot hits, then loads already in
   flight are joined, then one batched get per lower tier for the keys still missing; lower-tier
-  hits are promoted to the hot tier.
-- `prefetch(lookup)`: start loading the non-hot chunks of a lookup's prefix into the hot tier,
+  hits are promoted to the hot tier (from tiers that `promote_hits`).
+- `prefetch(lookup)`: start loading the non-hot chunks of a lookup's prefix into the hot tier
+  (from tiers that `promote_hits`),
   one batched get per tier from the tier the lookup found each chunk in (no second existence
   check). A `get_prefix` of a key being loaded waits for that load instead of reading it again.
 - `acquire_lease(lease_id, keys, ttl)` / `release_lease(lease_id)`: pin keys in every tier (see
@@ -249,7 +250,8 @@ class StorageManager:
             for i, obj in zip(todo, got, strict=True):
                 objs[i] = obj
             self._served(tier, got)
-            self._promote(asked, got)
+            if tier.promote_hits:
+                self._promote(asked, got)
             todo = [i for i in todo if objs[i] is None]
 
     # ---- prefetch ---------------------------------------------------------------------------------
@@ -264,7 +266,8 @@ class StorageManager:
             if self._closed:
                 return 0
             for key, tier in zip(lookup.keys, lookup.tiers):
-                if tier is self.hot or key in self._loading or self.hot.contains(key):
+                if tier is self.hot or not tier.promote_hits or key in self._loading \
+                        or self.hot.contains(key):
                     continue
                 load = self._loading[key] = _Load()
                 batch = batches.setdefault(id(tier), (tier, [], []))

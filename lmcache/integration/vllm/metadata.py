@@ -18,7 +18,9 @@ class RequestPlan:
     blocks. Save: store tokens ``[save_from, save_to)`` (``save_from`` tokens are known to be cached
     already); `save_state_at` > 0: also keep the recurrent layers' state after that many tokens
     (a chunk boundary this step ends at; hybrid models). A range with equal ends means nothing to
-    do. `block_ids`: all of the request's blocks so far, one list per KV cache group."""
+    do. `block_ids`: all of the request's blocks so far, one list per KV cache group.
+    Send (a prefill instance, `lmcache.pd`): after this step's save, send the KV of the prompt,
+    ``token_ids[:send_tokens]``, to the decoder's KV receiver `send_to` ("host:port")."""
 
     req_id: str
     token_ids: list[int]
@@ -31,6 +33,8 @@ class RequestPlan:
     save_from: int = 0
     save_to: int = 0
     save_state_at: int = 0
+    send_to: str | None = None
+    send_tokens: int = 0
 
     @property
     def has_load(self) -> bool:
@@ -39,6 +43,10 @@ class RequestPlan:
     @property
     def has_save(self) -> bool:
         return self.save_to > self.save_from or self.save_state_at > 0
+
+    @property
+    def has_send(self) -> bool:
+        return self.send_to is not None
 
 
 @dataclass

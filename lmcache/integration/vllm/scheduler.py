@@ -18,6 +18,10 @@
   reports it finished (or failed: vLLM recomputes the request, and LMCache does not offer it a
   load again).
 - `kv_role`: "kv_producer" only stores, "kv_consumer" only loads, "kv_both" does both.
+- Prefill/decode disaggregation (`lmcache.pd`): on a sender (``pd_role: sender``), a request whose
+  ``kv_transfer_params`` name a KV receiver gets, in the step that completes its prompt, a plan
+  to send the prompt's KV there (after that step's save). A malformed receiver is logged once and
+  ignored (the decoder then computes the prompt).
 - `request_finished`: forgets the request; reports the tokens it planned to load in
   `kv_transfer_params["lmcache_loaded_tokens"]`. Saves are synchronous, so blocks are never held.
 """
@@ -34,6 +38,8 @@ from lmcache.integration.vllm.kv_groups import ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.utils import extra_key
+from lmcache.observability import log_once
+from lmcache.pd.params import receiver_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,7 @@ class _Tracked:
     load_pending: bool = False
     saved: int = 0  # tokens [0, saved) are in LMCache
     state_saved: int = 0  # the last boundary whose recurrent state was saved
+    send_to: str | None = None  # the decoder's KV receiver (a prefill instance)
 
 
 class LMCacheScheduler:
@@ -62,6 +69,7 @@ class LMCacheScheduler:
         role = vllm_config.kv_transfer_config.kv_role
         self.loads = role != "kv_producer"  # a producer (prefill instance) only stores
         self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
+        self.sends = config.enable_pd and config.pd_role == "sender"
         self.kv = kv
         self.load_async = len(kv.groups) > 1
         self.states = bool(kv.state_groups)
@@ -93,12 +101,22 @@ class LMCacheScheduler:
         if tracked is None:
             # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
             saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
-            tracked = self._reqs[rid] = _Tracked(request, [], extra_key(request), saved=saved)
+            tracked = self._reqs[rid] = _Tracked(request, [], extra_key(request), saved=saved,
+                                                 send_to=self._receiver(request))
         tracked.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens > 0:
             tracked.load_from, tracked.load_to = local, local + num_external_tokens
             tracked.retrieve_to = max(cached, tracked.load_to)
             tracked.load_pending = True
+
+    def _receiver(self, request: Any) -> str | None:
+        if not self.sends:
+            return None
+        try:
+            return receiver_of(getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            log_once(logger, "bad-pd-receiver", "request %s: %s; its KV is not sent", request.request_id, e)
+            return None
 
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """The workers could not load these requests' prefixes: vLLM recomputes them, and
@@ -159,9 +177,12 @@ class LMCacheScheduler:
             if (self.saves and self.states and tracked.state_saved < computed <= prompt_len
                     and (computed % self.chunk_size == 0 or computed in self.kv.resume_points(prompt_len))):
                 plan.save_state_at = tracked.state_saved = computed
-        if plan.has_load or plan.has_save:
+            if tracked.send_to is not None and computed >= prompt_len:
+                plan.send_to, plan.send_tokens = tracked.send_to, prompt_len
+                tracked.send_to = None
+        if plan.has_load or plan.has_save or plan.has_send:
             plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to,
-                                                              plan.save_state_at)])
+                                                              plan.save_state_at, plan.send_tokens)])
             plans.append(plan)
 
     def request_finished(self, request: Any) -> dict[str, Any]:

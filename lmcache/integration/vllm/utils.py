@@ -38,6 +38,11 @@ def lmcache_config_from_vllm(vllm_config: Any) -> LMCacheEngineConfig:
         raise ValueError(f"LMCache kv_connector_extra_config: {e}") from e
     if not config.error_handling:
         config.error_handling = True
+    role = getattr(transfer, "kv_role", None)
+    if config.enable_pd and (role, config.pd_role) in (("kv_consumer", "sender"),
+                                                       ("kv_producer", "receiver")):
+        raise ValueError(f"LMCache pd_role={config.pd_role!r} cannot work with kv_role={role!r}: a sender "
+                         "stores (kv_producer or kv_both), a receiver loads (kv_consumer or kv_both)")
     return config
 
 

@@ -40,6 +40,7 @@ from lmcache.integration.vllm.states import StateCopier
 from lmcache.integration.vllm.transfer import load_plan, save_plan
 from lmcache.integration.vllm.utils import ENGINE_NAME
 from lmcache.metrics import rank_payload
+from lmcache.pd.sender import PDSender
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class LMCacheWorker:
         self.kvcaches: list[Any] = []
         self.states: StateCopier | None = None  # a hybrid model's recurrent layers
         self.server: LookupServer | None = None
+        self.sender: PDSender | None = None  # a prefill instance's KV channel (`lmcache.pd`)
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # asynchronous loads done in this step
         self._failed_loads: set[str] = set()
@@ -87,6 +89,8 @@ class LMCacheWorker:
                                        device=tensors[0].device.type, layout=layout, model=self.kv)
             if self.engine.controller is not None:
                 self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
+            if self.config.enable_pd and self.config.pd_role == "sender":
+                self.sender = PDSender(self.engine, self.config, self.rank)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
         if self.engine is not None:
@@ -124,6 +128,8 @@ class LMCacheWorker:
         for plan in metadata.requests:
             if plan.has_save and self.engine is not None:
                 self.save(plan)
+            if plan.has_send and self.sender is not None:
+                self.send(plan)
 
     def load(self, plan: RequestPlan) -> int:
         """Load `plan`'s prefix; what could not be loaded is reported (vLLM then recomputes it):
@@ -164,6 +170,23 @@ class LMCacheWorker:
         if first > plan.save_from:
             engine.stats.add("store_unkept_tokens", min(first, plan.save_to) - plan.save_from)
 
+    def send(self, plan: RequestPlan) -> None:
+        """Send the prompt's KV to the decoder `plan` names (never raises: the receiver's faults
+        are the sender's failure domains, anything else the engine's `bugs`)."""
+        engine, sender = self.engine, self.sender
+        assert engine is not None and sender is not None and plan.send_to is not None
+        tokens = torch.tensor(plan.token_ids[: plan.send_tokens], dtype=torch.int64)
+        ends = self.kv.resume_points(plan.send_tokens) if self.states is not None else ()
+        result = engine.bugs.call(f"sending request {plan.req_id}'s KV",
+                                  partial(sender.send, plan.send_to, tokens, extra_key=plan.extra_key,
+                                          state_ends=ends), None)
+        if result is not None:
+            engine.stats.add("pd_sent_bytes", result.sent)
+            engine.stats.add("pd_sent_nixl_bytes", result.nixl)
+            engine.stats.add("pd_had_bytes", result.had)
+            engine.stats.add("pd_skipped_bytes", result.skipped)
+            engine.stats.add("pd_sent_requests")
+
     def stats_interval(self) -> LMCacheKVConnectorStats | None:
         """What the engine counted since the last report (vLLM asks after every step); None when
         nothing changed."""
@@ -191,6 +214,9 @@ class LMCacheWorker:
         return errors
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -1,0 +1,198 @@
+"""`ReceiverServer`: the decode side of the KV channel (frames in `wire`).
+
+A listening socket and a thread per sender connection, in the decode instance's worker. Chunks
+are reserved in, written into and committed to a `SlotStore` (the "PDBackend" tier): inline bytes
+are read from the socket straight into the reserved object, NIXL writes land there directly. A bad
+frame, a broken connection or a NIXL write whose notification never comes frees the connection's
+reservations (nothing half-written becomes visible) and closes that connection only; other
+senders are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lmcache.memory_management import MemoryObj
+from lmcache.pd import nixl_agent
+from lmcache.pd.wire import (
+    MAX_CHUNKS_PER_OFFER,
+    Chunk,
+    WireError,
+    byte_view,
+    recv_into,
+    recv_message,
+    reply,
+    send_message,
+)
+
+logger = logging.getLogger(__name__)
+FRAME_TIMEOUT = 30.0  # seconds the bytes of a `written` may take to arrive
+NOTIF_TIMEOUT = 30.0  # seconds between a `written` and its NIXL notification
+
+
+class SlotStore(Protocol):
+    @property
+    def buffer(self) -> torch.Tensor: ...
+
+    def reserve(self, chunks: Sequence[Chunk]) -> list[MemoryObj | str | None]:
+        """Per chunk: a reserved object, HAVE, FOREIGN or None (no room)."""
+
+    def commit(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> int: ...
+
+    def abort(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> None: ...
+
+
+class _Offer:
+    """The chunks a connection reserved room for and has not written yet."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[Chunk, MemoryObj]] = {}
+
+    def take(self) -> tuple[list[Chunk], list[MemoryObj]]:
+        chunks = [c for c, _ in self.slots.values()]
+        objs = [o for _, o in self.slots.values()]
+        self.slots = {}
+        return chunks, objs
+
+
+class ReceiverServer:
+    def __init__(self, host: str, port: int, store: SlotStore, channel: str,
+                 nixl_backends: Sequence[str]) -> None:
+        self.store = store
+        self.agent: nixl_agent.NixlAgent | None = None
+        try:
+            self._listener = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            raise ValueError(f"pd_peer_init_port: cannot listen for KV on {host}:{port}: {e}") from e
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        try:
+            if channel == "nixl" and nixl_agent.available():
+                self.agent = nixl_agent.NixlAgent(nixl_backends)
+                self.agent.register(store.buffer)
+        except BaseException:
+            self._listener.close()
+            raise
+        self.num_bad_frames = 0
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="lmcache-pd-accept", daemon=True)
+        self._thread.start()
+        logger.info("receiving KV on %s (%s)", self.address, "nixl" if self.agent else "tcp")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="lmcache-pd-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        offer = _Offer()
+        peer: str | None = None
+        try:
+            while (message := recv_message(conn)) is not None:
+                op = message.get("op")
+                if op == "hello":
+                    peer = self._hello(conn, message, peer)
+                elif op == "offer":
+                    self._offer(conn, message, offer)
+                elif op == "written":
+                    self._written(conn, message, offer)
+                else:
+                    raise WireError(f"unknown op {op!r}")
+        except WireError as e:
+            self.num_bad_frames += 1
+            logger.warning("closing a KV sender's connection: %s", e)
+            try:
+                send_message(conn, {"ok": False, "error": str(e)})
+            except OSError:
+                pass
+        except (OSError, ValueError) as e:
+            logger.debug("a KV sender's connection ended: %r", e)
+        finally:
+            chunks, objs = offer.take()
+            if objs:
+                self.store.abort(chunks, objs)
+            if peer is not None and self.agent is not None:
+                self.agent.remove_peer(peer)
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, message: dict[str, Any], peer: str | None) -> str | None:
+        theirs = message.get("nixl")
+        if self.agent is None or not isinstance(theirs, str) or peer is not None:
+            reply(conn, channel="tcp")
+            return peer
+        peer = self.agent.add_peer(theirs)
+        reply(conn, channel="nixl", nixl=self.agent.metadata(), buffer=self.store.buffer.data_ptr())
+        return peer
+
+    def _offer(self, conn: socket.socket, message: dict[str, Any], offer: _Offer) -> None:
+        raw = message.get("chunks")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_CHUNKS_PER_OFFER:
+            raise WireError(f"an offer lists 1..{MAX_CHUNKS_PER_OFFER} chunks")
+        if offer.slots:
+            raise WireError("a new offer before the previous one was written")
+        chunks = [Chunk.from_json(c) for c in raw]
+        answers: list[Any] = []
+        for i, (chunk, got) in enumerate(zip(chunks, self.store.reserve(chunks), strict=True)):
+            if isinstance(got, MemoryObj):
+                offer.slots[i] = (chunk, got)
+                answers.append({"offset": got.metadata.address})
+            else:
+                answers.append(got)
+        reply(conn, slots=answers)
+
+    def _written(self, conn: socket.socket, message: dict[str, Any], offer: _Offer) -> None:
+        inline = message.get("inline", [])
+        notif = message.get("notif")
+        if not isinstance(inline, list) or any(i not in offer.slots for i in inline) \
+                or len(set(inline)) != len(inline):
+            raise WireError("`inline` must list reserved slots of the offer, once each")
+        if len(inline) < len(offer.slots) and (self.agent is None or not isinstance(notif, str)):
+            raise WireError("slots not sent inline need the NIXL notification of their write")
+        conn.settimeout(FRAME_TIMEOUT)
+        for i in sorted(inline):
+            tensor = offer.slots[i][1].tensor
+            assert tensor is not None
+            recv_into(conn, byte_view(tensor))
+        conn.settimeout(None)
+        if len(inline) < len(offer.slots):
+            assert self.agent is not None and isinstance(notif, str)
+            if not self.agent.wait_notif(notif.encode(), NOTIF_TIMEOUT):
+                raise WireError(f"NIXL notification {notif!r} did not arrive in {NOTIF_TIMEOUT:.0f} s")
+        chunks, objs = offer.take()
+        reply(conn, committed=self.store.commit(chunks, objs))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+        if self.agent is not None:
+            self.agent.close()

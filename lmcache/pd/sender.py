@@ -1,0 +1,218 @@
+"""`PDSender`: the prefill side of the KV channel (frames in `wire`).
+
+After a prefill instance computed a prompt, its worker calls `send(receiver, tokens, ...)`: the
+engine's objects for the prompt (what it just stored, or held already: `LMCacheEngine.held_prefix`)
+are offered to the decoder's receiver, written into the room it reserved (NIXL writes from the
+engine's registered arena, or the bytes inline on the TCP connection) and committed, before the
+prefill request returns: when the proxy hears back, the decoder holds the KV.
+
+A full receive buffer makes the sender offer the rest again, with short pauses, for at most
+`pd_send_timeout` seconds, then skip it (counted; the decoder computes it). A receiver that fails
+(refuses the connection, breaks it, answers garbage) is a failure domain (`lmcache.failures`):
+the request's KV is not sent, one warning per incident, and the receiver is backed off from so
+that later prefills do not each wait for it. One connection per receiver, reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.cache_key import CacheEngineKey
+from lmcache.config import LMCacheEngineConfig
+from lmcache.failures import FailureDomains
+from lmcache.memory_management import MemoryObj, release_all
+from lmcache.observability import IncidentLog
+from lmcache.pd import nixl_agent
+from lmcache.pd.wire import FOREIGN, HAVE, Chunk, WireError, byte_view, expect_ok, recv_message, send_message
+
+logger = logging.getLogger(__name__)
+CONNECT_TIMEOUT = 2.0
+REPLY_TIMEOUT = 60.0  # a receiver reading the inline bytes of a large prompt
+NIXL_WRITE_TIMEOUT = 30.0
+
+
+@dataclass
+class _Link:
+    sock: socket.socket
+    nixl_peer: str | None = None
+    remote_base: int = 0  # the receiver's buffer address (NIXL)
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        send_message(self.sock, message)
+        return expect_ok(recv_message(self.sock))
+
+
+@dataclass
+class SendResult:
+    """What one `send` did, in bytes."""
+
+    sent: int = 0
+    nixl: int = 0  # of `sent`, written through NIXL (the rest went inline on the TCP connection)
+    had: int = 0  # the receiver held these already
+    skipped: int = 0  # no room before `pd_send_timeout` (or not the receiver's model's KV)
+    chunks: list[CacheEngineKey] = field(default_factory=list)  # the chunks now at the receiver
+
+
+class PDSender:
+    def __init__(self, engine: LMCacheEngine, config: LMCacheEngineConfig, rank: int) -> None:
+        self.engine = engine
+        self.rank = max(rank, 0)
+        self.timeout = config.pd_send_timeout
+        self.agent: nixl_agent.NixlAgent | None = None
+        self._arena: tuple[int, int] = (0, 0)
+        arena = engine.memory_allocator.arena
+        if config.transfer_channel == "nixl" and arena is not None and nixl_agent.available():
+            self.agent = nixl_agent.NixlAgent(config.nixl_backends)
+            self.agent.register(arena)
+            self._arena = (arena.data_ptr(), arena.numel() * arena.element_size())
+        self._links: dict[str, _Link] = {}
+        self._faults = FailureDomains(lambda address: f"the KV receiver at {address}")
+        self._full = IncidentLog(logger, "sending KV: the receive buffer stayed full")
+
+    @property
+    def channel(self) -> str:
+        return "nixl" if self.agent is not None else "tcp"
+
+    def send(self, receiver: str, tokens: torch.Tensor, *, extra_key: str | None = None,
+             state_ends: Iterable[int] = ()) -> SendResult:
+        """Send the KV this engine holds for the prompt `tokens` to `receiver` ("host:port" of
+        the decoder's rank 0; rank r sends to port + r). Never raises for the receiver's faults
+        (an empty result); ValueError for a malformed address."""
+        address = _rank_address(receiver, self.rank)
+        held = self.engine.held_prefix(tokens, extra_key=extra_key, state_ends=state_ends)
+        try:
+            return self._faults.call(address, partial(self._send, address, held), SendResult())
+        finally:
+            release_all([obj for _, obj in held])
+
+    def _send(self, address: str, held: list[tuple[CacheEngineKey, MemoryObj]]) -> SendResult:
+        result = SendResult()
+        link = self._link(address)
+        try:
+            pending = held
+            deadline = time.monotonic() + self.timeout
+            pause = 0.005
+            while pending:
+                chunks = [_chunk(key, obj) for key, obj in pending]
+                slots = link.request({"op": "offer", "chunks": [c.to_json() for c in chunks]})["slots"]
+                if not isinstance(slots, list) or len(slots) != len(chunks):
+                    raise WireError(f"the receiver answered {len(slots)} slots for {len(chunks)} chunks")
+                reserved = [(i, slot) for i, slot in enumerate(slots) if isinstance(slot, dict)]
+                if reserved:
+                    result.nixl += self._write(link, reserved, pending)
+                    result.sent += sum(chunks[i].nbytes for i, _ in reserved)
+                for i, slot in enumerate(slots):
+                    if slot == HAVE:
+                        result.had += chunks[i].nbytes
+                    elif slot == FOREIGN:
+                        result.skipped += chunks[i].nbytes
+                    if slot == HAVE or isinstance(slot, dict):
+                        result.chunks.append(chunks[i].key)
+                pending = [pending[i] for i, slot in enumerate(slots) if slot is None]
+                if pending and time.monotonic() >= deadline:
+                    result.skipped += sum(_chunk(k, o).nbytes for k, o in pending)
+                    self._full.fail(f"{len(pending)} chunks not sent to {address} "
+                                    f"in pd_send_timeout={self.timeout} s")
+                    return result
+                if pending:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.1)
+            self._full.recover()
+            return result
+        except BaseException:
+            self._drop(address)
+            raise
+
+    def _write(self, link: _Link, reserved: Sequence[tuple[int, dict[str, Any]]],
+               pending: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> int:
+        """Fill the reserved slots: NIXL writes for objects in the registered arena, the rest
+        inline; then the receiver commits them. The bytes written through NIXL."""
+        ranges: list[tuple[int, int, int]] = []
+        inline: list[tuple[int, torch.Tensor]] = []
+        lo, size = self._arena
+        for i, slot in reserved:
+            tensor = pending[i][1].tensor
+            assert tensor is not None
+            offset = slot.get("offset")
+            if not isinstance(offset, int) or offset < 0:
+                raise WireError(f"bad slot {slot!r}")
+            addr, n = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            if link.nixl_peer is not None and lo <= addr and addr + n <= lo + size:
+                ranges.append((addr, link.remote_base + offset, n))
+            else:
+                inline.append((i, tensor))
+        notif = None
+        if ranges:
+            assert self.agent is not None and link.nixl_peer is not None
+            notif = uuid.uuid4().hex
+            self.agent.write(link.nixl_peer, ranges, notif.encode(), NIXL_WRITE_TIMEOUT)
+        send_message(link.sock, {"op": "written", "inline": [i for i, _ in inline], "notif": notif})
+        for _, tensor in inline:
+            link.sock.sendall(byte_view(tensor))
+        committed = expect_ok(recv_message(link.sock)).get("committed")
+        if committed != len(reserved):
+            raise WireError(f"the receiver committed {committed} of {len(reserved)} chunks")
+        return sum(n for _, _, n in ranges)
+
+    def _link(self, address: str) -> _Link:
+        link = self._links.get(address)
+        if link is not None:
+            return link
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(REPLY_TIMEOUT)
+            link = _Link(sock)
+            hello: dict[str, Any] = {"op": "hello"}
+            if self.agent is not None:
+                hello["nixl"] = self.agent.metadata()
+            answer = link.request(hello)
+            if answer.get("channel") == "nixl" and self.agent is not None:
+                link.nixl_peer = self.agent.add_peer(str(answer.get("nixl")))
+                link.remote_base = int(answer.get("buffer", 0))
+        except BaseException:
+            sock.close()
+            raise
+        self._links[address] = link
+        return link
+
+    def _drop(self, address: str) -> None:
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.sock.close()
+            if link.nixl_peer is not None and self.agent is not None:
+                try:
+                    self.agent.remove_peer(link.nixl_peer)
+                except Exception:  # the peer is gone either way
+                    logger.debug("removing NIXL peer %s failed", link.nixl_peer, exc_info=True)
+
+    def close(self) -> None:
+        for address in list(self._links):
+            self._drop(address)
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+
+def _chunk(key: CacheEngineKey, obj: MemoryObj) -> Chunk:
+    md = obj.metadata
+    assert md.dtype is not None
+    return Chunk(key, tuple(md.shape), md.dtype, md.fmt)
+
+
+def _rank_address(receiver: str, rank: int) -> str:
+    host, sep, port = receiver.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) + rank < 65536:
+        raise ValueError(f"bad KV receiver address {receiver!r}: expected 'host:port'")
+    return f"{host}:{int(port) + rank}"

@@ -1,0 +1,146 @@
+"""The KV channel's frames: what a sender (prefill instance) and a receiver (decode instance) say.
+
+One TCP connection per (sender rank, receiver rank), request/response, blocking sockets. Every
+message is a frame ``u32 length | JSON object`` (little-endian, at most `MAX_MESSAGE_BYTES`); raw KV
+bytes follow a frame only where it says so, and go straight from the socket into the receiving
+slot (`recv_into`), never through an intermediate buffer. The exchange:
+
+    sender                                     receiver
+    {"op": "hello", "channel", "nixl"?}   ->   {"ok", "channel", "nixl"?, "buffer"?}
+    {"op": "offer", "chunks": [Chunk..]}  ->   {"ok", "slots": [Slot | "have" | "foreign" | null ..]}
+    {"op": "written", "notif"?}
+        + the bytes of every reserved slot
+          not written through NIXL          ->   {"ok", "committed": n}
+
+`hello` agrees on the channel: "nixl" when both sides have NIXL (the frames then carry each
+agent's metadata, base64, and the receiver's buffer address) else "tcp". `offer` reserves room
+for chunks in order: a slot (``{"offset", "inline"}``) is room reserved in the receive buffer,
+"have" means the receiver holds the chunk already, "foreign" that it is not the receiver's model's
+KV (another model, dtype, layout or rank: never retried), null that it has no room (nor for any
+chunk after it). `written` ends the offer: the receiver reads the inline bytes, waits for the NIXL
+notification `notif` of the others, and only then makes the reserved chunks visible; a
+connection that breaks first frees its reservations, so a half-written chunk is never served.
+A bad frame gets ``{"ok": false, "error": message}`` and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcache.cache_key import CacheEngineKey
+from lmcache.memory_management import MemoryFormat
+
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_CHUNKS_PER_OFFER = 4096
+_LEN = struct.Struct("<I")
+HAVE = "have"
+FOREIGN = "foreign"
+
+
+class WireError(ValueError):
+    """A frame that breaks the protocol; the connection cannot be trusted any more."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored object offered to a receiver: its key and the memory it needs
+    (``shape`` x ``dtype`` = ``nbytes``, in memory format ``fmt``)."""
+
+    key: CacheEngineKey
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.to_string(), "shape": list(self.shape),
+                "dtype": str(self.dtype).removeprefix("torch."), "fmt": self.fmt.name}
+
+    @staticmethod
+    def from_json(d: Any) -> Chunk:
+        """Raises WireError for anything malformed."""
+        try:
+            key = CacheEngineKey.from_string(d["key"])
+            shape = tuple(int(x) for x in d["shape"])
+            dtype = getattr(torch, d["dtype"])
+            fmt = MemoryFormat[d["fmt"]]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise WireError(f"malformed chunk {str(d)[:200]}: {e!r}") from None
+        if not isinstance(dtype, torch.dtype) or not shape or min(shape) <= 0:
+            raise WireError(f"malformed chunk {str(d)[:200]}: bad dtype or shape")
+        return Chunk(key, shape, dtype, fmt)
+
+
+def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_message(sock: socket.socket) -> dict[str, Any] | None:
+    """The next frame as a dict; None if the peer closed the connection between frames."""
+    head = recv_exact(sock, _LEN.size, eof_ok=True)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_MESSAGE_BYTES:
+        raise WireError(f"frame of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    body = recv_exact(sock, n)
+    assert body is not None
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"frame is not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise WireError(f"frame must be a JSON object, got {type(message).__name__}")
+    return message
+
+
+def recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytearray | None:
+    buf = bytearray(n)
+    if not recv_into(sock, memoryview(buf), eof_ok):
+        return None
+    return buf
+
+
+def recv_into(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    """Fill `view` from the socket; False if the peer closed before the first byte (`eof_ok`),
+    ConnectionError if it closed in the middle."""
+    first = True
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            if first and eof_ok:
+                return False
+            raise ConnectionError("connection closed in the middle of a frame")
+        first = False
+        view = view[got:]
+    return True
+
+
+def reply(sock: socket.socket, **fields: Any) -> None:
+    send_message(sock, {"ok": True, **fields})
+
+
+def expect_ok(message: dict[str, Any] | None) -> dict[str, Any]:
+    """The answer to a request, or ConnectionError (closed) / WireError (refused, malformed)."""
+    if message is None:
+        raise ConnectionError("the receiver closed the connection")
+    if message.get("ok") is not True:
+        raise WireError(f"the receiver refused: {message.get('error', message)}")
+    return message
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, for the socket."""
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]

@@ -1,0 +1,232 @@
+"""`PDBackend` ("PDBackend", alias "PD"): KV a prefill instance sent this decode instance.
+
+Built when the config has ``enable_pd`` and ``pd_role: receiver``. It owns a receive buffer of
+`pd_buffer_size` bytes (reserved whole, its pages touched as it fills) and the KV channel's
+listener (`lmcache.pd.receiver`, on ``pd_peer_host:pd_peer_init_port + rank``). Senders reserve
+room for chunks (`reserve`), write them, and `commit` them: only then does the tier hold them, so
+a half-written chunk is never visible; `abort` frees the room of a transfer that broke.
+
+Chunks received wait here for the request that needs them; lookups find them like any other
+tier's. A read hands them over once: with the hot tier on (``local_cpu``) they are copied into
+the engine's arena and kept there as cached KV (`promote_hits`); without it, the receive buffer's
+own object is handed out and freed when the load is done. Room is made by dropping chunks nobody
+claimed for `UNCLAIMED_TTL` seconds (oldest first; chunks a lookup pinned never); when none can
+go, `reserve` answers "no room" and the sender waits, then skips (the decoder computes the rest).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from lmcache.cache_key import CacheEngineKey
+from lmcache.memory_management import MemoryObj, release_all
+from lmcache.memory_management.allocators import HostMemoryAllocator
+from lmcache.observability import TierStats
+from lmcache.pd.receiver import ReceiverServer
+from lmcache.pd.wire import FOREIGN, HAVE, Chunk
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.registry import register_tier
+
+UNCLAIMED_TTL = 60.0  # seconds received KV is kept for its request before it may make room
+
+
+@register_tier
+class PDBackend(StorageBackendInterface):
+    name = "PDBackend"
+    aliases = ("PD",)
+    lookup_order = 5
+    is_local = True
+    may_fail = False
+
+    def __init__(self, ctx: TierContext, clock: Callable[[], float] = time.monotonic) -> None:
+        config, md = ctx.config, ctx.metadata
+        self.ctx = ctx
+        self.promote_hits = config.local_cpu
+        self.allocator = HostMemoryAllocator(config.pd_buffer_size)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._objs: OrderedDict[CacheEngineKey, tuple[MemoryObj, float]] = OrderedDict()  # oldest first
+        self._reserved: set[CacheEngineKey] = set()
+        from lmcache.token_database import ChunkedTokenDatabase
+
+        ours = ChunkedTokenDatabase(config, md).make_key("")
+        self._ours = (ours.model_name, ours.world_size, ours.worker_id, ours.dtype)
+        self._formats = {md.layout, md.state_layout} - {""}
+        self.counts = {"received_chunks": 0, "received_bytes": 0, "no_room": 0, "expired": 0,
+                       "foreign": 0, "handed_over": 0}
+        assert config.pd_peer_init_port is not None  # the config checks it for a receiver
+        port = config.pd_peer_init_port + max(md.worker_id, 0)
+        try:
+            self.server = ReceiverServer(config.pd_peer_host, port, self, config.transfer_channel,
+                                         config.nixl_backends)
+        except BaseException:
+            self.allocator.close()
+            raise
+
+    @classmethod
+    def create(cls, ctx: TierContext) -> PDBackend | None:
+        if not (ctx.config.enable_pd and ctx.config.pd_role == "receiver"):
+            return None
+        return cls(ctx)
+
+    # ---- the channel's side ---------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The receive buffer (registered with NIXL by the receiver)."""
+        return self.allocator.buffer
+
+    def reserve(self, chunks: Sequence[Chunk]) -> list[MemoryObj | str | None]:
+        """Room for each chunk, in order: an object in the receive buffer (reserved, invisible
+        until `commit`), HAVE when it is held already (here or in another local tier) or being
+        received, FOREIGN when it is not this engine's KV, None when there is no room for it (nor
+        then for any chunk after it)."""
+        out: list[MemoryObj | str | None] = []
+        room = True
+        for chunk in chunks:
+            if not self._is_ours(chunk):
+                self.counts["foreign"] += 1
+                out.append(FOREIGN)
+                continue
+            with self._lock:
+                taken = chunk.key in self._reserved or chunk.key in self._objs
+            if taken or self.ctx.has_local(chunk.key):
+                out.append(HAVE)
+                continue
+            obj = self._allocate(chunk) if room else None
+            if obj is None:
+                room = False
+                self.counts["no_room"] += 1
+            else:
+                with self._lock:
+                    self._reserved.add(chunk.key)
+            out.append(obj)
+        return out
+
+    def _is_ours(self, chunk: Chunk) -> bool:
+        k = chunk.key
+        return (k.model_name, k.world_size, k.worker_id, k.dtype) == self._ours and k.fmt in self._formats
+
+    def _allocate(self, chunk: Chunk) -> MemoryObj | None:
+        obj = self.allocator.allocate(chunk.shape, chunk.dtype, chunk.fmt)
+        while obj is None and self._expire_one():
+            obj = self.allocator.allocate(chunk.shape, chunk.dtype, chunk.fmt)
+        return obj
+
+    def _expire_one(self) -> bool:
+        """Drop the oldest chunk unclaimed for UNCLAIMED_TTL s and not pinned; False if none."""
+        now = self._clock()
+        victim: tuple[CacheEngineKey, MemoryObj] | None = None
+        with self._lock:
+            for key, (obj, received) in self._objs.items():
+                if now - received < UNCLAIMED_TTL:
+                    break  # the rest came later
+                if not self.ctx.pins.is_pinned(key) and obj.get_ref_count() == 1:
+                    victim = key, obj
+                    break
+            if victim is not None:
+                del self._objs[victim[0]]
+        if victim is None:
+            return False
+        victim[1].ref_count_down()
+        self.counts["expired"] += 1
+        self.ctx.on_removed([victim[0]])
+        return True
+
+    def commit(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> int:
+        """The reserved chunks' bytes are written: they become visible."""
+        now = self._clock()
+        with self._lock:
+            for chunk, obj in zip(chunks, objs, strict=True):
+                self._reserved.discard(chunk.key)
+                self._objs[chunk.key] = (obj, now)
+                self.counts["received_chunks"] += 1
+                self.counts["received_bytes"] += chunk.nbytes
+        return len(objs)
+
+    def abort(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> None:
+        """A transfer broke: its reservations go, never seen."""
+        with self._lock:
+            for chunk in chunks:
+                self._reserved.discard(chunk.key)
+        release_all(list(objs))
+
+    # ---- the tier -------------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        return key in self._objs
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj) -> Future | None:
+        return None  # only a sender fills this tier
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        """Hand the chunk over (it leaves this tier): a copy in the engine's arena when the hot
+        tier keeps it (None, and the chunk stays, if the arena has no room), else the object."""
+        with self._lock:
+            held = self._objs.get(key)
+            if held is None:
+                return None
+            if self.promote_hits:
+                held[0].ref_count_up()  # ours while copying, even if the chunk is dropped meanwhile
+            else:
+                del self._objs[key]
+        obj: MemoryObj | None = held[0]
+        if self.promote_hits:
+            try:
+                obj = self._copy_to_arena(held[0])
+            finally:
+                held[0].ref_count_down()
+            if obj is None:
+                return None
+            self.remove(key)
+        else:
+            self.ctx.on_removed([key])
+        self.counts["handed_over"] += 1
+        return obj
+
+    def _copy_to_arena(self, obj: MemoryObj) -> MemoryObj | None:
+        src = obj.tensor
+        assert src is not None
+        copy = self.ctx.allocate(src.shape, src.dtype, obj.metadata.fmt)
+        if copy is not None:
+            dst = copy.tensor
+            assert dst is not None
+            dst.copy_(src)
+        return copy
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            held = self._objs.pop(key, None)
+        if held is None:
+            return False
+        held[0].ref_count_down()
+        self.ctx.on_removed([key])
+        return True
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._objs)
+        return sum(self.remove(k) for k in keys)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            chunks = len(self._objs)
+        return TierStats(dict(self.counts), {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
+                                             "reserved": len(self._reserved)})
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+
+    def close(self) -> None:
+        self.server.close()
+        self.clear()
+        self.allocator.close()

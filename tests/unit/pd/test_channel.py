@@ -1,0 +1,275 @@
+"""The KV channel between two engines (sender = a prefill instance's, receiver = a decode
+instance's), over TCP and over NIXL: what arrives is served exactly, a full buffer makes the
+sender wait a bounded time and skip, broken or foreign transfers are never visible."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+from lmcache.pd import nixl_agent
+from lmcache.pd.sender import PDSender
+from lmcache.pd.wire import recv_message, send_message
+from lmcache.storage_backend import pd_backend
+from tests.helpers.paged_kv import PagedKV, build_engine
+from tests.helpers.servers import free_port
+
+CHUNK = 8
+CHANNELS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_agent.available(),
+                                                                  reason="NIXL is not installed"))]
+
+
+def chunk_bytes(engine) -> int:
+    return engine.gpu_connector.get_shape(CHUNK).numel() * engine.metadata.kv_dtype.itemsize
+
+
+def receiver_engine(channel="tcp", **cfg):
+    cfg.setdefault("pd_buffer_size", 1 << 20)
+    return build_engine(CHUNK, enable_pd=True, pd_role="receiver", pd_peer_init_port=free_port(),
+                        transfer_channel=channel, **cfg)
+
+
+def address(engine) -> str:
+    return engine.storage_manager.backends["PDBackend"].server.address
+
+
+def stored(engine, n, seed=0):
+    """`n` tokens whose KV `engine` stored, and that KV ([2, L, n, hidden])."""
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+    slots = kv.slots_for(n)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    return tokens, kv.tokens_kv(slots)
+
+
+def loaded(engine, tokens):
+    """What `engine` retrieves for `tokens` ([2, L, n, hidden]) and how many tokens it found."""
+    kv = PagedKV().empty_like()
+    slots = kv.slots_for(len(tokens))
+    got = engine.retrieve(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    return kv.tokens_kv(slots), int(got.sum())
+
+
+@pytest.fixture
+def pair(request):
+    channel = getattr(request, "param", "tcp")
+    rx = receiver_engine(channel)
+    tx = build_engine(CHUNK, transfer_channel=channel)
+    sender = PDSender(tx, tx.config, rank=0)
+    yield tx, sender, rx
+    sender.close()
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("pair", CHANNELS, indirect=True)
+def test_a_sent_prompt_is_a_full_hit_with_the_same_kv_at_the_receiver(pair):
+    tx, sender, rx = pair
+    tokens, kv = stored(tx, 36)  # 4 full chunks + a 4-token tail
+    assert rx.lookup(tokens) == 0
+    result = sender.send(address(rx), tokens)
+    nixl = tx.config.transfer_channel == "nixl"
+    assert sender.channel == ("nixl" if nixl else "tcp")
+    assert result.nixl == (result.sent if nixl else 0)  # the arena is registered: nothing inline
+    assert result.sent == 36 * chunk_bytes(tx) // CHUNK and result.skipped == 0 and len(result.chunks) == 5
+    assert rx.lookup(tokens) == 36
+    got, n = loaded(rx, tokens)
+    assert n == 36 and torch.equal(got, kv)
+    rx.check_integrity()  # handed over into the receiver's hot tier; nothing left reserved
+    tier = rx.storage_manager.backends["PDBackend"]
+    assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+
+
+@pytest.mark.parametrize("pair", CHANNELS, indirect=True)
+def test_kv_the_receiver_holds_is_not_sent_again(pair):
+    tx, sender, rx = pair
+    tokens, _ = stored(tx, 32)
+    assert sender.send(address(rx), tokens[:16]).sent == 2 * chunk_bytes(tx)
+    again = sender.send(address(rx), tokens)
+    assert again.had == 2 * chunk_bytes(tx) and again.sent == 2 * chunk_bytes(tx)
+    assert rx.lookup(tokens) == 32
+
+
+def test_without_a_hot_tier_the_receive_buffer_hands_its_object_over_and_frees_it():
+    rx = receiver_engine(local_cpu=False)
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, kv = stored(tx, 24)
+        sender.send(address(rx), tokens)
+        tier = rx.storage_manager.backends["PDBackend"]
+        assert tier.stats().gauges["chunks"] == 3
+        got, n = loaded(rx, tokens)
+        assert n == 24 and torch.equal(got, kv)
+        assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        assert rx.lookup(tokens) == 0  # handed over once
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest():
+    probe = build_engine(CHUNK)
+    room = 2 * pd_backend.HostMemoryAllocator.aligned_size(chunk_bytes(probe))
+    probe.close()
+    rx = receiver_engine(pd_buffer_size=room)
+    tx = build_engine(CHUNK, pd_send_timeout=0.3)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, kv = stored(tx, 40)
+        t0 = time.monotonic()
+        first = sender.send(address(rx), tokens)
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 2.0
+        assert first.sent == 2 * chunk_bytes(tx) and first.skipped == 3 * chunk_bytes(tx)
+        assert rx.lookup(tokens) == 16  # the prefix that arrived
+        got, n = loaded(rx, tokens)  # the decoder takes it: room again
+        assert n == 16 and torch.equal(got[:, :, :16], kv[:, :, :16])
+        second = sender.send(address(rx), tokens)
+        assert second.had == 2 * chunk_bytes(tx) and second.sent == 2 * chunk_bytes(tx)
+        assert rx.lookup(tokens) == 32
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_chunks_nobody_claimed_make_room_after_their_time(monkeypatch):
+    probe = build_engine(CHUNK)
+    room = 2 * pd_backend.HostMemoryAllocator.aligned_size(chunk_bytes(probe))
+    probe.close()
+    rx = receiver_engine(pd_buffer_size=room)
+    tx = build_engine(CHUNK, pd_send_timeout=0.0)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        old, _ = stored(tx, 16, seed=1)
+        new, kv = stored(tx, 16, seed=2)
+        assert sender.send(address(rx), old).sent == 2 * chunk_bytes(tx)
+        assert sender.send(address(rx), new).sent == 0  # full, and the old ones are fresh
+        monkeypatch.setattr(pd_backend, "UNCLAIMED_TTL", 0.0)
+        assert sender.send(address(rx), new).sent == 2 * chunk_bytes(tx)
+        assert rx.lookup(old) == 0 and rx.lookup(new) == 16
+        assert rx.storage_manager.backends["PDBackend"].stats().counters["expired"] == 2
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_kv_of_another_model_is_refused_and_not_offered_again():
+    rx = receiver_engine()
+    tx = build_engine(CHUNK, pd_send_timeout=5.0)
+    tx.metadata.model_name = "other-model"
+    tx.token_database = type(tx.token_database)(tx.config, tx.metadata)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, _ = stored(tx, 16)
+        t0 = time.monotonic()
+        result = sender.send(address(rx), tokens)
+        assert time.monotonic() - t0 < 1.0  # refused, not waited for
+        assert result.sent == 0 and result.skipped == 2 * chunk_bytes(tx)
+        assert rx.storage_manager.backends["PDBackend"].stats().counters["foreign"] == 2
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_a_dead_receiver_costs_one_failure_then_is_backed_off():
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, _ = stored(tx, 16)
+        dead = f"127.0.0.1:{free_port()}"
+        assert sender.send(dead, tokens).sent == 0
+        assert sender.send(dead, tokens).sent == 0
+        assert sender._faults.counts() == {"failures": 1.0, "skipped": 1.0}
+        with pytest.raises(ValueError, match="host:port"):
+            sender.send("nowhere", tokens)
+        tx.check_integrity()  # every object the sends held was released
+    finally:
+        sender.close()
+        tx.close()
+
+
+def _frame(message) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack("<I", len(data)) + data
+
+
+def test_a_transfer_that_breaks_midway_is_never_visible_and_frees_its_room():
+    rx = receiver_engine()
+    tx = build_engine(CHUNK)
+    try:
+        tokens, _ = stored(tx, 16)
+        held = tx.held_prefix(tokens)
+        chunks = [{"key": k.to_string(), "shape": list(o.metadata.shape), "dtype": "bfloat16",
+                   "fmt": "KV_BLOB"} for k, o in held]
+        host, port = address(rx).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            send_message(s, {"op": "hello"})
+            assert recv_message(s)["channel"] == "tcp"
+            send_message(s, {"op": "offer", "chunks": chunks})
+            assert all(isinstance(slot, dict) for slot in recv_message(s)["slots"])
+            send_message(s, {"op": "written", "inline": [0, 1]})
+            s.sendall(b"\0" * (chunk_bytes(tx) + 10))  # the first chunk and a bit of the second
+        tier = rx.storage_manager.backends["PDBackend"]
+        deadline = time.monotonic() + 5
+        while tier.stats().gauges["bytes_used"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        assert rx.lookup(tokens) == 0
+        for _, obj in held:
+            obj.ref_count_down()
+    finally:
+        tx.close()
+        rx.close()
+
+
+BAD_FRAMES = [
+    b"\xff\xff\xff\xff",  # longer than any frame may be
+    struct.pack("<I", 5) + b"nope!",  # not JSON
+    _frame([1, 2]),  # not an object
+    _frame({"op": "launch"}),
+    _frame({"op": "offer", "chunks": "all"}),
+    _frame({"op": "offer", "chunks": [{"key": "x"}]}),
+    _frame({"op": "offer", "chunks": [{"key": "a@b@1@0@h@bfloat16", "shape": [-1], "dtype": "bfloat16",
+                                       "fmt": "KV_BLOB"}]}),
+    _frame({"op": "written", "inline": [7]}),
+]
+
+
+@pytest.mark.parametrize("frame", BAD_FRAMES)
+def test_a_bad_frame_gets_an_error_and_the_receiver_keeps_serving(frame):
+    rx = receiver_engine()
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        host, port = address(rx).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(frame)
+            answer = recv_message(s)
+            assert answer is not None and answer["ok"] is False and answer["error"]
+            assert recv_message(s) is None  # and the connection is closed
+        tokens, _ = stored(tx, 16)
+        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+        assert rx.lookup(tokens) == 16
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_a_receiver_port_in_use_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match="pd_peer_init_port"):
+            build_engine(CHUNK, enable_pd=True, pd_role="receiver", pd_peer_init_port=port)
