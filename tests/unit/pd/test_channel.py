@@ -149,7 +149,7 @@ def test_chunks_nobody_claimed_make_room_after_their_time(monkeypatch):
     sender = PDSender(tx, tx.config, rank=0)
     try:
         old, _ = stored(tx, 16, seed=1)
-        new, kv = stored(tx, 16, seed=2)
+        new, _ = stored(tx, 16, seed=2)
         assert sender.send(address(rx), old).sent == 2 * chunk_bytes(tx)
         assert sender.send(address(rx), new).sent == 0  # full, and the old ones are fresh
         monkeypatch.setattr(pd_backend, "UNCLAIMED_TTL", 0.0)
