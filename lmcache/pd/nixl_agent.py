@@ -4,13 +4,17 @@
 is installed): register a buffer once (registering does not touch its pages), exchange agent
 metadata through the channel's own frames, WRITE lists of ``(address, length)`` ranges into a peer
 and wait for them, and collect the peer's notification that the bytes landed. `available()` says
-whether NIXL can be imported here; nothing else in the package imports it.
+whether NIXL can be imported here; nothing else in the package imports it. NIXL logs every
+agent's creation at INFO on stdout; unless ``NIXL_LOG_LEVEL`` says otherwise, only its warnings
+are shown.
 """
 
 from __future__ import annotations
 
 import base64
 import importlib
+import logging
+import os
 import threading
 import time
 import uuid
@@ -27,6 +31,7 @@ _API: Any = None
 def _api() -> Any:
     global _API
     if _API is None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
             try:
                 _API = importlib.import_module(name)
@@ -42,8 +47,6 @@ def available() -> bool:
     try:
         _api()
     except ImportError as e:
-        import logging
-
         log_once(logging.getLogger(__name__), "no-nixl", "%s: the KV channel uses TCP", e,
                  level=logging.INFO)
         return False

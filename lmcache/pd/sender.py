@@ -76,8 +76,10 @@ class PDSender:
             self.agent.register(arena)
             self._arena = (arena.data_ptr(), arena.numel() * arena.element_size())
         self._links: dict[str, _Link] = {}
-        self._faults = FailureDomains(lambda address: f"the KV receiver at {address}")
-        self._full = IncidentLog(logger, "sending KV: the receive buffer stayed full")
+        self._faults = FailureDomains(lambda address: f"the KV receiver at {address}",
+                                      consequence="KV not sent; the decoder computes it")
+        self._full = IncidentLog(logger, "sending KV into a full receive buffer",
+                                 consequence="the decoder computes what was not sent")
 
     @property
     def channel(self) -> str:

@@ -31,18 +31,22 @@ class Completion:
 class OpenAIServer:
     def __init__(self, model: str, kv_transfer_config: dict[str, Any] | None, log_path: str, *,
                  dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
-                 extra_args: tuple[str, ...] = (), startup_timeout: float = 300) -> None:
-        self.port = free_port()
+                 extra_args: tuple[str, ...] = (), startup_timeout: float = 300,
+                 port: int | None = None, cpus: str | None = None) -> None:
+        """`port`: the HTTP port (default: a free one); `cpus`: the cores its engine binds
+        (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1")."""
+        self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
                 "--kv-cache-memory-bytes", str(kv_bytes), *extra_args]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
-               "HF_HUB_OFFLINE": "1"}
+        cpus = cpus or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1"}
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         deadline = time.monotonic() + startup_timeout
         while True:
             try:
@@ -59,47 +63,24 @@ class OpenAIServer:
 
     def complete(self, prompt: str, max_tokens: int = 12, ignore_eos: bool = False) -> Completion:
         """A greedy, streamed completion."""
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
-        request = urllib.request.Request(self.url("/v1/completions"), data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        text: list[str] = []
-        usage: dict[str, int] = {}
-        ttft = None
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=600) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    break
-                if not line.startswith("data: "):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    usage = event["usage"]
-                for choice in event.get("choices", []):
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(choice["text"])
-            else:
-                raise AssertionError("the stream did not end with [DONE]")
-        seconds = time.perf_counter() - t0
-        return Completion("".join(text), ttft if ttft is not None else seconds, seconds,
-                          usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0))
+        return complete(self.url(""), prompt, max_tokens, ignore_eos)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` in ``/metrics`` whose labels include `labels`."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = urllib.request.urlopen(self.url("/metrics"), timeout=30).read().decode()
-        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return metric(self.url(""), name, **labels)
 
     def wait_metric(self, name: str, at_least: float, timeout: float = 30, **labels: str) -> float:
         deadline = time.monotonic() + timeout
         while (value := self.metric(name, **labels)) < at_least and time.monotonic() < deadline:
             time.sleep(0.5)
         return value
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes (they share its process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -110,3 +91,43 @@ class OpenAIServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def complete(base_url: str, prompt: str, max_tokens: int = 12, ignore_eos: bool = False) -> Completion:
+    """A greedy, streamed completion from the OpenAI-compatible server at `base_url`."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    text: list[str] = []
+    usage: dict[str, int] = {}
+    ttft = None
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                break
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(choice["text"])
+        else:
+            raise AssertionError("the stream did not end with [DONE]")
+    seconds = time.perf_counter() - t0
+    return Completion("".join(text), ttft if ttft is not None else seconds, seconds,
+                      usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0))
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in the server's ``/metrics`` whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -1,0 +1,381 @@
+"""`lmcache proxy`: the OpenAI-compatible front of a prefill/decode disaggregated deployment.
+
+It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
+``POST /v1/completions`` or ``POST /v1/chat/completions``:
+
+1. A prefiller and a decoder are picked, each round-robin on its own (passing over backends that
+   are backing off after a failure).
+2. The prefiller is sent the client's body, on the same path, rewritten by `prefill_body`:
+   ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present; ``min_tokens`` dropped),
+   ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and
+   ``kv_transfer_params`` = the client's own (if any) merged with
+   ``{"lmcache": {"pd_receiver": "HOST:PORT"}}``, HOST:PORT being the chosen decoder's KV receiver
+   (its ``pd_peer_host:pd_peer_init_port``, from ``--decoder-kv``). That key is what the
+   prefiller's LMCache connector reads (`lmcache.pd.params.receiver_of`): it sends the prompt's KV
+   there before it answers. The proxy waits for the whole answer and drops it.
+3. The decoder is sent the client's body unchanged, and its answer is relayed with its status: a
+   stream (``"stream": true`` and a 200) chunk by chunk as the decoder writes it, anything else whole.
+
+Faults (each backend is an incident of its own: one warning, then "works again"):
+
+- A prefiller that cannot be reached, does not answer within ``prefill_timeout`` or answers 5xx:
+  counted in ``prefill_failures``; the decoder answers alone (it prefills itself) and the
+  prefiller is passed over for a growing backoff. While every prefiller is backing off, requests go
+  straight to a decoder (``prefill_skipped``).
+- A prefiller answering 4xx rejected the request itself (e.g. a prompt too long): its answer goes
+  back to the client and no decoder is asked (``prefill_rejected``).
+- A decoder that cannot be reached or dies mid-answer: 503 naming it (a stream already started
+  ends with an SSE error event instead), counted in ``decoder_failures``.
+- A body that is not a JSON object: 400, nothing forwarded (``bad_requests``).
+
+Every error the proxy itself produces has OpenAI's shape: ``{"error": {"message", "type", "code"}}``.
+The client's ``Authorization`` header is passed on to the backends. A client that goes away cancels
+its request: the connections to the backends are closed, so vLLM aborts the request.
+
+Endpoints: the two above; ``GET /v1/models`` (forwarded to a decoder); ``GET /health`` (asks each
+backend's ``/health``: 200 ``{"status": "ok", "prefillers": [{"url", "healthy"}], "decoders": [...]}``,
+503 with ``"status": "unavailable"`` when no decoder is healthy); ``GET /stats`` (the counters, and
+the requests sent to each backend by URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from lmcache.backoff import Backoff
+from lmcache.observability import Counters, IncidentLog
+from lmcache.pd.params import with_receiver
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("requests", "prefilled", "prefill_failures", "prefill_skipped", "prefill_rejected",
+            "decoder_failures", "bad_requests")
+MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
+DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
+
+
+@dataclass
+class ProxyConfig:
+    """Backends are base URLs (``http://`` added when missing); `decoder_kv[i]` is the KV receiver
+    (HOST:PORT) of `decoders[i]`. `backoff` is the first delay a failed backend is passed over
+    for (doubling up to 30 s while it keeps failing)."""
+
+    prefillers: tuple[str, ...]
+    decoders: tuple[str, ...]
+    decoder_kv: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_timeout: float = 600.0
+    backoff: float = 1.0
+    health_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.prefillers = tuple(_base_url("prefillers", url) for url in self.prefillers)
+        self.decoders = tuple(_base_url("decoders", url) for url in self.decoders)
+        self.decoder_kv = tuple(_address("decoder_kv", a) for a in self.decoder_kv)
+        if not self.prefillers or not self.decoders:
+            raise ValueError("prefillers and decoders: at least one of each is needed")
+        if len(self.decoder_kv) != len(self.decoders):
+            raise ValueError(f"decoder_kv: {len(self.decoder_kv)} KV address(es) for "
+                             f"{len(self.decoders)} decoder(s); give one per decoder, in the same order")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port}: must be a TCP port (0 = any free one)")
+        for name in ("prefill_timeout", "backoff", "health_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+
+    @classmethod
+    def parse(cls, prefillers: str, decoders: str, decoder_kv: str, host: str = "127.0.0.1",
+              port: int = 8000, prefill_timeout: float = 600.0) -> ProxyConfig:
+        """From the command line's comma-separated lists."""
+        def split(value: str) -> tuple[str, ...]:
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+
+        return cls(split(prefillers), split(decoders), split(decoder_kv), host, port, prefill_timeout)
+
+
+def _base_url(field: str, value: str) -> str:
+    url = value if "://" in value else f"http://{value}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not one
+    except ValueError as e:
+        raise ValueError(f"{field}: {value!r} is not a URL: {e}") from e
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"{field}: {value!r} is not an http(s)://HOST:PORT URL")
+    return url.rstrip("/")
+
+
+def _address(field: str, value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{field}: {value!r} is not HOST:PORT")
+    return value
+
+
+def prefill_body(body: dict[str, Any], receiver: str) -> dict[str, Any]:
+    """What a prefiller is sent for the client's `body`: one token, not streamed, one choice, and
+    ``kv_transfer_params`` naming `receiver` (the client's own params kept)."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False,
+               kv_transfer_params=with_receiver(body.get("kv_transfer_params"), receiver))
+    for key in ("max_completion_tokens", "n"):
+        if key in out:
+            out[key] = 1
+    return out
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+class Backend:
+    """One vLLM instance: its failures are an incident and make it backed off from."""
+
+    def __init__(self, role: str, url: str, backoff: float, kv: str = "") -> None:
+        self.url = url
+        self.kv = kv  # a decoder's KV receiver address
+        self.sent = 0
+        self.backoff = Backoff(backoff, max(backoff, 30.0))
+        consequence = "its requests go straight to a decoder" if role == "prefiller" else "answered 503"
+        self.incidents = IncidentLog(logger, f"{role} {url}", consequence=consequence)
+
+    def failed(self, error: BaseException | str) -> None:
+        self.incidents.fail(error)
+        self.backoff.failed()
+
+    def answered(self) -> None:
+        self.incidents.recover()
+        self.backoff.succeeded()
+
+
+class RoundRobin:
+    def __init__(self, backends: list[Backend]) -> None:
+        self.backends = backends
+        self._next = 0
+
+    def next_ready(self) -> Backend | None:
+        """The next backend in turn that is not backing off (None if all are)."""
+        n = len(self.backends)
+        for i in range(self._next, self._next + n):
+            if self.backends[i % n].backoff.ready():
+                self._next = (i + 1) % n
+                return self.backends[i % n]
+        return None
+
+    def next(self) -> Backend:
+        """The next one not backing off, or if all are, the next in turn (someone must answer)."""
+        ready = self.next_ready()
+        if ready is not None:
+            return ready
+        chosen = self.backends[self._next]
+        self._next = (self._next + 1) % len(self.backends)
+        return chosen
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff)
+                                      for url in config.prefillers])
+        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, kv)
+                                    for url, kv in zip(config.decoders, config.decoder_kv)])
+        self.counters = Counters()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def session_context(self, app: web.Application) -> AsyncIterator[None]:
+        """One client session (unbounded connection pool) for the app's life."""
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=DECODE_TIMEOUT)
+        yield
+        await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the proxy's app is not running"
+        return self._session
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.counters.add("requests")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            self.counters.add("bad_requests")
+            return error_response(400, f"the body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            self.counters.add("bad_requests")
+            return error_response(400, f"the body must be a JSON object, not a {type(body).__name__}")
+        headers = _passed_on(request)
+        decoder = self.decoders.next()
+        rejected = await self._prefill(request.path, body, decoder, headers)
+        if rejected is not None:
+            return rejected
+        return await self._decode(request, decoder, raw, stream=bool(body.get("stream")))
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return await self._decode(request, self.decoders.next(), None, stream=False)
+
+    async def _prefill(self, path: str, body: dict[str, Any], decoder: Backend,
+                       headers: dict[str, str]) -> web.Response | None:
+        """The prefiller's answer when it rejected the request (4xx), else None: the decoder is next
+        (prefilled, or the prefill failed or was skipped)."""
+        prefiller = self.prefillers.next_ready()
+        if prefiller is None:
+            self.counters.add("prefill_skipped")
+            return None
+        prefiller.sent += 1
+        timeout = self.config.prefill_timeout
+        try:
+            async with self.session.post(prefiller.url + path, json=prefill_body(body, decoder.kv),
+                                         headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.counters.add("prefill_failures")
+            prefiller.failed(e if str(e) else f"no answer within {timeout} s")
+            return None
+        if status >= 500:
+            self.counters.add("prefill_failures")
+            prefiller.failed(f"HTTP {status}: {answer[:200].decode(errors='replace')}")
+            return None
+        prefiller.answered()
+        if status >= 400:
+            self.counters.add("prefill_rejected")
+            return _relayed(status, answer, content_type)
+        self.counters.add("prefilled")
+        return None
+
+    async def _decode(self, request: web.Request, decoder: Backend, body: bytes | None,
+                      stream: bool) -> web.StreamResponse:
+        """Relays `decoder`'s answer to `request` (POSTing `body`, or GET when None) on the same path."""
+        decoder.sent += 1
+        headers = _passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
+        try:
+            async with self.session.request("GET" if body is None else "POST", decoder.url + request.path,
+                                            data=body, headers=headers) as r:
+                if stream and r.status == 200:
+                    return await self._relay_stream(request, r, decoder)
+                answer = await r.read()
+        except aiohttp.ClientError as e:
+            return error_response(503, self._decoder_failed(decoder, e))
+        decoder.answered()
+        return _relayed(r.status, answer, r.headers.get("Content-Type"))
+
+    async def _relay_stream(self, request: web.Request, answer: aiohttp.ClientResponse,
+                            decoder: Backend) -> web.StreamResponse:
+        content_type = answer.headers.get("Content-Type", "text/event-stream")
+        out = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        try:
+            await out.prepare(request)
+            async for chunk in self._chunks(answer, decoder):
+                await out.write(chunk)
+        except ConnectionResetError:
+            pass  # the client left (leaving the caller's `async with` drops the decoder's answer)
+        return out
+
+    async def _chunks(self, answer: aiohttp.ClientResponse, decoder: Backend) -> AsyncIterator[bytes]:
+        """The decoder's stream as it arrives; if the decoder dies, an SSE error event ends it."""
+        try:
+            async for chunk in answer.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as e:
+            yield f"data: {json.dumps(error_body(503, self._decoder_failed(decoder, e)))}\n\n".encode()
+            return
+        decoder.answered()
+
+    def _decoder_failed(self, decoder: Backend, error: BaseException) -> str:
+        """Counts and logs it; the message for the client."""
+        self.counters.add("decoder_failures")
+        decoder.failed(error)
+        return f"decoder {decoder.url} failed: {str(error) or type(error).__name__}"
+
+    async def health(self, request: web.Request) -> web.Response:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+
+        async def healthy(backend: Backend) -> dict[str, Any]:
+            try:
+                async with self.session.get(backend.url + "/health", timeout=timeout) as r:
+                    return {"url": backend.url, "healthy": r.status == 200}
+            except (aiohttp.ClientError, TimeoutError):
+                return {"url": backend.url, "healthy": False}
+
+        prefillers = await asyncio.gather(*(healthy(b) for b in self.prefillers.backends))
+        decoders = await asyncio.gather(*(healthy(b) for b in self.decoders.backends))
+        ok = any(d["healthy"] for d in decoders)
+        return web.json_response({"status": "ok" if ok else "unavailable", "prefillers": prefillers,
+                                  "decoders": decoders}, status=200 if ok else 503)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        counts: dict[str, Any] = {name: int(self.counters.get(name)) for name in COUNTERS}
+        counts["prefillers"] = {b.url: b.sent for b in self.prefillers.backends}
+        counts["decoders"] = {b.url: b.sent for b in self.decoders.backends}
+        return web.json_response(counts)
+
+
+def _relayed(status: int, body: bytes, content_type: str | None) -> web.Response:
+    headers = {"Content-Type": content_type or "application/json"}
+    return web.Response(body=body, status=status, headers=headers)
+
+
+def _passed_on(request: web.Request) -> dict[str, str]:
+    auth = request.headers.get("Authorization")
+    return {} if auth is None else {"Authorization": auth}
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413) and bugs answered in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason)
+    except Exception as e:
+        logger.exception("proxy: %s %s failed", request.method, request.path)
+        return error_response(500, f"proxy error: {e}")
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    proxy = Proxy(config)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+    app.cleanup_ctx.append(proxy.session_context)
+    app.router.add_post("/v1/completions", proxy.generate)
+    app.router.add_post("/v1/chat/completions", proxy.generate)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/stats", proxy.stats)
+    return app
+
+
+async def start(config: ProxyConfig) -> web.AppRunner:
+    """Serves in the running event loop until `await runner.cleanup()`; `runner.addresses` has the
+    bound port (for ``port=0``)."""
+    runner = web.AppRunner(build_app(config), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner
+
+
+def run(config: ProxyConfig) -> None:
+    """Serves until interrupted (the ``lmcache proxy`` command)."""
+    logger.info("lmcache proxy on http://%s:%d: prefillers %s, decoders %s (KV at %s)", config.host,
+                config.port, ", ".join(config.prefillers), ", ".join(config.decoders),
+                ", ".join(config.decoder_kv))
+    web.run_app(build_app(config), host=config.host, port=config.port, print=None, handler_cancellation=True)
