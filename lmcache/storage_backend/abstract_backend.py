@@ -25,6 +25,8 @@ Primitives and when they are called (by the `StorageManager`):
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed`; called only on tiers with `publishes_local_keys` (e.g. the peer tier, which tells
   other instances). Default: nothing.
+- `check_integrity(at_rest)`: raise AssertionError unless the tier's books balance (`at_rest`:
+  and nothing is in flight); for tests and operators. Default: nothing to check.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
 """
 
@@ -121,6 +123,9 @@ class StorageBackendInterface(abc.ABC):
 
     def stats(self) -> TierStats:
         return TierStats()
+
+    def check_integrity(self, at_rest: bool = False) -> None:  # noqa: B027 - optional hook
+        pass
 
     def local_keys_changed(self, added: Sequence[CacheEngineKey],  # noqa: B027 - optional hook
                            removed: Sequence[CacheEngineKey]) -> None:

@@ -223,8 +223,23 @@ class PDBackend(StorageBackendInterface):
         return TierStats(dict(self.counts), {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
                                              "reserved": len(self._reserved)})
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, at_rest: bool = False) -> None:
+        """The receive buffer's books balance and hold exactly the chunks (`at_rest`: and the
+        reservations of transfers in flight: none)."""
         self.allocator.check_integrity()
+        with self._lock:
+            if at_rest and self._reserved:
+                raise AssertionError(f"{len(self._reserved)} chunks still reserved")
+            for key, (obj, _) in self._objs.items():
+                if not obj.valid or obj.get_ref_count() < 1:
+                    raise AssertionError(f"the receive buffer holds a released object for {key}")
+                if at_rest and obj.get_ref_count() != 1:
+                    raise AssertionError(f"{key} has {obj.get_ref_count()} references at rest")
+            if at_rest and not self._reserved:
+                held = sum(obj.metadata.phy_size for obj, _ in self._objs.values())
+                if held != self.allocator.used_bytes:
+                    raise AssertionError(f"the receive buffer uses {self.allocator.used_bytes} bytes, "
+                                         f"its chunks {held}")
 
     def close(self) -> None:
         self.server.close()

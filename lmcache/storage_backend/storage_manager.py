@@ -317,11 +317,11 @@ class StorageManager:
         return {t.name: t.clear() for t in chosen}
 
     def check_integrity(self, at_rest: bool = False) -> None:
-        """Raise AssertionError unless the arena's books balance, the hot tier holds only live
-        objects (`at_rest`: held by nobody else) and no load is in flight."""
+        """Raise AssertionError unless the arena's books balance, every tier's do (the hot tier
+        holds only live objects, `at_rest`: held by nobody else) and no load is in flight."""
         self.allocator.check_integrity()
-        if self.hot is not None:
-            self.hot.check_integrity(at_rest)
+        for tier in self.tiers:
+            tier.check_integrity(at_rest)
         with self._lock:
             if self._loading:
                 raise AssertionError(f"{len(self._loading)} loads still in flight")

@@ -129,6 +129,7 @@ def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest()
         assert 0.3 <= waited < 2.0
         assert first.sent == 2 * chunk_bytes(tx) and first.skipped == 3 * chunk_bytes(tx)
         assert rx.lookup(tokens) == 16  # the prefix that arrived
+        rx.check_integrity()
         got, n = loaded(rx, tokens)  # the decoder takes it: room again
         assert n == 16 and torch.equal(got[:, :, :16], kv[:, :, :16])
         second = sender.send(address(rx), tokens)
@@ -154,6 +155,7 @@ def test_chunks_nobody_claimed_make_room_after_their_time(monkeypatch):
         assert sender.send(address(rx), new).sent == 0  # full, and the old ones are fresh
         monkeypatch.setattr(pd_backend, "UNCLAIMED_TTL", 0.0)
         assert sender.send(address(rx), new).sent == 2 * chunk_bytes(tx)
+        rx.check_integrity()
         assert rx.lookup(old) == 0 and rx.lookup(new) == 16
         assert rx.storage_manager.backends["PDBackend"].stats().counters["expired"] == 2
     finally:
