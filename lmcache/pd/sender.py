@@ -10,7 +10,8 @@ A full receive buffer makes the sender offer the rest again, with short pauses, 
 `pd_send_timeout` seconds, then skip it (counted; the decoder computes it). A receiver that fails
 (refuses the connection, breaks it, answers garbage) is a failure domain (`lmcache.failures`):
 the request's KV is not sent, one warning per incident, and the receiver is backed off from so
-that later prefills do not each wait for it. One connection per receiver, reused.
+that later prefills do not each wait for it. One connection per receiver, reused; one that broke
+since its last use (the receiver restarted) is replaced at once.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ class PDSender:
             release_all([obj for _, obj in held])
 
     def _send(self, address: str, held: list[tuple[CacheEngineKey, MemoryObj]]) -> SendResult:
+        reused = address in self._links
+        try:
+            return self._send_once(address, held)
+        except OSError as e:
+            if not reused or isinstance(e, TimeoutError):
+                raise
+            # the receiver restarted since the connection was made: once more, on a new one
+            return self._send_once(address, held)
+
+    def _send_once(self, address: str, held: list[tuple[CacheEngineKey, MemoryObj]]) -> SendResult:
         result = SendResult()
         link = self._link(address)
         try:

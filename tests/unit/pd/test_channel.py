@@ -200,6 +200,28 @@ def test_a_dead_receiver_costs_one_failure_then_is_backed_off():
         tx.close()
 
 
+def test_a_receiver_that_restarted_on_its_port_gets_the_next_send():
+    rx = receiver_engine()
+    port = rx.config.pd_peer_init_port
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        first, _ = stored(tx, 16, seed=1)
+        assert sender.send(address(rx), first).sent == 2 * chunk_bytes(tx)
+        rx.close()
+        rx = build_engine(CHUNK, enable_pd=True, pd_role="receiver", pd_peer_init_port=port,
+                          pd_buffer_size=1 << 20)
+        second, kv = stored(tx, 16, seed=2)
+        assert sender.send(address(rx), second).sent == 2 * chunk_bytes(tx)  # not lost to the old connection
+        got, n = loaded(rx, second)
+        assert n == 16 and torch.equal(got, kv)
+        assert sender._faults.counts()["failures"] == 0
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
 def _frame(message) -> bytes:
     data = json.dumps(message).encode()
     return struct.pack("<I", len(data)) + data
