@@ -41,7 +41,9 @@ import torch
 from machine import cpu_info, cpu_line
 from tier_throughput import CHUNK_BYTES, OUT, Setup, medians
 
+from lmcache.memory_management import TensorMemoryAllocator
 from lmcache.pd.sender import PDSender
+from lmcache.pd.wire import byte_view
 from tests.helpers.servers import free_port
 
 _LEN = struct.Struct("<Q")
@@ -151,9 +153,8 @@ def main() -> None:
             assert t is not None
             n = t.numel() * t.element_size()
             ranges.append((t.data_ptr(), link.remote_base + offset, n))
-            offset += -(-n // 512) * 512
-        views = [memoryview(o.tensor.view(torch.uint8).reshape(-1).numpy())  # type: ignore[union-attr]
-                 for _, o in held]
+            offset += TensorMemoryAllocator.aligned_size(n)
+        views = [byte_view(o.tensor) for _, o in held]  # type: ignore[arg-type]
 
         def engine(ch: str):
             def run() -> None:

@@ -27,7 +27,7 @@ import torch
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj, release_all
 from lmcache.memory_management.allocators import HostMemoryAllocator
-from lmcache.observability import TierStats
+from lmcache.observability import Counters, TierStats
 from lmcache.pd.receiver import ReceiverServer
 from lmcache.pd.wire import FOREIGN, HAVE, Chunk
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
@@ -58,8 +58,7 @@ class PDBackend(StorageBackendInterface):
         ours = ChunkedTokenDatabase(config, md).make_key("")
         self._ours = (ours.model_name, ours.world_size, ours.worker_id, ours.dtype)
         self._formats = {md.layout, md.state_layout} - {""}
-        self.counts = {"received_chunks": 0, "received_bytes": 0, "no_room": 0, "expired": 0,
-                       "foreign": 0, "handed_over": 0}
+        self.counts = Counters()  # received_chunks/_bytes, no_room, expired, foreign, handed_over
         assert config.pd_peer_init_port is not None  # the config checks it for a receiver
         port = config.pd_peer_init_port + max(md.worker_id, 0)
         try:
@@ -91,7 +90,7 @@ class PDBackend(StorageBackendInterface):
         room = True
         for chunk in chunks:
             if not self._is_ours(chunk):
-                self.counts["foreign"] += 1
+                self.counts.add("foreign")
                 out.append(FOREIGN)
                 continue
             with self._lock:
@@ -102,7 +101,7 @@ class PDBackend(StorageBackendInterface):
             obj = self._allocate(chunk) if room else None
             if obj is None:
                 room = False
-                self.counts["no_room"] += 1
+                self.counts.add("no_room")
             else:
                 with self._lock:
                     self._reserved.add(chunk.key)
@@ -135,7 +134,7 @@ class PDBackend(StorageBackendInterface):
         if victim is None:
             return False
         victim[1].ref_count_down()
-        self.counts["expired"] += 1
+        self.counts.add("expired")
         self.ctx.on_removed([victim[0]])
         return True
 
@@ -146,8 +145,8 @@ class PDBackend(StorageBackendInterface):
             for chunk, obj in zip(chunks, objs, strict=True):
                 self._reserved.discard(chunk.key)
                 self._objs[chunk.key] = (obj, now)
-                self.counts["received_chunks"] += 1
-                self.counts["received_bytes"] += chunk.nbytes
+                self.counts.add("received_chunks")
+                self.counts.add("received_bytes", chunk.nbytes)
         return len(objs)
 
     def abort(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> None:
@@ -190,7 +189,7 @@ class PDBackend(StorageBackendInterface):
             self.remove(key)
         else:
             self.ctx.on_removed([key])
-        self.counts["handed_over"] += 1
+        self.counts.add("handed_over")
         return obj
 
     def _copy_to_arena(self, obj: MemoryObj) -> MemoryObj | None:
@@ -220,7 +219,7 @@ class PDBackend(StorageBackendInterface):
     def stats(self) -> TierStats:
         with self._lock:
             chunks = len(self._objs)
-        return TierStats(dict(self.counts), {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
+        return TierStats(self.counts.snapshot(), {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
                                              "reserved": len(self._reserved)})
 
     def check_integrity(self, at_rest: bool = False) -> None:

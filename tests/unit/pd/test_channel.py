@@ -34,6 +34,13 @@ def receiver_engine(channel="tcp", **cfg):
                         transfer_channel=channel, **cfg)
 
 
+def room_for_two_chunks() -> int:
+    probe = build_engine(CHUNK)
+    room = 2 * pd_backend.HostMemoryAllocator.aligned_size(chunk_bytes(probe))
+    probe.close()
+    return room
+
+
 def address(engine) -> str:
     return engine.storage_manager.backends["PDBackend"].server.address
 
@@ -115,10 +122,7 @@ def test_without_a_hot_tier_the_receive_buffer_hands_its_object_over_and_frees_i
 
 
 def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest():
-    probe = build_engine(CHUNK)
-    room = 2 * pd_backend.HostMemoryAllocator.aligned_size(chunk_bytes(probe))
-    probe.close()
-    rx = receiver_engine(pd_buffer_size=room)
+    rx = receiver_engine(pd_buffer_size=room_for_two_chunks())
     tx = build_engine(CHUNK, pd_send_timeout=0.3)
     sender = PDSender(tx, tx.config, rank=0)
     try:
@@ -142,10 +146,7 @@ def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest()
 
 
 def test_chunks_nobody_claimed_make_room_after_their_time(monkeypatch):
-    probe = build_engine(CHUNK)
-    room = 2 * pd_backend.HostMemoryAllocator.aligned_size(chunk_bytes(probe))
-    probe.close()
-    rx = receiver_engine(pd_buffer_size=room)
+    rx = receiver_engine(pd_buffer_size=room_for_two_chunks())
     tx = build_engine(CHUNK, pd_send_timeout=0.0)
     sender = PDSender(tx, tx.config, rank=0)
     try:
