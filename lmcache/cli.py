@@ -39,8 +39,8 @@ def _proxy(args: argparse.Namespace) -> int:
     from lmcache.pd.proxy import ProxyConfig, run
 
     try:
-        config = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv, args.host, args.port,
-                                   args.prefill_timeout)
+        config = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
+                                   args.host, args.port, args.prefill_timeout)
     except ValueError as e:
         raise SystemExit(f"lmcache proxy: {e}") from None
     _log_to_stderr()
@@ -139,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
     x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")
     x.add_argument("--decoder", required=True, help="decode vLLM URL(s), comma-separated")
-    x.add_argument("--decoder-kv", required=True,
-                   help="each decoder's KV receiver HOST:PORT (pd_peer_host:pd_peer_init_port), same order")
+    x.add_argument("--decoder-kv", default=None,
+                   help="each decoder's KV receiver HOST:PORT (pd_peer_host:pd_peer_init_port), same order "
+                        "(the lmcache hand-off)")
+    x.add_argument("--kv-protocol", default=None,
+                   help="how the KV goes from prefiller to decoder: lmcache (the default: LMCache's "
+                        "connector with enable_pd pushes it) or nixl (vLLM's NixlConnector: the decoder "
+                        "pulls it)")
     x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     x.add_argument("--port", type=int, default=8000, help="TCP port")
     x.add_argument("--prefill-timeout", type=float, default=600.0,

@@ -7,14 +7,23 @@ It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
    are backing off after a failure).
 2. The prefiller is sent the client's body, on the same path, rewritten by `prefill_body`:
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present; ``min_tokens`` dropped),
-   ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and
-   ``kv_transfer_params`` = the client's own (if any) merged with
-   ``{"lmcache": {"pd_receiver": "HOST:PORT"}}``, HOST:PORT being the chosen decoder's KV receiver
-   (its ``pd_peer_host:pd_peer_init_port``, from ``--decoder-kv``). That key is what the
-   prefiller's LMCache connector reads (`lmcache.pd.params.receiver_of`): it sends the prompt's KV
-   there before it answers. The proxy waits for the whole answer and drops it.
-3. The decoder is sent the client's body unchanged, and its answer is relayed with its status: a
-   stream (``"stream": true`` and a 200) chunk by chunk as the decoder writes it, anything else whole.
+   ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and the
+   ``kv_transfer_params`` of the KV hand-off (``--kv-protocol``, see `HANDOFFS`). The proxy waits
+   for the whole answer.
+3. The decoder is sent the client's body (with what the hand-off adds from the prefiller's answer),
+   and its answer is relayed with its status: a stream (``"stream": true`` and a 200) chunk by
+   chunk as the decoder writes it, anything else whole.
+
+The two KV hand-offs:
+
+- ``lmcache`` (LMCache's connector with ``enable_pd``; the default): the prefiller is told
+  ``{"lmcache": {"pd_receiver": "HOST:PORT"}}`` (merged into the client's own params), HOST:PORT
+  being the chosen decoder's KV receiver (its ``pd_peer_host:pd_peer_init_port``, from
+  ``--decoder-kv``). The prefiller's connector reads it (`lmcache.pd.params.receiver_of`) and
+  pushes the prompt's KV there before it answers; the decoder gets the client's body unchanged.
+- ``nixl`` (vLLM's own ``NixlConnector``): the prefiller is told ``do_remote_decode`` (it keeps
+  the prompt's blocks for the decoder to read); its answer's ``kv_transfer_params`` (where the
+  blocks are) go into the decoder's body, and the decoder pulls the KV before its first step.
 
 Faults (each backend is an incident of its own: one warning, then "works again"):
 
@@ -45,7 +54,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -63,15 +72,71 @@ MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
 DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
 
 
+class KVHandoff:
+    """How a prefiller is told to hand a prompt's KV to the decoder, and the decoder to take it."""
+
+    name: ClassVar[str]
+    needs_decoder_kv: ClassVar[bool]  # the decoders' KV receiver addresses are needed
+
+    @staticmethod
+    def prefill_params(client_params: Any, decoder_kv: str) -> dict[str, Any]:
+        """The prefiller's ``kv_transfer_params`` (`client_params`: the client's own, if any)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decode_body(raw: bytes, body: dict[str, Any], prefill_answer: bytes) -> bytes:
+        """The decoder's body after the prefiller answered `prefill_answer` (200) to `body`
+        (`raw` as the client sent it)."""
+        return raw
+
+
+class LMCachePush(KVHandoff):
+    """The prefiller's LMCache connector pushes the KV to the decoder's receiver."""
+
+    name = "lmcache"
+    needs_decoder_kv = True
+
+    @staticmethod
+    def prefill_params(client_params: Any, decoder_kv: str) -> dict[str, Any]:
+        return with_receiver(client_params, decoder_kv)
+
+
+class NixlPull(KVHandoff):
+    """vLLM's NixlConnector: the prefiller keeps the blocks, the decoder reads them."""
+
+    name = "nixl"
+    needs_decoder_kv = False
+
+    @staticmethod
+    def prefill_params(client_params: Any, decoder_kv: str) -> dict[str, Any]:
+        own = client_params if isinstance(client_params, dict) else {}
+        return {**own, "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    @staticmethod
+    def decode_body(raw: bytes, body: dict[str, Any], prefill_answer: bytes) -> bytes:
+        try:
+            params = json.loads(prefill_answer).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            return raw  # nothing to read from: the decoder prefills
+        return json.dumps({**body, "kv_transfer_params": params}).encode()
+
+
+HANDOFFS: dict[str, type[KVHandoff]] = {h.name: h for h in (LMCachePush, NixlPull)}
+
+
 @dataclass
 class ProxyConfig:
     """Backends are base URLs (``http://`` added when missing); `decoder_kv[i]` is the KV receiver
-    (HOST:PORT) of `decoders[i]`. `backoff` is the first delay a failed backend is passed over
-    for (doubling up to 30 s while it keeps failing)."""
+    (HOST:PORT) of `decoders[i]` (for the ``lmcache`` hand-off only). `backoff` is the first delay
+    a failed backend is passed over for (doubling up to 30 s while it keeps failing)."""
 
     prefillers: tuple[str, ...]
     decoders: tuple[str, ...]
-    decoder_kv: tuple[str, ...]
+    decoder_kv: tuple[str, ...] = ()
+    kv_protocol: str = LMCachePush.name
     host: str = "127.0.0.1"
     port: int = 8000
     prefill_timeout: float = 600.0
@@ -84,7 +149,13 @@ class ProxyConfig:
         self.decoder_kv = tuple(_address("decoder_kv", a) for a in self.decoder_kv)
         if not self.prefillers or not self.decoders:
             raise ValueError("prefillers and decoders: at least one of each is needed")
-        if len(self.decoder_kv) != len(self.decoders):
+        if self.kv_protocol not in HANDOFFS:
+            raise ValueError(f"kv_protocol={self.kv_protocol!r}: expected one of {', '.join(HANDOFFS)}")
+        if not HANDOFFS[self.kv_protocol].needs_decoder_kv:
+            if self.decoder_kv:
+                raise ValueError(f"decoder_kv: not used by the {self.kv_protocol} hand-off (the decoder "
+                                 "reads the KV from the prefiller)")
+        elif len(self.decoder_kv) != len(self.decoders):
             raise ValueError(f"decoder_kv: {len(self.decoder_kv)} KV address(es) for "
                              f"{len(self.decoders)} decoder(s); give one per decoder, in the same order")
         if not 0 <= self.port < 65536:
@@ -94,13 +165,14 @@ class ProxyConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
 
     @classmethod
-    def parse(cls, prefillers: str, decoders: str, decoder_kv: str, host: str = "127.0.0.1",
-              port: int = 8000, prefill_timeout: float = 600.0) -> ProxyConfig:
-        """From the command line's comma-separated lists."""
+    def parse(cls, prefillers: str, decoders: str, decoder_kv: str = "", kv_protocol: str | None = None,
+              host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0) -> ProxyConfig:
+        """From the command line's comma-separated lists (`kv_protocol` None: the default)."""
         def split(value: str) -> tuple[str, ...]:
             return tuple(part.strip() for part in value.split(",") if part.strip())
 
-        return cls(split(prefillers), split(decoders), split(decoder_kv), host, port, prefill_timeout)
+        return cls(split(prefillers), split(decoders), split(decoder_kv), kv_protocol or LMCachePush.name,
+                   host, port, prefill_timeout)
 
 
 def _base_url(field: str, value: str) -> str:
@@ -122,12 +194,11 @@ def _address(field: str, value: str) -> str:
     return value
 
 
-def prefill_body(body: dict[str, Any], receiver: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """What a prefiller is sent for the client's `body`: one token, not streamed, one choice, and
-    ``kv_transfer_params`` naming `receiver` (the client's own params kept)."""
+    `kv_transfer_params`."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    out.update(max_tokens=1, stream=False,
-               kv_transfer_params=with_receiver(body.get("kv_transfer_params"), receiver))
+    out.update(max_tokens=1, stream=False, kv_transfer_params=kv_transfer_params)
     for key in ("max_completion_tokens", "n"):
         if key in out:
             out[key] = 1
@@ -190,10 +261,12 @@ class RoundRobin:
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
+        self.handoff = HANDOFFS[config.kv_protocol]
         self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff)
                                       for url in config.prefillers])
-        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, kv)
-                                    for url, kv in zip(config.decoders, config.decoder_kv)])
+        kv = config.decoder_kv or ("",) * len(config.decoders)
+        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, address)
+                                    for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
         self._session: aiohttp.ClientSession | None = None
 
@@ -221,42 +294,45 @@ class Proxy:
             return error_response(400, f"the body must be a JSON object, not a {type(body).__name__}")
         headers = _passed_on(request)
         decoder = self.decoders.next()
-        rejected = await self._prefill(request.path, body, decoder, headers)
+        rejected, answer = await self._prefill(request.path, body, decoder, headers)
         if rejected is not None:
             return rejected
-        return await self._decode(request, decoder, raw, stream=bool(body.get("stream")))
+        decode_body = raw if answer is None else self.handoff.decode_body(raw, body, answer)
+        return await self._decode(request, decoder, decode_body, stream=bool(body.get("stream")))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self._decode(request, self.decoders.next(), None, stream=False)
 
     async def _prefill(self, path: str, body: dict[str, Any], decoder: Backend,
-                       headers: dict[str, str]) -> web.Response | None:
-        """The prefiller's answer when it rejected the request (4xx), else None: the decoder is next
-        (prefilled, or the prefill failed or was skipped)."""
+                       headers: dict[str, str]) -> tuple[web.Response | None, bytes | None]:
+        """(the prefiller's answer to relay when it rejected the request (4xx), None), or (None, its
+        answer when it prefilled, else None: it failed or was skipped); the decoder is next unless
+        rejected."""
         prefiller = self.prefillers.next_ready()
         if prefiller is None:
             self.counters.add("prefill_skipped")
-            return None
+            return None, None
         prefiller.sent += 1
         timeout = self.config.prefill_timeout
+        sent = prefill_body(body, self.handoff.prefill_params(body.get("kv_transfer_params"), decoder.kv))
         try:
-            async with self.session.post(prefiller.url + path, json=prefill_body(body, decoder.kv),
-                                         headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with self.session.post(prefiller.url + path, json=sent, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.counters.add("prefill_failures")
             prefiller.failed(e if str(e) else f"no answer within {timeout} s")
-            return None
+            return None, None
         if status >= 500:
             self.counters.add("prefill_failures")
             prefiller.failed(f"HTTP {status}: {answer[:200].decode(errors='replace')}")
-            return None
+            return None, None
         prefiller.answered()
         if status >= 400:
             self.counters.add("prefill_rejected")
-            return _relayed(status, answer, content_type)
+            return _relayed(status, answer, content_type), None
         self.counters.add("prefilled")
-        return None
+        return None, answer
 
     async def _decode(self, request: web.Request, decoder: Backend, body: bytes | None,
                       stream: bool) -> web.StreamResponse:
@@ -375,7 +451,7 @@ async def start(config: ProxyConfig) -> web.AppRunner:
 
 def run(config: ProxyConfig) -> None:
     """Serves until interrupted (the ``lmcache proxy`` command)."""
-    logger.info("lmcache proxy on http://%s:%d: prefillers %s, decoders %s (KV at %s)", config.host,
-                config.port, ", ".join(config.prefillers), ", ".join(config.decoders),
-                ", ".join(config.decoder_kv))
+    logger.info("lmcache proxy on http://%s:%d (%s KV hand-off): prefillers %s, decoders %s%s", config.host,
+                config.port, config.kv_protocol, ", ".join(config.prefillers), ", ".join(config.decoders),
+                f" (KV at {', '.join(config.decoder_kv)})" if config.decoder_kv else "")
     web.run_app(build_app(config), host=config.host, port=config.port, print=None, handler_cancellation=True)

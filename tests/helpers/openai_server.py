@@ -32,9 +32,11 @@ class OpenAIServer:
     def __init__(self, model: str, kv_transfer_config: dict[str, Any] | None, log_path: str, *,
                  dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
                  extra_args: tuple[str, ...] = (), startup_timeout: float = 300,
-                 port: int | None = None, cpus: str | None = None) -> None:
+                 port: int | None = None, cpus: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """`port`: the HTTP port (default: a free one); `cpus`: the cores its engine binds
-        (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1")."""
+        (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1"); `env`: more
+        environment variables for the server."""
         self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
@@ -43,9 +45,9 @@ class OpenAIServer:
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cpus = cpus or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1"}
+        environ = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=environ,
                                      start_new_session=True)
         deadline = time.monotonic() + startup_timeout
         while True:

@@ -1,6 +1,7 @@
 """`lmcache proxy` against fake vLLM instances (small aiohttp servers on loopback ports): the
-prefiller is asked for one token with the decoder's KV address, the decoder gets the client's body
-and its answer (streamed chunk by chunk) reaches the client; a failing prefiller is skipped, a
+prefiller is asked for one token with the decoder's KV address (or, for vLLM's NixlConnector, to
+keep the KV for the decoder, whose body then carries where it is), the decoder gets the client's
+body and its answer (streamed chunk by chunk) reaches the client; a failing prefiller is skipped, a
 failing decoder is a 503, bad bodies are a 400, and the proxy keeps serving."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from lmcache import cli
 from lmcache.pd import proxy
-from lmcache.pd.proxy import ProxyConfig, prefill_body
+from lmcache.pd.proxy import HANDOFFS, LMCachePush, ProxyConfig, prefill_body
 from tests.helpers.servers import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,6 +57,7 @@ class FakeVLLM:
         self.gate: asyncio.Event | None = None
         self.die_after: int | None = None
         self.abandoned = asyncio.Event()  # a stream's client went away
+        self.kv_transfer_params: Any = None  # put in non-streamed answers when set
         self.runner: web.AppRunner | None = None
 
     @property
@@ -100,7 +102,10 @@ class FakeVLLM:
             await out.prepare(request)
             await out.write(b'{"id": "cut')
             return self.drop(request, out)
-        return web.json_response(self.answer(request.path))
+        answer = self.answer(request.path)
+        if self.kv_transfer_params is not None:
+            answer["kv_transfer_params"] = self.kv_transfer_params
+        return web.json_response(answer)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -161,8 +166,10 @@ async def deployment(prefillers: list[FakeVLLM], decoders: list[FakeVLLM], dead:
     fakes = [f for f in prefillers + decoders if f not in dead]
     for fake in fakes:
         await fake.start()
-    config = ProxyConfig(tuple(p.url for p in prefillers), tuple(d.url for d in decoders),
-                         tuple(d.kv for d in decoders), port=0, **options)
+    handoff = HANDOFFS[options.get("kv_protocol", LMCachePush.name)]
+    kv = tuple(d.kv for d in decoders) if handoff.needs_decoder_kv else ()
+    config = ProxyConfig(tuple(p.url for p in prefillers), tuple(d.url for d in decoders), kv, port=0,
+                         **options)
     runner = await proxy.start(config)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
@@ -182,12 +189,12 @@ def test_prefill_body_asks_one_token_for_the_receiver_and_keeps_the_rest() -> No
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5,
             "kv_transfer_params": {"other": {"x": 1}, "lmcache": {"mine": True}}}
     original = json.loads(json.dumps(body))
-    assert prefill_body(body, "10.0.0.2:7000") == {
+    assert prefill_body(body, LMCachePush.prefill_params(body["kv_transfer_params"], "10.0.0.2:7000")) == {
         "prompt": "hi", "max_tokens": 1, "max_completion_tokens": 1, "n": 1, "stream": False,
         "temperature": 0.5,
         "kv_transfer_params": {"other": {"x": 1}, "lmcache": {"mine": True, "pd_receiver": "10.0.0.2:7000"}}}
     assert body == original
-    assert prefill_body({"prompt": "hi"}, "h:1") == {
+    assert prefill_body({"prompt": "hi"}, LMCachePush.prefill_params(None, "h:1")) == {
         "prompt": "hi", "max_tokens": 1, "stream": False,
         "kv_transfer_params": {"lmcache": {"pd_receiver": "h:1"}}}
 
@@ -445,6 +452,40 @@ async def test_stats_count_requests_and_what_each_backend_was_sent() -> None:
                      "prefillers": {prefiller.url: 3}, "decoders": {decoders[0].url: 2, decoders[1].url: 1}}
 
 
+NIXL_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@async_test
+async def test_nixl_handoff_passes_the_prefillers_kv_params_to_the_decoder() -> None:
+    prefiller, decoder = FakeVLLM("p0"), FakeVLLM("d0")
+    where = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+             "remote_engine_id": "e-p0", "remote_host": "localhost", "remote_port": 5600}
+    prefiller.kv_transfer_params = where
+    async with deployment([prefiller], [decoder], kv_protocol="nixl") as client:
+        body = {"model": "m", "prompt": "The cache", "max_tokens": 20, "stream": True,
+                "kv_transfer_params": {"client": 1}}
+        async with client.session.post(client.base + PATH, json=body) as r:
+            streamed = (r.status, await r.read())
+    assert streamed[0] == 200 and b" d0" in streamed[1]
+    assert prefiller.received == [{"model": "m", "prompt": "The cache", "max_tokens": 1, "stream": False,
+                                   "kv_transfer_params": {"client": 1, **NIXL_ASK}}]
+    assert decoder.received == [{**body, "kv_transfer_params": where}]
+
+
+@async_test
+async def test_nixl_handoff_without_params_or_a_prefiller_leaves_the_prefill_to_the_decoder() -> None:
+    prefiller, decoder = FakeVLLM("p0"), FakeVLLM("d0")
+    async with deployment([prefiller], [decoder], kv_protocol="nixl") as client:
+        body = {"model": "m", "prompt": "The cache", "max_tokens": 20}
+        assert (await client.post(PATH, body))[0] == 200  # the prefiller answered no kv_transfer_params
+        prefiller.status = 500
+        assert (await client.post(PATH, body))[0] == 200
+        stats = await client.stats()
+    assert decoder.received == [body, body]
+    assert (stats["prefilled"], stats["prefill_failures"]) == (1, 1)
+
+
 def test_config_takes_urls_without_scheme_and_names_the_bad_field() -> None:
     config = ProxyConfig.parse("127.0.0.1:8100/, http://h:8101", "https://d:8200", "d:7000")
     assert config.prefillers == ("http://127.0.0.1:8100", "http://h:8101")
@@ -460,6 +501,7 @@ def test_config_takes_urls_without_scheme_and_names_the_bad_field() -> None:
     ("ftp://p:8100", "d:8200", "d:7000", "prefillers: 'ftp://p:8100'"),
     ("p:8100", "d:8200", "d-without-port", "decoder_kv: 'd-without-port'"),
     ("p:8100", ",", "", "at least one"),
+    ("p:8100", "d:8200", "", "decoder_kv: 0 KV address(es) for 1 decoder(s)"),
 ])
 def test_cli_rejects_bad_arguments_before_serving(monkeypatch, prefiller, decoder, kv, named) -> None:
     monkeypatch.setattr(proxy, "run", lambda config: pytest.fail("the proxy must not start"))
@@ -474,3 +516,15 @@ def test_cli_starts_the_proxy_with_its_arguments(monkeypatch) -> None:
                      "10.0.0.2:7000", "--port", "9000", "--prefill-timeout", "30"]) == 0
     assert started == [ProxyConfig(("http://p:8100", "http://p:8101"), ("http://d:8200",), ("10.0.0.2:7000",),
                                    port=9000, prefill_timeout=30)]
+
+
+def test_cli_nixl_handoff_needs_no_decoder_kv_and_refuses_one(monkeypatch) -> None:
+    started: list[ProxyConfig] = []
+    monkeypatch.setattr(proxy, "run", started.append)
+    assert cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--kv-protocol", "nixl"]) == 0
+    assert started == [ProxyConfig(("http://p:8100",), ("http://d:8200",), kv_protocol="nixl")]
+    with pytest.raises(SystemExit, match="decoder_kv: not used by the nixl hand-off"):
+        cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--kv-protocol", "nixl",
+                  "--decoder-kv", "d:7000"])
+    with pytest.raises(SystemExit, match="kv_protocol='mooncake': expected one of lmcache, nixl"):
+        cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--kv-protocol", "mooncake"])
