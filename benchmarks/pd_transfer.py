@@ -11,7 +11,9 @@ receivers' buffers emptied before every call (untimed):
 
 - engine over NIXL: ``PDSender.send`` (offer, NIXL writes from the registered arena, commit);
 - raw NIXL: one NIXL write of the same chunk objects into the receiver's buffer, through the
-  same agents, no offer or commit;
+  same agents, no offer or commit; the receiving process waits for its notification (driving
+  NIXL's progress, as the engine's receiver does: neither side runs NIXL's progress thread) and
+  acknowledges it;
 - engine over TCP: ``PDSender.send`` to the TCP receiver (the bytes inline on its connection);
 - raw TCP: ``sendall`` of the same bytes to the sink in the TCP receiver's process, which reads
   them into a buffer and acknowledges.
@@ -86,6 +88,8 @@ def receive(channel: str, n_tokens: int) -> None:
         elif line.strip() == "check":  # retrieve what arrived; compare with the KV the sender stored
             rx.retrieve()
             rx.check()
+        elif line.strip() == "notified":  # a raw NIXL write is landing: progress until it has
+            assert tier.server.agent is not None and tier.server.agent.wait_notif(b"raw", 30.0)
         print("ok", flush=True)
     rx.close()
 
@@ -105,9 +109,16 @@ class Receiver:
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def command(self, what: str) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.ask(what)
+        self.done(what)
+
+    def ask(self, what: str) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(what + "\n")
         self.proc.stdin.flush()
+
+    def done(self, what: str) -> None:
+        assert self.proc.stdout is not None
         answer = self.proc.stdout.readline().strip()
         if answer != "ok":
             raise SystemExit(f"receiver: {what} -> {answer!r}")
@@ -162,7 +173,9 @@ def main() -> None:
             return run
 
         def raw_nixl() -> None:
+            rx["nixl"].ask("notified")
             sender.agent.write(link.nixl_peer, ranges, b"raw", 30.0)  # type: ignore[union-attr,arg-type]
+            rx["nixl"].done("notified")
 
         def raw_tcp() -> None:
             sock = rx["tcp"].raw

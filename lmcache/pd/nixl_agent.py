@@ -4,7 +4,12 @@
 is installed): register a buffer once (registering does not touch its pages), exchange agent
 metadata through the channel's own frames, WRITE lists of ``(address, length)`` ranges into a peer
 and wait for them, and collect the peer's notification that the bytes landed. `available()` says
-whether NIXL can be imported here; nothing else in the package imports it. NIXL logs every
+whether NIXL can be imported here; nothing else in the package imports it.
+
+The agent runs without NIXL's progress thread: that thread polls without pause and keeps a whole
+core busy for the life of the process, idle or not (vLLM's NixlConnector runs with it). Transfers
+progress when their sides call in instead: the writer while it waits for its write (`write`), the
+target while a write into it may be under way (`progress`, `wait_notif`). NIXL logs every
 agent's creation at INFO on stdout; unless ``NIXL_LOG_LEVEL`` says otherwise, only its warnings
 are shown.
 """
@@ -61,7 +66,8 @@ class NixlAgent:
     def __init__(self, backends: Sequence[str]) -> None:
         api = _api()
         self.name = f"lmcache-{uuid.uuid4().hex[:12]}"
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=list(backends)))
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self._agent = api.nixl_agent(self.name, config)
         self._registered: list[Any] = []
         self._notifs: set[bytes] = set()
         self._notif_lock = threading.Lock()
@@ -105,13 +111,18 @@ class NixlAgent:
         finally:
             self._agent.release_xfer_handle(handle)
 
+    def progress(self) -> None:
+        """Lets writes into this agent's memory progress; keeps the notifications that arrived."""
+        with self._notif_lock:
+            for messages in self._agent.get_new_notifs().values():
+                self._notifs.update(messages)
+
     def wait_notif(self, notif: bytes, timeout: float) -> bool:
         """Wait until a peer's notification `notif` arrived (each is consumed once)."""
         deadline = time.monotonic() + timeout
         while True:
+            self.progress()
             with self._notif_lock:
-                for messages in self._agent.get_new_notifs().values():
-                    self._notifs.update(messages)
                 if notif in self._notifs:
                     self._notifs.discard(notif)
                     return True

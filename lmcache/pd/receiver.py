@@ -11,8 +11,10 @@ senders are unaffected.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -34,6 +36,7 @@ from lmcache.pd.wire import (
 logger = logging.getLogger(__name__)
 FRAME_TIMEOUT = 30.0  # seconds the bytes of a `written` may take to arrive
 NOTIF_TIMEOUT = 30.0  # seconds between a `written` and its NIXL notification
+PROGRESS_INTERVAL = 0.001  # seconds between NIXL progress calls while a write may be landing
 
 
 class SlotStore(Protocol):
@@ -104,7 +107,7 @@ class ReceiverServer:
         offer = _Offer()
         peer: str | None = None
         try:
-            while (message := recv_message(conn)) is not None:
+            while (message := self._next_message(conn, offer)) is not None:
                 op = message.get("op")
                 if op == "hello":
                     peer = self._hello(conn, message, peer)
@@ -132,6 +135,18 @@ class ReceiverServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _next_message(self, conn: socket.socket, offer: _Offer) -> dict[str, Any] | None:
+        """The connection's next message; while its sender may be writing into reserved slots,
+        the NIXL agent is kept progressing (it has no progress thread of its own), for up to
+        NOTIF_TIMEOUT."""
+        if offer.slots and self.agent is not None:
+            deadline = time.monotonic() + NOTIF_TIMEOUT
+            while not select.select([conn], [], [], PROGRESS_INTERVAL)[0]:
+                if time.monotonic() > deadline:
+                    raise WireError(f"no `written` within {NOTIF_TIMEOUT:.0f} s of the offer")
+                self.agent.progress()
+        return recv_message(conn)
 
     def _hello(self, conn: socket.socket, message: dict[str, Any], peer: str | None) -> str | None:
         theirs = message.get("nixl")

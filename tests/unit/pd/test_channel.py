@@ -5,6 +5,7 @@ sender wait a bounded time and skip, broken or foreign transfers are never visib
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import struct
 import time
@@ -90,6 +91,22 @@ def test_a_sent_prompt_is_a_full_hit_with_the_same_kv_at_the_receiver(pair):
     rx.check_integrity()  # handed over into the receiver's hot tier; nothing left reserved
     tier = rx.storage_manager.backends["PDBackend"]
     assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+
+
+def busy_cores(seconds: float) -> float:
+    """The cores this process kept busy over the next `seconds`."""
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(seconds)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    return (end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime) / seconds
+
+
+@pytest.mark.parametrize("pair", CHANNELS, indirect=True)
+def test_both_sides_stay_idle_between_transfers(pair):
+    tx, sender, rx = pair
+    tokens, _ = stored(tx, 32)
+    assert sender.send(address(rx), tokens).sent > 0  # agents created, peers known, buffers registered
+    assert busy_cores(1.0) < 0.3  # NIXL's own progress thread would keep a core busy (1.0)
 
 
 @pytest.mark.parametrize("pair", CHANNELS, indirect=True)
