@@ -1,20 +1,30 @@
 """Prefill/decode disaggregation under load: 1P1D (a prefill and a decode vLLM-CPU instance, one
-core each, LMCache moving the KV, `lmcache proxy` in front) vs one instance on both cores.
+core each, LMCache moving the KV, `lmcache proxy` in front) vs one instance on both cores, and vs
+vLLM's own NixlConnector 1P1D (same cores, the same proxy with ``--kv-protocol nixl``).
 
 The workload (LMCache's long-document style): `--decoders` requests with short prompts stream
 `--decode-tokens` tokens each (``ignore_eos``) from t=0, and `--long` requests with
 `--long-tokens`-token documents arrive while they decode (t = 1 s, then every `--gap` s), each
 asking for 16 tokens. Measured per trial, as a client sees it (streamed completions over HTTP):
 the inter-token latency of the decoding requests (gaps between their streamed tokens), the long
-requests' TTFT, and output tokens per second over the trial. Trials alternate between the two
-set-ups (`--trials` each, new prompts per trial, the same prompts for both set-ups); all three
-instances stay up, the idle one waiting. Also checked: every answer of 1P1D equals the single
-instance's (greedy, fp32), the decoder computed at most one prompt token per request (vLLM's own
-``prompt_tokens_by_source``), and the KV the prefiller sent equals the prompts' KV bytes.
+requests' TTFT, and output tokens per second over the trial. Trials alternate between the set-ups
+(`--trials` each, new prompts per trial, the same prompts for every set-up, the order rotating);
+the instances of the set-ups not being measured stay up and idle, but NixlConnector's run only
+for their own measurements (its NIXL agents keep a core busy each even when idle, which would
+slow whatever runs beside them).
+Also checked: every answer of each 1P1D equals the single instance's (greedy, fp32), LMCache's
+decoder computed at most one prompt token per request (vLLM's own ``prompt_tokens_by_source``),
+and the KV the prefiller sent equals the prompts' KV bytes.
 
-    python benchmarks/disagg.py [--trials 3] [--channel nixl|tcp]
+Then the repeated prefix, per set-up, alone: a document is asked, then enough other documents to
+fill vLLM's KV cache (1 GiB) 1.5 times over, then the document again with another question: the
+repeat's TTFT, and where the prefiller's prompt tokens for it came from (computed, vLLM's prefix
+cache, or the connector). LMCache's instances keep 3 GB of KV in their CPU tier.
 
-Goal (issue 24): p90 ITL of 1P1D <= 0.5x the single instance's. Writes benchmarks/out/disagg.json.
+    python benchmarks/disagg.py [--trials 3] [--channel nixl|tcp] [--no-nixl-connector]
+
+Goals (issue 24): p90 ITL of 1P1D <= 0.5x the single instance's; TTFT and ITL no worse than
+NixlConnector's, and the repeated prefix served from cache. Writes benchmarks/out/disagg.json.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,11 +87,31 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: str, max_toke
     return out
 
 
+def document(trial: int, j: int, args: argparse.Namespace) -> str:
+    return sentence_text(1000 * trial + 500 + j, int(args.long_tokens / 1.15))
+
+
 def prompts(trial: int, args: argparse.Namespace) -> tuple[list[str], list[str]]:
     short = [sentence_text(1000 * trial + i, 250) + " Tell the story." for i in range(args.decoders)]
-    words = int(args.long_tokens / 1.15)
-    long = [sentence_text(1000 * trial + 500 + j, words) + " Summarize." for j in range(args.long)]
+    long = [document(trial, j, args) + " Summarize." for j in range(args.long)]
     return short, long
+
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_sources(url: str) -> dict[str, float]:
+    """Where the instance's prompt tokens came from so far (vLLM's counters)."""
+    return {src: metric(url, "vllm:prompt_tokens_by_source_total", source=src) for src in SOURCES}
+
+
+def since(url: str, before: dict[str, float]) -> dict[str, float]:
+    return {src: n - before[src] for src, n in prompt_sources(url).items()}
+
+
+async def one(url: str, prompt: str, max_tokens: int = 16) -> Stream:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        return await stream(session, url, prompt, max_tokens, False)
 
 
 async def workload(url: str, short: list[str], long: list[str], args: argparse.Namespace) -> dict:
@@ -106,6 +137,80 @@ async def workload(url: str, short: list[str], long: list[str], args: argparse.N
             "texts": [s.text for s in results], "prompt_tokens": [s.prompt_tokens for s in results]}
 
 
+@dataclass
+class SetUp:
+    """A deployment under test: its vLLM instances (role -> (KV transfer config, cores, more
+    environment)), and for 1P1D the `lmcache proxy` arguments naming its KV hand-off. A `transient`
+    set-up is started for each of its measurements and stopped after it: NixlConnector's NIXL
+    agents keep a core busy each even when idle, which would slow whatever runs beside them."""
+
+    name: str
+    instances: dict[str, tuple[dict | None, str, dict[str, str]]]
+    proxy_args: list[str] | None = None
+    transient: bool = False
+    servers: dict[str, OpenAIServer] = field(default_factory=dict)
+    proxy: subprocess.Popen | None = None
+    url: str = ""
+
+    def up(self, model: str, logs: Path, warm: Callable[[str], None]) -> None:
+        if self.servers:
+            return
+        with ThreadPoolExecutor(len(self.instances)) as pool:
+            futures = {role: pool.submit(OpenAIServer, model, cfg, str(logs / f"{self.name}-{role}.log"),
+                                         max_model_len=8192, kv_bytes=KV_BYTES, cpus=cpus, env=env)
+                       for role, (cfg, cpus, env) in self.instances.items()}
+            self.servers = {role: f.result() for role, f in futures.items()}
+        if self.proxy_args is None:
+            self.url = self.servers["single"].url("")
+        else:
+            port = free_port()
+            command = [sys.executable, "-m", "lmcache.cli", "proxy", "--port", str(port), "--prefiller",
+                       self.servers["prefiller"].url(""), "--decoder", self.servers["decoder"].url(""),
+                       *self.proxy_args]
+            log = open(logs / f"{self.name}-proxy.log", "ab")
+            self.proxy = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            wait_port(port, 30)
+            self.url = f"http://127.0.0.1:{port}"
+        warm(self.url)
+
+    def down(self, force: bool = False) -> None:
+        if not (self.transient or force):
+            return
+        if self.proxy is not None:
+            self.proxy.terminate()
+            self.proxy.wait()
+            self.proxy = None
+        for server in self.servers.values():
+            server.stop()
+        self.servers = {}
+
+    def prefiller(self) -> str:
+        return self.servers["single" if self.proxy_args is None else "prefiller"].url("")
+
+
+KV_BYTES = 1 << 30  # vLLM's KV cache of every instance
+
+
+def add(total: dict[str, float], more: dict[str, float]) -> None:
+    for key, value in more.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+def repeat_document(setup: SetUp, args: argparse.Namespace, doc_kv_bytes: int) -> dict:
+    """A document asked, then enough other documents to fill vLLM's KV cache 1.5 times over (each
+    prefilled, one token; vLLM evicts a request's prefix blocks last), then the document again
+    with another question: the repeat's TTFT and where the prefiller's prompt tokens for it came
+    from."""
+    doc = document(900, 0, args)
+    first = asyncio.run(one(setup.url, doc + " Summarize."))
+    for k in range(int(1.5 * KV_BYTES / doc_kv_bytes) + 1):
+        asyncio.run(one(setup.url, document(901 + k, 0, args) + " Summarize.", max_tokens=1))
+    before = prompt_sources(setup.prefiller())
+    again = asyncio.run(one(setup.url, doc + " What is it about?"))
+    return {"first_ttft": first.ttft, "repeat_ttft": again.ttft, "texts": [first.text, again.text],
+            "prefiller": since(setup.prefiller(), before)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=3)
@@ -115,82 +220,100 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2)
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--gap", type=float, default=4.0)
+    ap.add_argument("--no-nixl-connector", dest="nixl_connector", action="store_false",
+                    help="leave out vLLM's NixlConnector 1P1D")
     args = ap.parse_args()
     model = local_model_path("float32")
     logs = OUT / "disagg-logs"
     logs.mkdir(parents=True, exist_ok=True)
     kv_port = free_port()
-    pd = {"chunk_size": 256, "transfer_channel": args.channel, "max_local_cpu_size": 2}
-    specs = {
-        "single": (None, "0-1"),
-        "prefiller": (lmcache_transfer_config(enable_pd=True, pd_role="sender", **pd), "0"),
-        "decoder": (lmcache_transfer_config(enable_pd=True, pd_role="receiver", pd_peer_init_port=kv_port,
-                                            **pd), "1"),
-    }
-    print(f"CPU: {cpu_line()}; starting the three instances ...", flush=True)
-    with ThreadPoolExecutor(3) as pool:
-        futures = {name: pool.submit(OpenAIServer, model, cfg, str(logs / f"{name}.log"), max_model_len=8192,
-                                     kv_bytes=1 << 30, cpus=cpus) for name, (cfg, cpus) in specs.items()}
-        servers = {name: f.result() for name, f in futures.items()}
-    proxy_port = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "lmcache.cli", "proxy", "--port", str(proxy_port),
-                              "--prefiller", servers["prefiller"].url(""), "--decoder",
-                              servers["decoder"].url(""), "--decoder-kv", f"127.0.0.1:{kv_port}"],
-                             cwd=REPO, stdout=open(logs / "proxy.log", "ab"), stderr=subprocess.STDOUT)
-    try:
-        wait_port(proxy_port, 30)
-        urls = {"single": servers["single"].url(""), "1P1D": f"http://127.0.0.1:{proxy_port}"}
-        warm = prompts(99, argparse.Namespace(**{**vars(args), "long_tokens": 600, "long": 1, "decoders": 1}))
-        for url in urls.values():  # warm-up, untimed
-            asyncio.run(workload(url, *warm, argparse.Namespace(**{**vars(args), "decode_tokens": 8})))
-        decoder = servers["decoder"].url("")
-        before = {src: metric(decoder, "vllm:prompt_tokens_by_source_total", source=src)
-                  for src in ("local_compute", "external_kv_transfer", "local_cache_hit")}
-        sent_before = metric(servers["prefiller"].url(""), "lmcache:pd_sent_bytes_total")
-        runs: dict[str, list[dict]] = {name: [] for name in urls}
-        for trial in range(args.trials):
-            short, long = prompts(trial, args)
-            for name, url in urls.items():
-                row = asyncio.run(workload(url, short, long, args))
-                runs[name].append(row)
-                ttfts = ", ".join(f"{t:.2f}" for t in row["long_ttft"])
-                print(f"trial {trial} {name:6}: ITL p50 {row['itl_p50'] * 1e3:6.1f} ms  p90 "
-                      f"{row['itl_p90'] * 1e3:7.1f} ms  max {row['itl_max'] * 1e3:7.1f} ms   long TTFT "
-                      f"{ttfts} s   {row['throughput_tok_s']:.1f} tok/s", flush=True)
-        after = {src: metric(decoder, "vllm:prompt_tokens_by_source_total", source=src) for src in before}
-        sent = metric(servers["prefiller"].url(""), "lmcache:pd_sent_bytes_total") - sent_before
-    finally:
-        proxy.terminate()
-        for server in servers.values():
-            server.stop()
+    pd = {"chunk_size": 256, "transfer_channel": args.channel, "max_local_cpu_size": 3}
+    sender = lmcache_transfer_config(enable_pd=True, pd_role="sender", **pd)
+    receiver = lmcache_transfer_config(enable_pd=True, pd_role="receiver", pd_peer_init_port=kv_port, **pd)
+    setups = [
+        SetUp("single", {"single": (None, "0-1", {})}),
+        SetUp("1P1D", {"prefiller": (sender, "0", {}), "decoder": (receiver, "1", {})},
+              ["--decoder-kv", f"127.0.0.1:{kv_port}"]),
+    ]
+    if args.nixl_connector:
+        nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+        setups.append(SetUp("Nixl1P1D", {
+            role: ({**nixl, "kv_role": kv_role}, cpus, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            for role, kv_role, cpus in (("prefiller", "kv_producer", "0"), ("decoder", "kv_consumer", "1"))},
+            ["--kv-protocol", "nixl"], transient=True))
     cfg = json.loads((Path(model) / "config.json").read_text())
     per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * (
         cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    warm_prompts = prompts(99, argparse.Namespace(**{**vars(args), "long_tokens": 600, "long": 1,
+                                                     "decoders": 1}))
+    warm_args = argparse.Namespace(**{**vars(args), "decode_tokens": 8})
+
+    def warm(url: str) -> None:
+        asyncio.run(workload(url, *warm_prompts, warm_args))
+
+    print(f"CPU: {cpu_line()}; set-ups: {', '.join(s.name for s in setups)}", flush=True)
+    runs: dict[str, list[dict]] = {s.name: [] for s in setups}
+    decoded: dict[str, dict[str, float]] = {s.name: {} for s in setups if s.proxy_args is not None}
+    sent = 0.0
+    repeats: dict[str, dict] = {}
+    try:
+        for trial in range(args.trials):
+            short, long = prompts(trial, args)
+            for setup in setups[trial % len(setups):] + setups[: trial % len(setups)]:
+                setup.up(model, logs, warm)
+                decoder = setup.servers.get("decoder")
+                before = prompt_sources(decoder.url("")) if decoder else {}
+                lmcache = setup.name == "1P1D"
+                sent_before = metric(setup.prefiller(), "lmcache:pd_sent_bytes_total") if lmcache else 0
+                row = asyncio.run(workload(setup.url, short, long, args))
+                if decoder:
+                    add(decoded[setup.name], since(decoder.url(""), before))
+                if lmcache:
+                    sent += metric(setup.prefiller(), "lmcache:pd_sent_bytes_total") - sent_before
+                setup.down()
+                runs[setup.name].append(row)
+                ttfts = ", ".join(f"{t:.2f}" for t in row["long_ttft"])
+                print(f"trial {trial} {setup.name:8}: ITL p50 {row['itl_p50'] * 1e3:6.1f} ms  p90 "
+                      f"{row['itl_p90'] * 1e3:7.1f} ms  max {row['itl_max'] * 1e3:7.1f} ms   long TTFT "
+                      f"{ttfts} s   {row['throughput_tok_s']:.1f} tok/s", flush=True)
+        for setup in setups:
+            setup.up(model, logs, warm)
+            repeats[setup.name] = repeat_document(setup, args, int(args.long_tokens * per_token))
+            setup.down()
+            r = repeats[setup.name]
+            print(f"repeated document {setup.name:8}: TTFT first {r['first_ttft']:.3f} s, again "
+                  f"{r['repeat_ttft']:.3f} s; the prefiller's prompt tokens for it: "
+                  f"{ {k: int(v) for k, v in r['prefiller'].items()} }", flush=True)
+    finally:
+        for setup in setups:
+            setup.down(force=True)
     prompt_tokens = sum(sum(r["prompt_tokens"]) for r in runs["1P1D"])
     n_requests = sum(len(r["prompt_tokens"]) for r in runs["1P1D"])
-    identical = all(a["texts"] == b["texts"] for a, b in zip(runs["single"], runs["1P1D"], strict=True))
+    identical = {name: [a["texts"] for a in runs["single"]] == [b["texts"] for b in rows]
+                 and repeats["single"]["texts"] == repeats[name]["texts"]
+                 for name, rows in runs.items() if name != "single"}
     med = {name: {k: statistics.median(r[k] for r in rows) for k in ("itl_p50", "itl_p90", "long_ttft_p90",
                                                                     "throughput_tok_s")}
            for name, rows in runs.items()}
     ratio = med["1P1D"]["itl_p90"] / med["single"]["itl_p90"]
-    computed = after["local_compute"] - before["local_compute"]
+    computed = decoded["1P1D"]["local_compute"]
     summary = {
-        "identical_answers": identical, "requests": n_requests,
-        "decoder_computed_prompt_tokens": computed, "decoder_external_tokens":
-            after["external_kv_transfer"] - before["external_kv_transfer"],
-        "decoder_local_cache_hits": after["local_cache_hit"] - before["local_cache_hit"],
+        "identical_answers": identical, "requests": n_requests, "decoder_prompt_tokens": decoded,
         "kv_sent_bytes": sent, "prompt_kv_bytes": prompt_tokens * per_token,
         "itl_p90_ratio": ratio, "medians": med,
+        "repeats": {name: {k: v for k, v in r.items() if k != "texts"} for name, r in repeats.items()},
     }
     print(f"\nmedians of {args.trials} trials (channel {args.channel}):")
-    for name in urls:
-        m = med[name]
-        print(f"  {name:6}: ITL p50 {m['itl_p50'] * 1e3:6.1f} ms, p90 {m['itl_p90'] * 1e3:7.1f} ms; "
-              f"long TTFT p90 {m['long_ttft_p90']:.2f} s; {m['throughput_tok_s']:.1f} tok/s")
-    print(f"  p90 ITL 1P1D / single: {ratio:.2f} (goal <= 0.5)  answers identical: {identical}")
-    print(f"  decoder computed {computed:.0f} prompt tokens for {n_requests} requests (goal <= 1 each); "
+    for name, m in med.items():
+        print(f"  {name:8}: ITL p50 {m['itl_p50'] * 1e3:6.1f} ms, p90 {m['itl_p90'] * 1e3:7.1f} ms; "
+              f"long TTFT p90 {m['long_ttft_p90']:.2f} s; {m['throughput_tok_s']:.1f} tok/s; repeated "
+              f"document TTFT {repeats[name]['repeat_ttft']:.3f} s")
+    print(f"  p90 ITL 1P1D / single: {ratio:.2f} (goal <= 0.5)  answers identical to single: {identical}")
+    print(f"  LMCache decoder computed {computed:.0f} prompt tokens for {n_requests} requests (<= 1 each); "
           f"KV sent {sent / 1e6:.1f} MB = prompts' KV {prompt_tokens * per_token / 1e6:.1f} MB: "
           f"{sent == prompt_tokens * per_token}")
+    for name, sources in decoded.items():
+        print(f"  {name} decoder's prompt tokens in the trials: { {k: int(v) for k, v in sources.items()} }")
     (OUT / "disagg.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "args": vars(args),
          "runs": {k: [{x: y for x, y in r.items() if x != "texts"} for r in v] for k, v in runs.items()},
