@@ -1,0 +1,86 @@
+"""The cache server's shared-memory arena: created by one process, written and read by another,
+lazy (pages exist once written), removed by its owner, and removed by the next server when its
+owner died without closing it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmcache.server import shm
+from lmcache.server.shm import SharedArena
+
+MB = 1 << 20
+
+CHILD = """
+import sys, torch
+from lmcache.server.shm import SharedArena
+arena = SharedArena.attach(sys.argv[1], int(sys.argv[2]))
+seen = int(arena.tensor[:4096].sum())
+arena.tensor[4096:8192] = 7
+print(seen, flush=True)
+arena.close()
+"""
+
+
+def ours() -> set[str]:
+    return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}-{os.getpid()}-*")}
+
+
+@pytest.fixture
+def arena():
+    a = SharedArena.create(64 * MB)
+    yield a
+    a.close()
+    assert a.name not in ours()
+
+
+def test_another_process_reads_and_writes_the_same_bytes(arena):
+    arena.tensor[:4096] = 1
+    out = subprocess.run([sys.executable, "-c", CHILD, arena.name, str(arena.size)], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["4096"]
+    assert torch.all(arena.tensor[4096:8192] == 7)
+    assert arena.name in ours()  # the attached process closing it does not remove it
+
+
+def test_pages_exist_only_once_written(arena):
+    assert arena.resident_bytes() == 0
+    arena.tensor[: 8 * MB] = 1
+    assert 8 * MB <= arena.resident_bytes() < 12 * MB
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "lmcache-l1-1-zzzz", "other-segment", f"{shm.PREFIX}-1"])
+def test_attach_refuses_names_that_are_not_arenas(name):
+    with pytest.raises(ValueError, match="not an LMCache shared arena name"):
+        SharedArena.attach(name, MB)
+
+
+def test_attach_refuses_a_wrong_size_and_a_missing_segment(arena):
+    with pytest.raises(ValueError, match="expected"):
+        SharedArena.attach(arena.name, arena.size + MB)
+    with pytest.raises(FileNotFoundError):
+        SharedArena.attach(f"{shm.PREFIX}-{os.getpid()}-{'0' * 12}", MB)
+
+
+def test_a_segment_whose_creator_was_killed_is_removed_and_live_ones_are_kept(arena):
+    creator = subprocess.Popen([sys.executable, "-c", "import sys, time; from lmcache.server.shm import "
+                                "SharedArena; a = SharedArena.create(1 << 20); print(a.name, flush=True); "
+                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert creator.stdout is not None
+    orphan = creator.stdout.readline().strip()
+    assert (shm.SHM_DIR / orphan).exists()
+    os.kill(creator.pid, signal.SIGKILL)
+    creator.wait(10)
+    assert orphan in shm.remove_stale()
+    assert not (shm.SHM_DIR / orphan).exists() and arena.name in ours()
+
+
+def test_a_size_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="> 0 bytes"):
+        SharedArena.create(0)
