@@ -142,7 +142,9 @@ class ReceiverServer:
         NOTIF_TIMEOUT."""
         if offer.slots and self.agent is not None:
             deadline = time.monotonic() + NOTIF_TIMEOUT
-            while not select.select([conn], [], [], PROGRESS_INTERVAL)[0]:
+            readable = select.poll()  # not select(): a vLLM process may hold more than 1024 files
+            readable.register(conn, select.POLLIN)
+            while not readable.poll(PROGRESS_INTERVAL * 1000):
                 if time.monotonic() > deadline:
                     raise WireError(f"no `written` within {NOTIF_TIMEOUT:.0f} s of the offer")
                 self.agent.progress()
