@@ -34,6 +34,7 @@ class SharedArena:
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._closed = False
 
     @classmethod
     def create(cls, size: int) -> SharedArena:
@@ -68,7 +69,11 @@ class SharedArena:
         return os.stat(SHM_DIR / self.name).st_blocks * 512
 
     def close(self) -> None:
-        """Unmap (the tensor must not be used after); the owner also removes the segment."""
+        """Unmap (the tensor must not be used after); the owner also removes the segment. Closing
+        twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
         del self.tensor
         try:
             self._map.close()

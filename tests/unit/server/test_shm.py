@@ -37,6 +37,7 @@ def arena():
     a = SharedArena.create(64 * MB)
     yield a
     a.close()
+    a.close()
     assert a.name not in ours()
 
 
