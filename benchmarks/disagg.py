@@ -48,9 +48,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lmcache.integration.local_model import local_model_path  # noqa: E402
-from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, metric  # noqa: E402
+from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, metric, prompt_sources  # noqa: E402
 from tests.helpers.servers import free_port, wait_port  # noqa: E402
-from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text  # noqa: E402
+from tests.helpers.vllm_engines import (  # noqa: E402
+    kv_bytes_per_token,
+    lmcache_transfer_config,
+    nixl_connector_config,
+    sentence_text,
+)
 
 OUT = Path(__file__).parent / "out"
 
@@ -95,14 +100,6 @@ def prompts(trial: int, args: argparse.Namespace) -> tuple[list[str], list[str]]
     short = [sentence_text(1000 * trial + i, 250) + " Tell the story." for i in range(args.decoders)]
     long = [document(trial, j, args) + " Summarize." for j in range(args.long)]
     return short, long
-
-
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-
-
-def prompt_sources(url: str) -> dict[str, float]:
-    """Where the instance's prompt tokens came from so far (vLLM's counters)."""
-    return {src: metric(url, "vllm:prompt_tokens_by_source_total", source=src) for src in SOURCES}
 
 
 def since(url: str, before: dict[str, float]) -> dict[str, float]:
@@ -236,14 +233,11 @@ def main() -> None:
               ["--decoder-kv", f"127.0.0.1:{kv_port}"]),
     ]
     if args.nixl_connector:
-        nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
         setups.append(SetUp("Nixl1P1D", {
-            role: ({**nixl, "kv_role": kv_role}, cpus, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            role: (nixl_connector_config(kv_role), cpus, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
             for role, kv_role, cpus in (("prefiller", "kv_producer", "0"), ("decoder", "kv_consumer", "1"))},
             ["--kv-protocol", "nixl"], transient=True))
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * (
-        cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    per_token = kv_bytes_per_token(model)
     warm_prompts = prompts(99, argparse.Namespace(**{**vars(args), "long_tokens": 600, "long": 1,
                                                      "decoders": 1}))
     warm_args = argparse.Namespace(**{**vars(args), "decode_tokens": 8})

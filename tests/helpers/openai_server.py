@@ -126,6 +126,15 @@ def complete(base_url: str, prompt: str, max_tokens: int = 12, ignore_eos: bool 
                       usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0))
 
 
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_sources(base_url: str) -> dict[str, float]:
+    """Where the server's prompt tokens came from so far: computed, vLLM's prefix cache, or the
+    KV connector (vLLM's ``prompt_tokens_by_source`` counters)."""
+    return {src: metric(base_url, "vllm:prompt_tokens_by_source_total", source=src) for src in PROMPT_SOURCES}
+
+
 def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` in the server's ``/metrics`` whose labels include `labels`."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -22,6 +24,20 @@ def lmcache_transfer_config(engine_id: str | None = None, **fields: Any) -> dict
         "engine_id": engine_id or f"test-{uuid.uuid4().hex[:8]}",
         "kv_connector_extra_config": {f"lmcache.{k}": v for k, v in fields.items()},
     }
+
+
+def nixl_connector_config(kv_role: str) -> dict[str, Any]:
+    """vLLM's own NixlConnector on vLLM-CPU (each instance also needs its own
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
+    return {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """fp32 K and V bytes of one token in all layers of the checkpoint in folder `model`."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * heads * head_dim * 4
 
 
 def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = "float32",

@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +19,14 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
 from lmcache.pd import nixl_agent
-from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete
+from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete, prompt_sources
 from tests.helpers.servers import REPO, free_port, wait_port
-from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text
+from tests.helpers.vllm_engines import (
+    kv_bytes_per_token,
+    lmcache_transfer_config,
+    nixl_connector_config,
+    sentence_text,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm,
               pytest.mark.skipif(not nixl_agent.available(), reason="NIXL is not installed")]
@@ -30,13 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm,
 CHUNK = 256
 PROMPTS = [sentence_text(40 + i, 120 + 90 * i) + " What did the keeper see?" for i in range(4)]
 LONG = sentence_text(77, 700) + " Where did the road lead?"  # 4 chunks: more than the small buffer
-
-
-def kv_bytes_per_token(model: str) -> int:
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * heads * head_dim * 4  # fp32 K and V
 
 
 class Proxy:
@@ -82,8 +79,7 @@ def post(url: str, path: str, body: dict, timeout: float = 300) -> tuple[int, di
 
 
 def prompt_tokens(server: OpenAIServer) -> dict[str, float]:
-    return {src: server.metric("vllm:prompt_tokens_by_source_total", source=src)
-            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    return prompt_sources(server.url(""))
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +205,8 @@ def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
     """The proxy's NixlConnector hand-off with vLLM's own connector: the decoder reads each
     prompt's KV from the prefiller. Its two instances run only for this test (NIXL's progress
     thread keeps a core busy in each, idle or not)."""
-    nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(OpenAIServer, cluster["model"], {**nixl, "kv_role": role},
+        futures = [pool.submit(OpenAIServer, cluster["model"], nixl_connector_config(role),
                                str(cluster["logs"] / f"nixl-{role}.log"), max_model_len=2048, cpus=cpus,
                                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
                    for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))]
