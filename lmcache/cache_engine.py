@@ -213,7 +213,8 @@ class LMCacheEngine:
                 obj = sm.allocate(self.gpu_connector.get_shape(chunk.num_tokens), dtype, MemoryFormat.KV_BLOB)
                 if obj is None:
                     self.stats.add("store_dropped_tokens", chunks[-1].end - chunk.start)
-                    self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
+                    if self.memory_allocator.available:  # else its own outage, logged where it is seen
+                        self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
                     break
                 todo.append(ChunkCopy(chunk, obj))
             else:
@@ -485,7 +486,7 @@ class LMCacheEngineBuilder:
                     raise ValueError(f"LMCache engine {instance_id!r} already exists with a "
                                      "different configuration")
                 return cls._instances[instance_id]
-            engine = LMCacheEngine(config, metadata, _make_allocator(config),
+            engine = LMCacheEngine(config, metadata, _make_allocator(config, metadata),
                                    ChunkedTokenDatabase(config, metadata), gpu_connector)
             cls._instances[instance_id] = engine
             cls._specs[instance_id] = (config, metadata)
@@ -508,7 +509,12 @@ class LMCacheEngineBuilder:
         return list(cls._instances)
 
 
-def _make_allocator(config: LMCacheEngineConfig) -> MemoryAllocatorInterface:
+def _make_allocator(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata) -> MemoryAllocatorInterface:
+    """The engine's CPU arena; on a cache server, the server's shared arena (its client)."""
+    if config.cache_server_url is not None:
+        from lmcache.cache_server.client import CacheServerClient
+
+        return CacheServerClient(config.cache_server_url, metadata, config.remote_timeout)
     size = config.max_local_cpu_bytes
     if size <= 0:
         raise ValueError(f"max_local_cpu_size={config.max_local_cpu_size} GB: the CPU arena stages "

@@ -35,6 +35,39 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_server(args: argparse.Namespace) -> int:
+    import signal
+
+    from lmcache.cache_server.ops import OpsEndpoint
+    from lmcache.cache_server.server import CacheServer
+    from lmcache.config import LMCacheEngineConfig
+
+    _log_to_stderr()
+    if args.size_gb <= 0 or args.heartbeat <= 0:
+        raise SystemExit("lmcache cache-server: --size-gb and --heartbeat must be > 0")
+    try:
+        config = LMCacheEngineConfig.from_file(args.config) if args.config else None
+        server = CacheServer(args.url, int(args.size_gb * (1 << 30)), config, heartbeat=args.heartbeat)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"lmcache cache-server: {e}") from None
+    try:
+        ops = OpsEndpoint(server, args.http_host, args.http_port)
+    except OSError as e:
+        server.close()
+        where = f"{args.http_host}:{args.http_port}"
+        raise SystemExit(f"lmcache cache-server: cannot serve HTTP on {where}: {e}") from None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    print(f"lmcache cache-server: serving {server.url} (L1 {args.size_gb:g} GB, session {server.session}); "
+          f"operations on http://{args.http_host}:{ops.port}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        ops.close()
+        server.close()
+    return 0
+
+
 def _proxy(args: argparse.Namespace) -> int:
     from lmcache.pd.proxy import ProxyConfig, run
 
@@ -136,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", default=None,
                    help="shared secret clients must present (default: $LMCACHE_AUTH_TOKEN, else none)")
     s.set_defaults(func=_server)
+    c = sub.add_parser("cache-server", help="run the cache server engines on this host share (shared-memory "
+                       "L1, the tiers behind it; engines set cache_server_url)")
+    c.add_argument("--url", default="ipc:///tmp/lmcache-cache-server.sock",
+                   help="control socket: ipc:///path (default /tmp/lmcache-cache-server.sock) or tcp://host:port")
+    c.add_argument("--size-gb", type=float, default=4.0,
+                   help="L1: the shared-memory arena (memory is used as it fills; LRU beyond it)")
+    c.add_argument("--config", default=None,
+                   help="LMCache YAML config of the tiers behind L1 (local_disk, remote_url, ...)")
+    c.add_argument("--heartbeat", type=float, default=1.0,
+                   help="seconds between engines' heartbeats; an engine silent for 2 is reaped")
+    c.add_argument("--http-host", default="127.0.0.1", help="address of /health, /stats, /metrics")
+    c.add_argument("--http-port", type=int, default=0, help="port of /health, /stats, /metrics (0 = any)")
+    c.set_defaults(func=_cache_server)
     x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
     x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")
     x.add_argument("--decoder", required=True, help="decode vLLM URL(s), comma-separated")

@@ -78,6 +78,13 @@ class LMCacheEngineConfig:
     `pd_send_timeout`: seconds a sender waits for room in a full receive buffer before it skips
     the rest (the decoder then computes it).
 
+    A shared cache server (`cache_server_url`, ``ipc:///path`` or ``tcp://host:port`` of an
+    `lmcache cache-server`): the engine keeps no tiers of its own (no hot tier; local_disk,
+    remote_url, P2P and PD belong in the server's configuration) and stores into and loads from the
+    server's shared-memory L1, which other engines on the host share (`lmcache.cache_server`);
+    `remote_timeout` bounds each request to it. While the server is away the engine computes
+    everything and attaches again by itself when a server is back.
+
     One default differs from the seed on purpose: `remote_url` is None (no remote tier), not
     ``'lm://localhost:65432'``, so the default engine needs no server that nobody started; set
     `remote_url` (or ``LMCACHE_REMOTE_URL``) to use a remote store."""
@@ -119,6 +126,7 @@ class LMCacheEngineConfig:
     transfer_channel: str = "nixl"
     nixl_backends: list[str] = field(default_factory=lambda: ["UCX"])
     pd_send_timeout: float = 2.0
+    cache_server_url: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -177,6 +185,20 @@ class LMCacheEngineConfig:
             _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
                    True, "needs lookup_url and distributed_url")
         self._validate_pd()
+        self._validate_cache_server()
+
+    def _validate_cache_server(self) -> None:
+        url = self.cache_server_url
+        if url is None:
+            return
+        scheme, _, where = url.partition("://")
+        _check(scheme in ("ipc", "tcp") and bool(where), "cache_server_url", url,
+               "must be ipc:///path or tcp://host:port (an `lmcache cache-server`)")
+        own = {"local_disk": self.local_disk, "remote_url": self.remote_url,
+               "enable_p2p": self.enable_p2p or None, "enable_pd": self.enable_pd or None}
+        for name, value in own.items():
+            _check(value is None, name, value, "an engine on a cache server keeps no tiers of its own: "
+                   "configure them on the server (lmcache cache-server --config)")
 
     def _validate_pd(self) -> None:
         _check(self.pd_role in (None, "sender", "receiver"), "pd_role", self.pd_role,

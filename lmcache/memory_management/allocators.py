@@ -89,10 +89,11 @@ class BufferAllocator(MemoryAllocatorInterface):
 
 
 class MixedMemoryAllocator(MemoryAllocatorInterface):
-    """Tensors (KV_BLOB, BINARY, UNDEFINED) in a pinned/host arena; BINARY_BUFFER in byte buffers."""
+    """Tensors (KV_BLOB, BINARY, UNDEFINED) in a pinned/host arena of `size` bytes (or in
+    `tensors`, an arena allocator of the caller's); BINARY_BUFFER in byte buffers."""
 
-    def __init__(self, size: int) -> None:
-        self.pin_allocator = PinMemoryAllocator(size)
+    def __init__(self, size: int, tensors: TensorMemoryAllocator | None = None) -> None:
+        self.pin_allocator = tensors if tensors is not None else PinMemoryAllocator(size)
         self.buffer_allocator = BufferAllocator()
         self.lock = self.pin_allocator.lock
 

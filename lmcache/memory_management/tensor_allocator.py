@@ -58,6 +58,12 @@ class MemoryAllocatorInterface(abc.ABC):
         transfer library), or None when objects are not carved from one buffer."""
         return None
 
+    @property
+    def available(self) -> bool:
+        """False while the allocator cannot hand out memory for a reason other than being full
+        (an engine's cache server is away): a store then skips quietly."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Give the memory back now. Objects still alive keep working; nothing is allocated after."""
 

@@ -25,6 +25,9 @@ Primitives and when they are called (by the `StorageManager`):
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed`; called only on tiers with `publishes_local_keys` (e.g. the peer tier, which tells
   other instances). Default: nothing.
+- `lease(lease_id, keys, ttl)` / `end_lease(lease_id)`: a lookup lease on `keys` starts / ends
+  (the manager's own `PinTable` protects chunks held in this process; a tier whose chunks live in
+  another process, the cache server, pins them there). Default: nothing.
 - `check_integrity(at_rest)`: raise AssertionError unless the tier's books balance (`at_rest`:
   and nothing is in flight); for tests and operators. Default: nothing to check.
 - `close()`: finish or cancel pending work (bounded wait) and release resources.
@@ -125,6 +128,13 @@ class StorageBackendInterface(abc.ABC):
         return TierStats()
 
     def check_integrity(self, at_rest: bool = False) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def lease(self, lease_id: str, keys: Sequence[CacheEngineKey],  # noqa: B027 - optional hook
+              ttl: float) -> None:
+        pass
+
+    def end_lease(self, lease_id: str) -> None:  # noqa: B027 - optional hook
         pass
 
     def local_keys_changed(self, added: Sequence[CacheEngineKey],  # noqa: B027 - optional hook

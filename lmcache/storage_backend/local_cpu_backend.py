@@ -47,8 +47,8 @@ class LocalCPUBackend(StorageBackendInterface):
 
     @classmethod
     def create(cls, ctx: TierContext) -> LocalCPUBackend | None:
-        if not ctx.config.local_cpu:
-            return None
+        if not ctx.config.local_cpu or ctx.config.cache_server_url is not None:
+            return None  # an engine on a cache server: the server's L1 is its hot tier
         return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.on_removed)
 
     def __len__(self) -> int:

@@ -14,7 +14,8 @@ from lmcache.storage_backend.abstract_backend import StorageBackendInterface, Ti
 
 T = TypeVar("T", bound=type[StorageBackendInterface])
 
-_BUILTIN_MODULES = ("local_cpu_backend", "pd_backend", "local_disk_backend", "remote_backend", "peer_backend")
+_BUILTIN_MODULES = ("local_cpu_backend", "cache_server_backend", "pd_backend", "local_disk_backend",
+                    "remote_backend", "peer_backend")
 _TIERS: dict[str, type[StorageBackendInterface]] = {}
 
 

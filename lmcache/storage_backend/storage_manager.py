@@ -299,9 +299,13 @@ class StorageManager:
 
     def acquire_lease(self, lease_id: str, keys: list[CacheEngineKey], ttl: float) -> None:
         self.leases.acquire(lease_id, keys, ttl)
+        for tier in self.tiers:
+            self._guard(tier, tier.lease, None, lease_id, keys, ttl)
 
     def release_lease(self, lease_id: str) -> None:
         self.leases.release(lease_id)
+        for tier in self.tiers:
+            self._guard(tier, tier.end_lease, None, lease_id)
 
     # ---- operations -----------------------------------------------------------------------------
 

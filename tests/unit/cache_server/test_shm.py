@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from lmcache.server import shm
-from lmcache.server.shm import SharedArena
+from lmcache.cache_server import shm
+from lmcache.cache_server.shm import SharedArena
 
 MB = 1 << 20
 
 CHILD = """
 import sys, torch
-from lmcache.server.shm import SharedArena
+from lmcache.cache_server.shm import SharedArena
 arena = SharedArena.attach(sys.argv[1], int(sys.argv[2]))
 seen = int(arena.tensor[:4096].sum())
 arena.tensor[4096:8192] = 7
@@ -70,7 +70,7 @@ def test_attach_refuses_a_wrong_size_and_a_missing_segment(arena):
 
 
 def test_a_segment_whose_creator_was_killed_is_removed_and_live_ones_are_kept(arena):
-    creator = subprocess.Popen([sys.executable, "-c", "import sys, time; from lmcache.server.shm import "
+    creator = subprocess.Popen([sys.executable, "-c", "import sys, time; from lmcache.cache_server.shm import "
                                 "SharedArena; a = SharedArena.create(1 << 20); print(a.name, flush=True); "
                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert creator.stdout is not None

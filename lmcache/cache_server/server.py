@@ -1,0 +1,461 @@
+"""`CacheServer`: one process per host that owns the L1 (a shared-memory arena) and the L2 tiers,
+and serves the engines attached to it over a ZMQ control socket (`messages`).
+
+The tiers are the in-process engine's: per model (engine metadata) one `StorageManager` over the
+shared arena, with the server's configuration for the lower tiers (disk, remote, ...), so prefix
+batching, leases, promotion and the failure policy are the same code. The models share the arena;
+a full arena evicts the asking model's least recently used chunks, and a store that still finds
+no room is dropped (the engine answers from its own computation), never blocked.
+
+KV bytes never pass through the control socket: a store reserves a slot (`reserve`), the engine
+copies the chunk into the arena at the slot's offset, and `commit` makes it visible under its
+key; until then nobody can read it. A `get` hands out offsets of chunks held for that engine until
+it `release`s them: the server never evicts or reuses memory an engine may still be reading.
+
+Engines are watched two ways. Each sends a heartbeat every `heartbeat` seconds. The server also
+watches the engine's process (a pidfd, when the engine's pid is visible from here): when it exits,
+its slots, reads and leases are given back at once. An engine silent for `MISSED_HEARTBEATS`
+heartbeats loses its leases; its slots and reads are reclaimed then only if its process cannot be
+watched (memory a live but stalled process may still be copying is never reused). A restarted
+server has a new `session` id, so an engine notices a restart even between two heartbeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from lmcache.cache_key import dtype_tag
+from lmcache.cache_server import messages as m
+from lmcache.cache_server.messages import BadMessage
+from lmcache.cache_server.shm import SharedArena, remove_stale
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.memory_management import MemoryFormat, MemoryObj, MixedMemoryAllocator, TensorMemoryAllocator
+from lmcache.memory_management.allocators import GROW_BYTES
+from lmcache.observability import Counters, TierStats
+from lmcache.storage_backend.storage_manager import StorageManager
+from lmcache.token_database import ChunkedTokenDatabase
+
+logger = logging.getLogger(__name__)
+
+MISSED_HEARTBEATS = 2
+
+
+@dataclass
+class Model:
+    """The tiers of one model (engine metadata): `label` names it in stats and logs."""
+
+    label: str
+    metadata: LMCacheEngineMetadata
+    storage: StorageManager
+    tokens: ChunkedTokenDatabase
+
+
+@dataclass
+class Engine:
+    """One attached engine and everything the server holds for it."""
+
+    engine_id: str
+    name: str
+    pid: int | None
+    model: Model
+    pidfd: int | None
+    last_seen: float
+    reserved: dict[int, MemoryObj] = field(default_factory=dict)
+    reads: dict[int, MemoryObj] = field(default_factory=dict)
+    leases: set[str] = field(default_factory=set)
+    counts: Counters = field(default_factory=Counters)
+    silent: bool = False
+
+    def lease_id(self, lease: str) -> str:
+        return f"{self.engine_id}/{lease}"
+
+
+class CacheServer:
+    """Serve `url` (``ipc:///path`` or ``tcp://host:port``) with an arena of `arena_bytes` and the
+    lower tiers of `config`; `serve_forever()` runs the loop, `stop()` ends it, `close()` frees
+    everything (and removes the arena)."""
+
+    def __init__(self, url: str, arena_bytes: int, config: LMCacheEngineConfig | None = None,
+                 heartbeat: float = 1.0) -> None:
+        if heartbeat <= 0:
+            raise ValueError(f"heartbeat must be > 0 seconds, got {heartbeat}")
+        self.config = dataclasses.replace(config or LMCacheEngineConfig(), local_cpu=True,
+                                          cache_server_url=None)
+        self.heartbeat = heartbeat
+        self.session = uuid.uuid4().hex
+        self.started = time.time()
+        self.lock = threading.RLock()  # the state below, shared with the HTTP threads
+        self.models: dict[str, Model] = {}
+        self.engines: dict[str, Engine] = {}
+        self.counts = Counters()
+        self._ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._url_lock = _claim(url)
+        self._zmq = zmq.Context()
+        self.socket = self._zmq.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self.socket.bind(url)
+            self.url = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            for name in remove_stale():
+                logger.info("removed the shared arena %s of a cache server that died", name)
+            self.arena = SharedArena.create(arena_bytes)
+        except BaseException:
+            self.socket.close()
+            self._zmq.term()
+            if self._url_lock is not None:
+                os.close(self._url_lock)
+            raise
+        self._arena_base = self.arena.tensor.data_ptr()
+        self.allocator = MixedMemoryAllocator(arena_bytes, TensorMemoryAllocator(self.arena.tensor,
+                                                                                 grow_bytes=GROW_BYTES))
+        self._handlers: dict[str, Callable[[Engine, dict[str, Any]], dict[str, Any] | None]] = {
+            "heartbeat": lambda engine, msg: {}, "contains": self._contains, "lease": self._lease,
+            "unlease": self._unlease, "reserve": self._reserve, "commit": self._commit,
+            "abort": self._abort, "get": self._get, "release": self._release, "bye": self._bye,
+        }
+        logger.info("LMCache cache server on %s: L1 arena %s (%.2f GB), session %s", self.url,
+                    self.arena.name, arena_bytes / (1 << 30), self.session)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        watched: dict[int, str] = {}
+        next_check = time.monotonic()
+        while not self._stopping.is_set():
+            current = {e.pidfd: e.engine_id for e in self.engines.values() if e.pidfd is not None}
+            for fd in [fd for fd, engine_id in watched.items() if current.get(fd) != engine_id]:
+                poller.unregister(fd)
+                del watched[fd]
+            for fd, engine_id in current.items():
+                if fd not in watched:
+                    poller.register(fd, zmq.POLLIN)
+                    watched[fd] = engine_id
+            ready = dict(poller.poll(timeout=max(1, int(self.heartbeat * 250))))
+            if self.socket in ready:
+                for _ in range(256):  # what has arrived, then the rest of the loop
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._serve(frames)
+            for fd, engine_id in list(watched.items()):
+                if fd in ready and engine_id in self.engines:
+                    with self.lock:
+                        self._reap(self.engines[engine_id], "its process exited")
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.heartbeat / 4
+                self._check_silent()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _serve(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # ZMQ always gives the sender's identity first; nothing to answer to
+        identity, body = frames[0], frames[1:]
+        request_id = None
+        try:
+            msg = m.decode(body)
+            request_id = msg.get("id")
+            with self.lock:
+                reply = self._handle(msg)
+        except BadMessage as e:
+            self.counts.add("bad_messages")
+            logger.debug("bad request: %s", e)
+            reply = m.error(request_id, str(e), e.code)
+        except Exception as e:
+            self.counts.add("errors")
+            logger.exception("cache server: a request failed")
+            reply = m.error(request_id, f"internal error: {type(e).__name__}: {e}", "internal")
+        if reply is not None:
+            self.socket.send_multipart([identity, m.encode(reply)])
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        op = msg["op"]
+        if op == "hello":
+            return {"ok": True, "id": msg.get("id"), **self._hello(msg)}
+        if m.str_field(msg, "session") != self.session:
+            raise BadMessage("this cache server restarted since the engine attached: attach again", "session")
+        engine = self.engines.get(m.str_field(msg, "engine"))
+        if engine is None:
+            raise BadMessage("unknown engine (it left or was reaped): attach again", "engine")
+        engine.last_seen = time.monotonic()
+        if engine.silent:
+            engine.silent = False
+            logger.info("engine %s (%s) is heard from again", engine.engine_id, engine.name)
+        out = self._handlers[op](engine, msg)
+        if "id" not in msg or op in m.NOTIFICATIONS:
+            return None
+        return {"ok": True, "id": msg["id"], **(out or {})}
+
+    # ---- attach / detach ------------------------------------------------------------------------
+
+    def _hello(self, msg: dict[str, Any]) -> dict[str, Any]:
+        metadata = m.metadata_field(msg)
+        name = m.str_field(msg, "name", 256)
+        pid = msg.get("pid")
+        if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0):
+            raise BadMessage(f"hello: 'pid' must be an int > 0 or null, got {pid!r}")
+        model = self._model(metadata)
+        engine = Engine(uuid.uuid4().hex[:16], name, pid, model, _pidfd(pid), time.monotonic())
+        self.engines[engine.engine_id] = engine
+        self.counts.add("engines_attached")
+        logger.info("engine %s attached: %s, pid %s, model %s%s", engine.engine_id, name, pid, model.label,
+                    "" if engine.pidfd is not None else " (its process cannot be watched: heartbeats only)")
+        return {"session": self.session, "engine": engine.engine_id, "arena": self.arena.name,
+                "arena_size": self.arena.size, "heartbeat": self.heartbeat}
+
+    def _model(self, metadata: LMCacheEngineMetadata) -> Model:
+        wire = m.encode(m.metadata_to_wire(metadata))
+        label = f"{metadata.model_name}:{metadata.worker_id}/{metadata.world_size}:" \
+                f"{hashlib.sha256(wire).hexdigest()[:8]}"
+        model = self.models.get(label)
+        if model is None:
+            config = dataclasses.replace(self.config, chunk_size=metadata.kv_shape[2])
+            if config.local_disk is not None:  # one directory per model: its own index and size
+                folder = label.replace("/", "_").replace(":", "_")
+                config = dataclasses.replace(config, local_disk=str(Path(config.local_disk) / folder))
+            storage = StorageManager(config, metadata, self.allocator)
+            tokens = ChunkedTokenDatabase(config, metadata)
+            model = self.models[label] = Model(label, metadata, storage, tokens)
+        return model
+
+    def _bye(self, engine: Engine, msg: dict[str, Any]) -> None:
+        self._reap(engine, "it left")
+
+    def _reap(self, engine: Engine, why: str) -> None:
+        """Give back everything `engine` holds and forget it."""
+        if self.engines.pop(engine.engine_id, None) is None:
+            return
+        sm = engine.model.storage
+        for lease in engine.leases:
+            sm.release_lease(engine.lease_id(lease))
+        for obj in [*engine.reserved.values(), *engine.reads.values()]:
+            obj.ref_count_down()
+        if engine.pidfd is not None:
+            os.close(engine.pidfd)
+        self.counts.add("engines_reaped" if why != "it left" else "engines_left")
+        logger.info("engine %s (%s) detached: %s; %d slots, %d reads and %d leases given back",
+                    engine.engine_id, engine.name, why, len(engine.reserved), len(engine.reads),
+                    len(engine.leases))
+
+    def _check_silent(self) -> None:
+        limit = MISSED_HEARTBEATS * self.heartbeat
+        now = time.monotonic()
+        with self.lock:
+            for engine in list(self.engines.values()):
+                if now - engine.last_seen <= limit:
+                    continue
+                if engine.pidfd is None or not _alive(engine.pid):
+                    self._reap(engine, f"no heartbeat for {now - engine.last_seen:.1f} s")
+                elif not engine.silent:
+                    engine.silent = True
+                    for lease in engine.leases:
+                        engine.model.storage.release_lease(engine.lease_id(lease))
+                    engine.leases.clear()
+                    logger.warning("engine %s (%s) silent for %.1f s but its process is alive: its "
+                                   "leases end; its %d slots and %d reads stay held while it lives",
+                                   engine.engine_id, engine.name, now - engine.last_seen,
+                                   len(engine.reserved), len(engine.reads))
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _contains(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"hits": [t is not None for t in engine.model.storage.locate(m.keys_field(msg))]}
+
+    def _lease(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
+        keys, lease, ttl = m.keys_field(msg), m.str_field(msg, "lease"), m.seconds_field(msg, "ttl")
+        sm = engine.model.storage
+        lookup = sm.contains_prefix(keys)
+        sm.acquire_lease(engine.lease_id(lease), keys[: lookup.hits], ttl)
+        engine.leases.add(lease)
+        sm.prefetch(lookup)
+        return {"hits": lookup.hits}
+
+    def _unlease(self, engine: Engine, msg: dict[str, Any]) -> None:
+        lease = m.str_field(msg, "lease")
+        engine.model.storage.release_lease(engine.lease_id(lease))
+        engine.leases.discard(lease)
+
+    def _reserve(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
+        shape, dtype = m.shape_field(msg), m.dtype_field(msg)
+        if shape.numel() * dtype.itemsize > self.arena.size:
+            raise BadMessage(f"reserve: {shape.numel() * dtype.itemsize} bytes is more than the arena")
+        obj = engine.model.storage.allocate(shape, dtype, MemoryFormat.KV_BLOB)
+        if obj is None:
+            engine.counts.add("reserve_full")
+            return {"slot": None, "offset": None}
+        slot = next(self._ids)
+        engine.reserved[slot] = obj
+        engine.counts.add("reserved")
+        return {"slot": slot, "offset": self._offset(obj)}
+
+    def _commit(self, engine: Engine, msg: dict[str, Any]) -> None:
+        slot, key = m.int_field(msg, "slot"), m.key_of(msg, m.field(msg, "key"))
+        obj = engine.reserved.pop(slot, None)
+        if obj is None:
+            raise BadMessage(f"commit: engine {engine.engine_id} holds no slot {slot}")
+        try:
+            engine.model.storage.put(key, obj)
+        finally:
+            obj.ref_count_down()
+        engine.counts.add("committed")
+        engine.counts.add("bytes_stored", obj.get_size())
+
+    def _abort(self, engine: Engine, msg: dict[str, Any]) -> None:
+        obj = engine.reserved.pop(m.int_field(msg, "slot"), None)
+        if obj is not None:
+            obj.ref_count_down()
+            engine.counts.add("aborted")
+
+    def _get(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
+        objs = engine.model.storage.get_prefix(m.keys_field(msg))
+        out: list[list[Any]] = []
+        for i, obj in enumerate(objs):
+            offset = self._offset(obj)
+            if offset is None:  # not in the arena (cannot be handed out): the prefix ends here
+                for rest in objs[i:]:
+                    rest.ref_count_down()
+                break
+            read = next(self._ids)
+            engine.reads[read] = obj
+            out.append([read, offset, list(obj.get_shape()), dtype_tag(obj.get_dtype())])
+            engine.counts.add("bytes_read", obj.get_size())
+        engine.counts.add("gets")
+        engine.counts.add("chunks_read", len(out))
+        return {"objs": out}
+
+    def _release(self, engine: Engine, msg: dict[str, Any]) -> None:
+        for read in m.int_list(msg, "reads"):
+            obj = engine.reads.pop(read, None)
+            if obj is not None:
+                obj.ref_count_down()
+
+    def _offset(self, obj: MemoryObj) -> int | None:
+        """Where `obj`'s bytes start in the arena (None: they are not in it)."""
+        tensor = obj.tensor
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            return None
+        offset = tensor.data_ptr() - self._arena_base
+        return offset if 0 <= offset and offset + obj.get_size() <= self.arena.size else None
+
+    # ---- operations -----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        with self.lock:
+            tiers = {label: model.storage.health() for label, model in self.models.items()}
+        ok = all(all(t.values()) for t in tiers.values())
+        return {"status": "ok" if ok else "degraded", "session": self.session, "tiers": tiers}
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        alloc = self.allocator.pin_allocator
+        with self.lock:
+            engines = {e.engine_id: {
+                "name": e.name, "pid": e.pid, "model": e.model.label, "watched": e.pidfd is not None,
+                "seconds_since_heard": round(now - e.last_seen, 3), "slots_reserved": len(e.reserved),
+                "reads_held": len(e.reads), "leases": len(e.leases), **e.counts.snapshot()}
+                for e in self.engines.values()}
+            models = {label: {tier: {**s.counters, **s.gauges} for tier, s in model.storage.stats().items()}
+                      for label, model in self.models.items()}
+        arena = {"name": self.arena.name, "bytes": self.arena.size, "grown_bytes": alloc.grown,
+                 "resident_bytes": self.arena.resident_bytes(), "used_bytes": alloc.used_bytes}
+        return {"session": self.session, "uptime_s": round(time.time() - self.started, 1), "url": self.url,
+                "heartbeat_s": self.heartbeat, "arena": arena, "engines": engines, "models": models,
+                "server": self.counts.snapshot()}
+
+    def tier_stats(self) -> dict[str, dict[str, TierStats]]:
+        """Each model's tiers' counters and gauges."""
+        with self.lock:
+            return {label: model.storage.stats() for label, model in self.models.items()}
+
+    def lookup(self, tokens: torch.Tensor, extra_key: str | None = None) -> dict[str, Any]:
+        """For each model: how many prefix tokens of `tokens` are cached, in any tier and per tier."""
+        with self.lock:
+            return {label: _cached(model, tokens, extra_key) for label, model in self.models.items()}
+
+    def clear(self, which: str) -> dict[str, dict[str, int]]:
+        with self.lock:
+            return {label: model.storage.clear(which) for label, model in self.models.items()}
+
+    def close(self) -> None:
+        """Give back everything, close the tiers, the socket and the arena (removed)."""
+        self.stop()
+        with self.lock:
+            for engine in list(self.engines.values()):
+                self._reap(engine, "the server stops")
+            for model in self.models.values():
+                model.storage.close()
+            self.models.clear()
+        self.socket.close(0)
+        self._zmq.term()
+        self.allocator.close()
+        self.arena.close()
+        if self._url_lock is not None:
+            os.close(self._url_lock)
+
+
+def _cached(model: Model, tokens: torch.Tensor, extra_key: str | None) -> dict[str, Any]:
+    chunks = list(model.tokens.process_tokens(tokens, extra_key=extra_key))
+    keys = [c.key for c in chunks]
+
+    def prefix(search_range: str | None) -> int:
+        hits = model.storage.contains_prefix(keys, search_range).hits
+        return chunks[hits - 1].end if hits else 0
+
+    return {"cached_tokens": prefix(None), "tiers": {t.name: prefix(t.name) for t in model.storage.tiers}}
+
+
+def _pidfd(pid: int | None) -> int | None:
+    """A pidfd that becomes readable when process `pid` exits (None: not visible from here)."""
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim(url: str) -> int | None:
+    """For ``ipc://path``: hold ``path.lock`` (flock) while serving, so a second server on the same
+    socket fails clearly instead of taking it over (a SIGKILLed server's lock goes with it)."""
+    if not url.startswith("ipc://"):
+        return None
+    path = url[len("ipc://"):]
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"another LMCache cache server serves {url}") from None
+    return fd
