@@ -53,10 +53,6 @@ class ServerAway(ConnectionError):
     """The exchange with the server failed: it is not attached, did not answer, or restarted."""
 
 
-class _Stale(ServerAway):
-    """The server answered that this attachment is no longer valid."""
-
-
 class ServerSlot(TensorMemoryObj):
     """Memory in the server's arena: a slot this engine reserved (`read` None) or a chunk the
     server holds for it (`read`)."""
@@ -236,14 +232,14 @@ class CacheServerClient(MemoryAllocatorInterface):
             if reply.get("ok"):
                 return reply
             if reply.get("code") in ("session", "engine"):
-                raise _Stale(reply.get("error", "stale attachment"))
+                raise ServerAway(reply.get("error", "this attachment is no longer valid"))
             raise ServerAway(f"the server refused {request['op']}: {reply.get('error')}")
         raise ServerAway(f"no answer to {request['op']} within {timeout:g} s")
 
     def call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """Request `op`; the answer, or None (a miss) when not attached or the exchange fails (an
-        outage: detached). A server that restarted is attached to again and asked once more, for
-        requests that are safe to repeat."""
+        outage: detached). After a failed exchange, a request that is safe to repeat tries one
+        attach and asks again (a server that restarted answers at once)."""
         with self._io:
             for attempt in (0, 1):
                 attachment = self.attachment if attempt == 0 else self._try_attach()
@@ -252,14 +248,11 @@ class CacheServerClient(MemoryAllocatorInterface):
                     return None
                 try:
                     return self._exchange(attachment, {"op": op, **fields}, self.timeout)
-                except _Stale as e:
+                except ServerAway as e:  # a restarted server may be there already: one attach to see
+                    self.counts.add("failures")
                     self._detach(e)
                     if op not in RETRY_SAFE:
                         break
-                except ServerAway as e:
-                    self.counts.add("failures")
-                    self._detach(e)
-                    break
         return None
 
     def notify(self, attachment: Attachment, op: str, **fields: Any) -> None:

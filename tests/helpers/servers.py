@@ -306,3 +306,42 @@ class LatencyProxy:
         self.listener.close()
         for s in self._sockets:
             s.close()
+
+
+class CacheServerProcess:
+    """`lmcache cache-server` in a subprocess on `url` (an ipc:// socket in a test's directory)."""
+
+    def __init__(self, url: str, *args: str, size_gb: float = 0.0625, heartbeat: float = 0.25) -> None:
+        self.url = url
+        self.args = ("--size-gb", str(size_gb), "--heartbeat", str(heartbeat), *args)
+        self.heartbeat = heartbeat
+        self.proc: subprocess.Popen | None = None
+        self.http = ""
+
+    def start(self) -> CacheServerProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.cli", "cache-server", "--url", self.url, *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        m = re.search(r"operations on (http://[\d.]+:\d+)", line)
+        if m is None:
+            self.proc.kill()
+            raise RuntimeError(f"lmcache cache-server did not start: {line!r}")
+        self.http = m.group(1)
+        return self
+
+    def get(self, path: str) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.http + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)

@@ -70,7 +70,8 @@ def test_attach_refuses_a_wrong_size_and_a_missing_segment(arena):
 
 
 def test_a_segment_whose_creator_was_killed_is_removed_and_live_ones_are_kept(arena):
-    creator = subprocess.Popen([sys.executable, "-c", "import sys, time; from lmcache.cache_server.shm import "
+    creator = subprocess.Popen([sys.executable, "-c",
+                                "import sys, time; from lmcache.cache_server.shm import "
                                 "SharedArena; a = SharedArena.create(1 << 20); print(a.name, flush=True); "
                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert creator.stdout is not None

@@ -1,0 +1,397 @@
+"""The cache server with real processes: `lmcache cache-server` and engine processes attached to
+it (`engine_worker.py`), over its real ipc socket and shared memory.
+
+Sharing (one engine's store is the other's hit, one copy), faults (an engine SIGKILLed holding
+slots and reads, one that cannot be watched and goes silent, the server SIGKILLed and restarted,
+a restart between heartbeats), a full L1, malformed control messages, the operations endpoint,
+and no shared-memory segment left behind by any test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.cache_server import messages as m
+from lmcache.cache_server import shm
+from lmcache.cache_server.server import CacheServer
+from lmcache.config import LMCacheEngineMetadata
+from tests.helpers.servers import REPO, CacheServerProcess
+
+WORKER = Path(__file__).with_name("engine_worker.py")
+CHUNK_BYTES = 2 * 2 * 8 * 8 * 2  # [2, layers, chunk, hidden] bf16
+DOC = list(range(1000, 1064))  # 8 chunks
+
+
+def segments() -> set[str]:
+    return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}-*")}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left():
+    before = segments()
+    yield
+    deadline = time.monotonic() + 10
+    while segments() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert segments() - before == set(), "a shared-memory segment was left in /dev/shm"
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"ipc://{tmp_path}/cache.sock"
+
+
+@pytest.fixture
+def server(url):
+    s = CacheServerProcess(url).start()
+    yield s
+    s.stop()
+
+
+class Worker:
+    def __init__(self, url: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert self._line(60) == {"ready": True}
+
+    def _line(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "the engine worker did not answer"
+        return json.loads(self.proc.stdout.readline())
+
+    def ask(self, op: str, timeout: float = 30, **fields) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout)
+
+    def wait_attached(self, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ask("attached")["attached"]:
+            assert time.monotonic() < deadline, "the engine did not attach again"
+            time.sleep(0.1)
+
+    def close(self) -> str:
+        """Stop it; its log (stderr)."""
+        if self.proc.poll() is None:
+            self.ask_close()
+        _, err = self.proc.communicate(timeout=30)
+        return err
+
+    def ask_close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def workers(url):
+    made: list[Worker] = []
+
+    def make() -> Worker:
+        made.append(Worker(url))
+        return made[-1]
+
+    yield make
+    for w in made:
+        if w.proc.poll() is None:
+            w.kill()
+
+
+def wait_for(check, timeout: float, step: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("timed out")
+
+
+def raw_client(url: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    return sock
+
+
+def ask_raw(sock: zmq.Socket, message: dict | list[bytes], timeout: float = 5) -> dict | None:
+    sock.send_multipart(message if isinstance(message, list) else [m.encode(message)])
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    return json.loads(sock.recv())
+
+
+METADATA = m.metadata_to_wire(LMCacheEngineMetadata("test-model", 1, 0, "vllm", torch.bfloat16,
+                                                   (2, 2, 8, 2, 4)))
+
+
+def hello(sock: zmq.Socket, pid: int | None) -> dict:
+    reply = ask_raw(sock, {"op": "hello", "id": 1, "pid": pid, "name": "raw", "metadata": METADATA})
+    assert reply is not None and reply["ok"], reply
+    return reply
+
+
+# ---- sharing ------------------------------------------------------------------------------------
+
+def test_what_one_engine_stored_is_a_hit_for_another_with_one_copy(server, workers):
+    a, b = workers(), workers()
+    a.ask("store", tokens=DOC, seed=1)
+    used = server.get("/stats")["arena"]["used_bytes"]
+    assert used == 8 * CHUNK_BYTES
+    assert b.ask("lookup", tokens=DOC) == {"hit": 64}
+    assert b.ask("retrieve", tokens=DOC, seed=1) == {"hit": 64, "exact": True}
+    b.ask("store", tokens=DOC, seed=1)  # held already: nothing reserved, nothing copied again
+    stats = server.get("/stats")
+    assert stats["arena"]["used_bytes"] == used
+    by_name = {e["pid"]: e for e in stats["engines"].values()}
+    assert by_name[b.proc.pid].get("reserved", 0) == 0
+    assert by_name[a.proc.pid]["committed"] == 8
+    assert a.ask("retrieve", tokens=DOC[:40], seed=1) == {"hit": 40, "exact": True}
+    a.close(), b.close()
+
+
+def test_a_prefix_of_another_engines_prompt_is_served_and_a_longer_one_only_up_to_it(server, workers):
+    a, b = workers(), workers()
+    a.ask("store", tokens=DOC[:32], seed=2)
+    assert b.ask("retrieve", tokens=DOC, seed=2) == {"hit": 32, "exact": True}
+    a.close(), b.close()
+
+
+# ---- engine faults ------------------------------------------------------------------------------
+
+def test_an_engine_killed_holding_slots_and_reads_is_reaped_and_its_memory_reclaimed(server, workers):
+    a, b = workers(), workers()
+    a.ask("store", tokens=DOC, seed=3)
+    committed = server.get("/stats")["arena"]["used_bytes"]
+    assert b.ask("reserve", n=5) == {"slots": 5}
+    assert b.ask("hold", tokens=DOC) == {"held": 8}
+    engine = next(e for e in server.get("/stats")["engines"].values() if e["pid"] == b.proc.pid)
+    assert (engine["slots_reserved"], engine["reads_held"]) == (5, 8)
+    assert server.get("/stats")["arena"]["used_bytes"] == committed + 5 * CHUNK_BYTES
+    killed = time.monotonic()
+    b.kill()
+    wait_for(lambda: len(server.get("/stats")["engines"]) == 1, 2 * server.heartbeat)
+    assert time.monotonic() - killed <= 2 * server.heartbeat
+    stats = server.get("/stats")
+    assert stats["arena"]["used_bytes"] == committed
+    assert stats["server"]["engines_reaped"] == 1
+    assert a.ask("retrieve", tokens=DOC, seed=3) == {"hit": 64, "exact": True}  # never partial, still there
+    a.close()
+
+
+def test_an_engine_that_cannot_be_watched_is_reaped_after_two_missed_heartbeats(server, url):
+    sock = raw_client(url)
+    att = hello(sock, pid=None)
+    ident = {"session": att["session"], "engine": att["engine"]}
+    slot = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shape": [2, 2, 8, 8], "dtype": "bfloat16"})
+    assert slot is not None and slot["slot"] is not None
+    assert server.get("/stats")["arena"]["used_bytes"] == CHUNK_BYTES
+    silent_from = time.monotonic()
+    wait_for(lambda: not server.get("/stats")["engines"], 10 * server.heartbeat)
+    waited = (time.monotonic() - silent_from) / server.heartbeat
+    assert 2 <= waited <= 3, f"reaped after {waited:.2f} heartbeats"
+    assert server.get("/stats")["arena"]["used_bytes"] == 0
+    reply = ask_raw(sock, {"op": "heartbeat", "id": 3, **ident})
+    assert reply is not None and reply["code"] == "engine"
+    sock.close()
+
+
+def test_a_reserved_slot_is_invisible_until_committed(server, url):
+    sock = raw_client(url)
+    att = hello(sock, pid=os.getpid())
+    ident = {"session": att["session"], "engine": att["engine"]}
+    key = "kv_blob@test-model@1@0@00ff@bfloat16"
+    slot = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shape": [2, 2, 8, 8], "dtype": "bfloat16"})
+    assert slot is not None
+    arena = shm.SharedArena.attach(att["arena"], att["arena_size"])
+    arena.tensor[slot["offset"]: slot["offset"] + CHUNK_BYTES // 2] = 7  # half written
+    assert ask_raw(sock, {"op": "contains", "id": 3, **ident, "keys": [key]})["hits"] == [False]
+    assert ask_raw(sock, {"op": "get", "id": 4, **ident, "keys": [key]})["objs"] == []
+    ask_raw(sock, {"op": "commit", **ident, "slot": slot["slot"], "key": key}, timeout=0.2)
+    assert ask_raw(sock, {"op": "contains", "id": 5, **ident, "keys": [key]})["hits"] == [True]
+    ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
+    arena.close()
+    sock.close()
+
+
+# ---- server faults ------------------------------------------------------------------------------
+
+def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(url, workers):
+    server = CacheServerProcess(url).start()
+    a, b = workers(), workers()
+    a.ask("store", tokens=DOC, seed=4)
+    old = segments()
+    server.stop(signal.SIGKILL)
+    assert a.ask("store", tokens=DOC[:16], seed=5, timeout=10) == {"stored": True}
+    assert a.ask("retrieve", tokens=DOC, seed=4, timeout=10) == {"hit": 0, "exact": True}
+    assert b.ask("lookup", tokens=DOC, timeout=10) == {"hit": 0}
+    assert a.ask("attached") == {"attached": False}
+    server = CacheServerProcess(url).start()
+    try:
+        assert not old & segments(), "the new server removes the dead one's arena"
+        a.wait_attached()
+        b.wait_attached()
+        a.ask("store", tokens=DOC, seed=6)
+        assert b.ask("retrieve", tokens=DOC, seed=6) == {"hit": 64, "exact": True}
+    finally:
+        logs = a.close()
+        b.close()
+        server.stop()
+    warnings = [line for line in logs.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "cache server" in warnings[0], logs
+
+
+def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, workers):
+    server = CacheServerProcess(url, heartbeat=30).start()  # no heartbeat comes in between
+    a, b = workers(), workers()
+    assert a.ask("reserve", n=2) == {"slots": 2}  # slots of the first server, held across the restart
+    server.stop(signal.SIGKILL)
+    server = CacheServerProcess(url, heartbeat=30).start()
+    try:
+        a.ask("store", tokens=DOC, seed=7)  # one failed exchange, then attached to the new server
+        a.ask("store", tokens=DOC, seed=7)
+        assert b.ask("retrieve", tokens=DOC, seed=7) == {"hit": 64, "exact": True}
+        stats = server.get("/stats")
+        assert stats["arena"]["used_bytes"] == 8 * CHUNK_BYTES  # the old slots never reached it
+    finally:
+        a.close(), b.close()
+        server.stop()
+
+
+def test_raw_requests_naming_an_old_session_are_refused(url):
+    first = CacheServer(url, 1 << 20, heartbeat=0.25)
+    session = first.session
+    first.close()
+    second = CacheServer(url, 1 << 20, heartbeat=0.25)
+    try:
+        reply = second._handle({"op": "contains", "id": 1, "session": session, "engine": "x", "keys": []})
+        pytest.fail(f"answered {reply}")
+    except m.BadMessage as e:
+        assert e.code == "session"
+    finally:
+        second.close()
+
+
+def test_a_second_server_on_the_same_socket_is_refused(url):
+    first = CacheServer(url, 1 << 20)
+    try:
+        with pytest.raises(ValueError, match="another LMCache cache server"):
+            CacheServer(url, 1 << 20)
+    finally:
+        first.close()
+
+
+# ---- a full L1 ----------------------------------------------------------------------------------
+
+def test_a_full_l1_drops_stores_at_once(url, workers):
+    server = CacheServerProcess(url, size_gb=16 * CHUNK_BYTES / (1 << 30)).start()
+    try:
+        a, b = workers(), workers()
+        a.ask("store", tokens=DOC + [d + 100 for d in DOC], seed=8)  # 16 chunks: full
+        assert a.ask("hold", tokens=DOC + [d + 100 for d in DOC]) == {"held": 16}  # nothing evictable
+        t0 = time.monotonic()
+        assert b.ask("store", tokens=[d + 500 for d in DOC], seed=9) == {"stored": True}
+        assert time.monotonic() - t0 < 2
+        assert b.ask("lookup", tokens=[d + 500 for d in DOC]) == {"hit": 0}
+        engine = next(e for e in server.get("/stats")["engines"].values() if e["pid"] == b.proc.pid)
+        assert engine["reserve_full"] >= 1
+        assert b.ask("retrieve", tokens=DOC, seed=8) == {"hit": 64, "exact": True}
+        a.close(), b.close()
+    finally:
+        server.stop()
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+JSONISH = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+REQUESTS = st.fixed_dictionaries({"op": st.sampled_from(sorted(m.OPS)), "id": st.integers(0, 2**31)},
+                                 optional={"session": st.text(max_size=40), "engine": st.text(max_size=20),
+                                           "keys": JSONISH, "shape": JSONISH, "dtype": JSONISH,
+                                           "slot": JSONISH, "reads": JSONISH, "metadata": JSONISH,
+                                           "lease": JSONISH, "ttl": JSONISH, "pid": JSONISH, "name": JSONISH})
+FRAMES = st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=3),
+                   JSONISH.map(lambda v: [json.dumps(v).encode()]),
+                   REQUESTS.map(lambda r: [m.encode(r)]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=FRAMES)
+def test_malformed_control_messages_get_an_error_and_the_server_keeps_serving(served, frames):
+    sock, ident = served
+    reply = ask_raw(sock, frames, timeout=5)
+    assert reply is not None and reply["ok"] is False and reply["error"], reply
+    beat = ask_raw(sock, {"op": "heartbeat", "id": 7, **ident})
+    assert beat == {"ok": True, "id": 7}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    url = f"ipc://{tmp_path_factory.mktemp('cs')}/cache.sock"
+    server = CacheServerProcess(url, heartbeat=5).start()
+    sock = raw_client(url)
+    att = hello(sock, pid=os.getpid())
+    yield sock, {"session": att["session"], "engine": att["engine"]}
+    sock.close()
+    server.stop()
+
+
+# ---- operations ---------------------------------------------------------------------------------
+
+def test_health_stats_metrics_lookup_and_clear_and_the_cli_against_the_server(server, workers):
+    a = workers()
+    a.ask("store", tokens=DOC, seed=10)
+    assert server.get("/health")["status"] == "ok"
+    stats = server.get("/stats")
+    (engine,) = stats["engines"].values()
+    assert engine["committed"] == 8 and engine["watched"] is True
+    (model,) = stats["models"]
+    assert stats["models"][model]["Hot"]["chunks"] == 8
+    with urllib.request.urlopen(server.http + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'lmcache_server:engine_committed_total{engine="' in metrics
+    assert f'lmcache_server:tier_chunks{{model="{model}",tier="Hot"}} 8.0' in metrics
+    assert 'lmcache_server:arena_bytes{kind="used"} ' + f"{8 * CHUNK_BYTES}.0" in metrics
+
+    def post(path: str, body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(server.http + path, data=body, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert post("/lookup", json.dumps({"tokens": DOC[:20]}).encode()) == (
+        200, {"tokens": 20, "models": {model: {"cached_tokens": 16, "tiers": {"Hot": 16}}}})
+    assert post("/lookup", b"{not json")[0] == 400
+    assert post("/clear", b'{"tier": "nope"}')[0] == 400
+    cli = subprocess.run([sys.executable, "-m", "lmcache.cli", "stats", "--url", server.http],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert cli.returncode == 0 and json.loads(cli.stdout)["session"] == stats["session"]
+    assert post("/clear", b'{"tier": "hot"}') == (200, {"cleared": {model: {"Hot": 8}}})
+    assert a.ask("lookup", tokens=DOC) == {"hit": 0}
+    a.close()
