@@ -41,3 +41,37 @@ def test_a_repeat_loads_the_stored_kv_bit_for_bit(tiny_llama: Any, mode: str,
         torch.testing.assert_close(second.logits.float(), first.logits.float(), atol=tol, rtol=tol)
     finally:
         LMCacheEngineBuilder.destroy(instance)
+
+
+def test_two_engines_on_a_cache_server_share_a_prefill(tiny_llama: Any, tmp_path: Any) -> None:
+    """The HF integration on a cache server (`cache_server_url`): a prefill one engine stored is
+    loaded bit for bit by another engine that never saw it."""
+    import threading
+
+    from lmcache.cache_server.server import CacheServer
+
+    url = f"ipc://{tmp_path}/cache.sock"
+    server = CacheServer(url, 16 << 20)
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    config = LMCacheEngineConfig.from_defaults(chunk_size=16, cache_server_url=url)
+    try:
+        one = PrefixCacheLM(tiny_llama, create_hf_engine(tiny_llama, config, instance_id="server-one"))
+        two = PrefixCacheLM(tiny_llama, create_hf_engine(tiny_llama, config, instance_id="server-two"))
+        ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(2))
+        first = one.prefill(ids)
+        assert (first.num_cached_tokens, first.num_computed_tokens) == (0, 70)
+        assert one.engine.gpu_connector.drain(30)  # type: ignore[attr-defined]
+        second = two.prefill(ids)
+        assert (second.num_cached_tokens, second.num_computed_tokens) == (69, 1)
+        for a, b in zip(first.past_key_values.layers, second.past_key_values.layers):
+            assert torch.equal(a.keys[:, :, :69], b.keys[:, :, :69])  # type: ignore[index]
+            assert torch.equal(a.values[:, :, :69], b.values[:, :, :69])  # type: ignore[index]
+        torch.testing.assert_close(second.logits, first.logits, atol=1e-4, rtol=1e-4)
+        assert server.stats()["arena"]["used_bytes"] > 0
+    finally:
+        LMCacheEngineBuilder.destroy("server-one")
+        LMCacheEngineBuilder.destroy("server-two")
+        server.stop()
+        loop.join()
+        server.close()
