@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
+import logging
 import re
 import select
 import signal
@@ -60,7 +60,7 @@ from typing import IO, Any
 
 import torch
 import zmq
-from machine import cpu_info, cpu_line
+from machine import cpu_info
 
 from lmcache.cache_engine import LMCacheEngine, _make_allocator
 from lmcache.cache_key import dtype_tag
@@ -357,6 +357,7 @@ class Throughput:
     tokens: int
     request_bytes: int
     trials: int
+    warmup: int
     local_store_gbps: float
     local_retrieve_gbps: float
     server_store_gbps: float
@@ -375,8 +376,8 @@ def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Proce
         "in-process": lambda: engines["in-process"].storage_manager.clear("hot"), "server": server.clear}
     times: dict[str, dict[str, list[float]]] = {name: {"store": [], "retrieve": []} for name in engines}
     try:
-        for trial in range(args.trials + 1):  # trial 0: warm-up, untimed
-            names = list(engines) if trial % 2 == 0 else list(reversed(engines))
+        for trial in range(-args.warmup, args.trials):  # trials < 0: warm-up, untimed
+            names = list(engines) if trial % 2 == 0 else list(reversed(engines))  # alternate the first
             for name in names:
                 empty[name]()
                 request.clear_target()
@@ -385,8 +386,9 @@ def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Proce
                     raise BenchmarkFailure(f"{name}: trial {trial} stored {trip.stored} and retrieved "
                                            f"{int(trip.mask.sum())} of {n} tokens")
                 if not request.exact(trip.mask):
-                    raise BenchmarkFailure(f"{name}: trial {trial}: the retrieved KV differs from the stored KV")
-                if trial:
+                    raise BenchmarkFailure(f"{name}: trial {trial}: the retrieved KV differs from the "
+                                           "stored KV")
+                if trial >= 0:
                     times[name]["store"].append(trip.store_s)
                     times[name]["retrieve"].append(trip.retrieve_s)
     finally:
@@ -394,10 +396,12 @@ def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Proce
             engine.close()
         server.stop()
     nbytes = n * shape.bytes_per_token
-    gbps = {name: {op: nbytes / statistics.median(t) / 1e9 for op, t in ops.items()} for name, ops in times.items()}
+    gbps = {name: {op: nbytes / statistics.median(t) / 1e9 for op, t in ops.items()}
+            for name, ops in times.items()}
     local, remote = gbps["in-process"], gbps["server"]
-    return Throughput(n, nbytes, args.trials, local["store"], local["retrieve"], remote["store"],
-                      remote["retrieve"], remote["store"] / local["store"], remote["retrieve"] / local["retrieve"])
+    return Throughput(n, nbytes, args.trials, args.warmup, local["store"], local["retrieve"], remote["store"],
+                      remote["retrieve"], remote["store"] / local["store"],
+                      remote["retrieve"] / local["retrieve"])
 
 
 # ---- 2. memory ----------------------------------------------------------------------------------
@@ -511,11 +515,34 @@ class Restart:
     served_during_outage: str
     served_after_restart: str
     missed_after_restart_before_attach: int
-    slowest_request_s: dict[str, float]  # per phase: the longest store + retrieve
+    slowest_request_ms: dict[str, float]  # per phase: the longest store + retrieve
+    detached_after_kill_s: float
     server_start_to_serving_s: float
     serving_to_attached_s: float
     serving_to_attached_heartbeats: float
-    detached_after_kill_s: float
+    killed_at_s: float  # when the server was killed, from the first request's start
+    timeline: list[dict[str, Any]]  # per request: start_s (from the first request's), phase, hit, ms
+
+
+class AttachmentWatch(threading.Thread):
+    """Polls `client.attached` every millisecond from its start (the kill): when it turned False,
+    then True again (time.monotonic)."""
+
+    def __init__(self, client: CacheServerClient) -> None:
+        super().__init__(daemon=True)
+        self.client = client
+        self.detached: float | None = None
+        self.attached: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and self.client.attached:
+            time.sleep(0.001)
+        self.detached = time.monotonic()
+        while not self.stop.is_set() and not self.client.attached:
+            time.sleep(0.001)
+        if self.client.attached:
+            self.attached = time.monotonic()
 
 
 def server_restart(args: argparse.Namespace, shape: ModelShape, procs: Processes) -> Restart:
@@ -527,67 +554,56 @@ def server_restart(args: argparse.Namespace, shape: ModelShape, procs: Processes
     engine = build_engine(shape, url)
     client = engine.memory_allocator
     assert isinstance(client, CacheServerClient)
-    served = {"before": [0, 0], "outage": [0, 0], "after": [0, 0]}
-    slowest = {"before": 0.0, "outage": 0.0, "after": 0.0}
-    raised, missed_before_attach = 0, 0
-    attached_at: list[float] = []
-    killed_at = detached_at = 0.0
-    stop_watch = threading.Event()
-
-    def watch() -> None:
-        while not stop_watch.is_set() and not client.attached:
-            time.sleep(0.001)
-        if client.attached:
-            attached_at.append(time.monotonic())
-
-    watcher = threading.Thread(target=watch, daemon=True)
+    watch = AttachmentWatch(client)
     errors = engine.stats.get("errors")
+    timeline: list[dict[str, Any]] = []
+    killed_at = t_first = time.monotonic()
     try:
         for i in range(args.stream_requests):
             if i == args.kill_after:
                 killed_at = time.monotonic()
+                watch.start()
                 server.kill()
             if i == args.restart_after:
-                if client.attached:
-                    raise BenchmarkFailure("the engine still thinks it is attached to the killed server")
                 server = ServerProcess(procs, url, args.arena_gb, args.heartbeat)
-                watcher.start()
             phase = "before" if i < args.kill_after else "outage" if i < args.restart_after else "after"
             request.clear_target()
+            t0 = time.monotonic()
+            entry: dict[str, Any] = {"request": i, "start_s": round(t0 - t_first, 4), "phase": phase,
+                                     "hit": False}
+            timeline.append(entry)
             try:
                 trip = store_and_retrieve(engine, request, new_tokens(n))
-            except Exception as e:  # what this part counts: it must not happen
-                raised += 1
-                print(f"request {i}: {type(e).__name__}: {e}", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 -- what this part counts (goal: none)
+                entry["raised"] = f"{type(e).__name__}: {e}"
+                print(f"request {i} raised {entry['raised']}", file=sys.stderr)
                 continue
             if trip.mask.any() and not request.exact(trip.mask):
                 raise BenchmarkFailure(f"request {i}: the retrieved KV differs from the stored KV")
-            hit = bool(trip.mask.all())
-            slowest[phase] = max(slowest[phase], trip.store_s + trip.retrieve_s)
-            served[phase][0] += hit
-            served[phase][1] += 1
-            if phase == "after" and not attached_at and not hit:
-                missed_before_attach += 1
-            if phase == "outage" and not detached_at and not client.attached:
-                detached_at = time.monotonic()
+            entry.update(hit=bool(trip.mask.all()), ms=round((trip.store_s + trip.retrieve_s) * 1e3, 2))
             time.sleep(args.stream_interval)
-        if watcher.is_alive():
-            watcher.join(10 * server.heartbeat)
+        watch.join(10 * server.heartbeat + 10)
     finally:
-        stop_watch.set()
+        watch.stop.set()
         engine.close()
         server.stop()
-    if not attached_at:
-        raise BenchmarkFailure("the engine did not attach to the restarted server")
-    to_attached = attached_at[0] - server.serving
+    if watch.attached is None or watch.detached is None:
+        raise BenchmarkFailure("the engine did not detach from the killed server and attach to the new one")
 
-    def frac(phase: str) -> str:
-        return f"{served[phase][0]}/{served[phase][1]}"
+    def served(phase: str) -> str:
+        done = [e for e in timeline if e["phase"] == phase]
+        return f"{sum(e['hit'] for e in done)}/{len(done)}"
 
-    return Restart(args.stream_requests, raised, int(engine.stats.get("errors") - errors), frac("before"),
-                   frac("outage"), frac("after"), missed_before_attach, slowest, server.serving - server.started,
-                   to_attached, to_attached / server.heartbeat,
-                   detached_at - killed_at if detached_at else float("nan"))
+    attached_s = watch.attached - t_first
+    missed = sum(1 for e in timeline if e["phase"] == "after" and not e["hit"] and e["start_s"] < attached_s)
+    slowest = {phase: max((e.get("ms", 0.0) for e in timeline if e["phase"] == phase), default=0.0)
+               for phase in ("before", "outage", "after")}
+    to_attached = watch.attached - server.serving
+    return Restart(args.stream_requests, sum("raised" in e for e in timeline),
+                   int(engine.stats.get("errors") - errors), served("before"), served("outage"),
+                   served("after"), missed, slowest, watch.detached - killed_at,
+                   server.serving - server.started, to_attached, to_attached / server.heartbeat,
+                   killed_at - t_first, timeline)
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -595,11 +611,13 @@ def server_restart(args: argparse.Namespace, shape: ModelShape, procs: Processes
 def report(args: argparse.Namespace, shape: ModelShape, tp: Throughput, memory: list[MemoryRow],
            killed: Reaping, silent: Reaping, restart: Restart, removed: list[str]) -> None:
     mb = 1 << 20
-    print(f"\nLMCache cache server vs in-process hot tier; {cpu_line()}, AMX "
-          f"{'yes' if cpu_info()['amx'] else 'no'} (amx_tile), {torch.get_num_threads()} torch threads")
+    info = cpu_info()
+    print(f"\nLMCache cache server vs in-process hot tier. CPU: {info['cpu']} ({info['cpus']} CPUs, amx_tile "
+          f"{'in' if info['amx'] else 'not in'} its flags), {torch.get_num_threads()} torch threads")
     print(f"1. throughput: {tp.tokens} tokens of {shape.layers} layers x {shape.heads} KV heads x "
           f"{shape.head_size} {str(shape.dtype).removeprefix('torch.')} ({tp.request_bytes / 1e6:.1f} MB), "
-          f"paged blocks of {args.block_size}, chunks of {shape.chunk}; medians of {tp.trials} interleaved trials")
+          f"paged blocks of {args.block_size}, chunks of {shape.chunk}; medians of {tp.trials} interleaved "
+          f"trials after {tp.warmup} warm-up")
     print(f"   {'':<24}{'store GB/s':>12}{'retrieve GB/s':>15}")
     print(f"   {'in-process hot tier':<24}{tp.local_store_gbps:>12.2f}{tp.local_retrieve_gbps:>15.2f}")
     print(f"   {'cache server':<24}{tp.server_store_gbps:>12.2f}{tp.server_retrieve_gbps:>15.2f}")
@@ -607,7 +625,8 @@ def report(args: argparse.Namespace, shape: ModelShape, tp: Throughput, memory: 
     print(f"   {'server / in-process':<24}{tp.store_ratio:>12.2f}{tp.retrieve_ratio:>15.2f}"
           f"   (goal >= {GOAL}: {ok})")
     print(f"2. server memory with idle engines (after 4 heartbeats of {args.heartbeat:g} s), MB:")
-    print(f"   {'engines':>8}{'VmRSS':>9}{'RssAnon':>9}{'RssShmem':>10}{'arena resident':>16}{'arena grown':>13}")
+    print(f"   {'engines':>8}{'VmRSS':>9}{'RssAnon':>9}{'RssShmem':>10}{'arena resident':>16}"
+          f"{'arena grown':>13}")
     for r in memory:
         print(f"   {r.engines:>8}{r.vm_rss / mb:>9.1f}{r.rss_anon / mb:>9.1f}{r.rss_shmem / mb:>10.1f}"
               f"{r.arena_resident / mb:>16.1f}{r.arena_grown / mb:>13.1f}")
@@ -616,24 +635,28 @@ def report(args: argparse.Namespace, shape: ModelShape, tp: Throughput, memory: 
           f"memory back after {killed.seconds * 1e3:.1f} ms = {killed.heartbeats:.2f} heartbeats")
     print(f"   b. unwatched engine (pid null) silent holding 1 slot: reaped after {silent.seconds:.2f} s = "
           f"{silent.heartbeats:.2f} heartbeats (expected about 2)")
-    print(f"   c. {restart.requests} store+retrieve requests, server SIGKILLed before request {args.kill_after}, "
-          f"restarted before {args.restart_after}: {restart.raised} raised, {restart.engine_errors} engine "
-          f"errors (goal 0)")
+    print(f"   c. {restart.requests} store+retrieve requests, server SIGKILLed before request "
+          f"{args.kill_after}, restarted before {args.restart_after}: {restart.raised} raised, "
+          f"{restart.engine_errors} engine errors (goal 0)")
     print(f"      served from cache: before the kill {restart.served_before_kill}, during the outage "
           f"{restart.served_during_outage}, after the restart {restart.served_after_restart} "
           f"({restart.missed_after_restart_before_attach} missed before the engine attached again)")
-    slow = ", ".join(f"{phase} {s * 1e3:.0f} ms" for phase, s in restart.slowest_request_s.items())
+    slow = ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in restart.slowest_request_ms.items())
     print(f"      slowest store+retrieve: {slow}")
-    print(f"      engine detached {restart.detached_after_kill_s:.2f} s after the kill; new server: start to "
-          f"serving {restart.server_start_to_serving_s:.2f} s, serving to engine attached "
+    print(f"      engine detached {restart.detached_after_kill_s * 1e3:.0f} ms after the kill; new server: "
+          f"start to serving {restart.server_start_to_serving_s:.2f} s, serving to engine attached again "
           f"{restart.serving_to_attached_s:.2f} s = {restart.serving_to_attached_heartbeats:.2f} heartbeats")
-    print(f"cleanup: every subprocess ended; arenas of killed servers removed at the end: {removed or 'none'}")
+    print(f"cleanup: every subprocess ended; arenas of killed servers removed at the end: "
+          f"{removed or 'none'}")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=None, help="interleaved trials (default 15, --quick 3)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per request (default 4096, --quick 1024)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=None, help="interleaved trials (default 15, --quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up trials of each")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per request (default 4096, --quick 1024)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a fast check")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--arena-gb", type=float, default=None, help="each L1 arena (default 4, --quick 1)")
@@ -646,15 +669,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-tokens", type=int, default=None, help="default 1024 (--quick 512)")
     parser.add_argument("--stream-interval", type=float, default=0.1, help="seconds between stream requests")
     args = parser.parse_args()
-    defaults = {"trials": (15, 3), "tokens": (4096, 1024), "arena_gb": (4.0, 1.0), "engines": ("0,1,2,4", "0,1,2"),
-                "stream_requests": (40, 12), "kill_after": (10, 3), "restart_after": (20, 6),
-                "stream_tokens": (1024, 512)}
+    defaults = {"trials": (15, 5), "tokens": (4096, 1024), "arena_gb": (4.0, 1.0),
+                "engines": ("0,1,2,4", "0,1,2"), "stream_requests": (40, 12), "kill_after": (10, 3),
+                "restart_after": (20, 6), "stream_tokens": (1024, 512)}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.engines = sorted({int(x) for x in str(args.engines).split(",")})
-    if args.trials < 1 or args.tokens < 1 or args.stream_tokens < 1 or min(args.engines) < 0:
-        parser.error("--trials, --tokens, --stream-tokens must be > 0 and --engines >= 0")
+    if min(args.trials, args.tokens, args.stream_tokens) < 1 or min(args.warmup, *args.engines) < 0:
+        parser.error("--trials, --tokens, --stream-tokens must be > 0, --warmup and --engines >= 0")
     if not 0 < args.kill_after < args.restart_after < args.stream_requests:
         parser.error("need 0 < --kill-after < --restart-after < --stream-requests")
     return args
@@ -662,6 +685,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shape = ModelShape()
     with tempfile.TemporaryDirectory(prefix="lmcache-server-bench-") as workdir:
         procs = Processes(Path(workdir))
@@ -686,7 +710,8 @@ def main() -> None:
     path = OUT / f"server_throughput{'-quick' if args.quick else ''}.json"
     result = {**cpu_info(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
               "args": vars(args), "throughput": asdict(tp), "memory": [asdict(r) for r in memory],
-              "killed_engine": asdict(killed), "silent_engine": asdict(silent), "server_restart": asdict(restart)}
+              "killed_engine": asdict(killed), "silent_engine": asdict(silent),
+              "server_restart": asdict(restart)}
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 

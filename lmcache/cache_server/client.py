@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,8 @@ class ServerSlot(TensorMemoryObj):
 
 class Attachment:
     """One `hello`'s result: the session, this engine's id and the mapped arena. It owns the
-    `ServerSlot`s viewing that arena (their `free` tells the server)."""
+    `ServerSlot`s viewing that arena (their `free` tells the server). Once detached and no slot
+    of it is alive, its arena is unmapped and the client retires it (`CacheServerClient.retire`)."""
 
     def __init__(self, client: CacheServerClient, session: str, engine: str, arena: SharedArena) -> None:
         self.client = client
@@ -93,9 +95,9 @@ class Attachment:
             self.client.notify(self, "abort", slot=obj.slot)
         with self.lock:
             self.live -= 1
-            unmap = self.detached and self.live == 0
-        if unmap:
-            self.arena.close()
+            done = self.detached and self.live == 0
+        if done:
+            self._done()
 
     def adopt(self, obj: ServerSlot) -> ServerSlot:
         with self.lock:
@@ -105,9 +107,59 @@ class Attachment:
     def detach(self) -> None:
         with self.lock:
             self.detached = True
-            unmap = self.live == 0
-        if unmap:
-            self.arena.close()
+            done = self.live == 0
+        if done:
+            self._done()
+
+    def _done(self) -> None:
+        self.arena.close()
+        self.client.retire(self)
+
+
+class _Link:
+    """A DEALER socket to the server and a monitor of its connection (a drop ends an exchange at
+    once instead of after its timeout)."""
+
+    def __init__(self, context: zmq.Context, url: str) -> None:
+        self.sock = context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(url)
+
+    def exchange(self, request: dict[str, Any], request_id: int, timeout: float) -> dict[str, Any]:
+        """Send `request` and wait for its answer."""
+        self.sock.send(m.encode({**request, "id": request_id}))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if self.monitor in ready:
+                raise ServerAway("the connection to the server dropped")
+            if self.sock not in ready:
+                continue
+            reply = m.decode_reply(self.sock.recv_multipart())
+            if reply.get("id") != request_id:
+                continue  # the answer to an earlier request that timed out
+            if reply.get("ok"):
+                return reply
+            if reply.get("code") in ("session", "engine"):
+                raise ServerAway(reply.get("error", "this attachment is no longer valid"))
+            raise ServerAway(f"the server refused {request['op']}: {reply.get('error')}")
+        raise ServerAway(f"no answer to {request['op']} within {timeout:g} s")
+
+    def send(self, message: dict[str, Any]) -> bool:
+        try:
+            self.sock.send(m.encode(message), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.sock.close(0)
+        self.monitor.close(0)
 
 
 class CacheServerClient(MemoryAllocatorInterface):
@@ -119,18 +171,18 @@ class CacheServerClient(MemoryAllocatorInterface):
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat = 1.0  # until a server says otherwise
         self.counts = Counters()
-        self._io = threading.RLock()  # the socket and the attachment
+        self.client_id = uuid.uuid4().hex  # lets the server drop attachments this client gave up on
+        self._io = threading.RLock()  # the link and the attachment
         self._zmq = zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self._link: _Link | None = None
         self._ids = itertools.count(1)
         self.attachment: Attachment | None = None
+        self._retired: list[Attachment] = []  # detached, waiting to be given back to their server
         self._incidents = IncidentLog(logger, f"the cache server at {url}",
                                       consequence="the engine computes what it would have loaded and stores "
                                                   "nothing until the server is back")
         self._closed = threading.Event()
-        with self._io:
-            self._try_attach()
+        self._try_attach()
         self._beats = threading.Thread(target=self._beat, daemon=True, name="lmcache-cache-server")
         self._beats.start()
 
@@ -141,100 +193,78 @@ class CacheServerClient(MemoryAllocatorInterface):
         return self.attachment is not None
 
     def _try_attach(self) -> Attachment | None:
-        """Attach now if not attached (the I/O lock held); None if the server does not answer."""
+        """Attach now if not attached; None if the server does not answer. The hello is sent on a
+        new link without the I/O lock: engine calls meanwhile answer misses at once."""
         if self.attachment is not None or self._closed.is_set():
             return self.attachment
+        link = _Link(self._zmq, self.url)
+        hello = {"op": "hello", "pid": os.getpid(), "name": self.name, "client": self.client_id,
+                 "metadata": m.metadata_to_wire(self.metadata)}
         try:
-            self._connect()
-            reply = self._exchange(None, {"op": "hello", "pid": os.getpid(), "name": self.name,
-                                          "metadata": m.metadata_to_wire(self.metadata)},
-                                   self._short_timeout)
+            reply = link.exchange(hello, next(self._ids), min(self.timeout, max(self.heartbeat, 0.5)))
             arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
+            attachment = Attachment(self, reply["session"], reply["engine"], arena)
         except (ServerAway, OSError, ValueError, KeyError, TypeError) as e:
-            self._disconnect()
-            self._incidents.fail(f"cannot attach: {e}")
+            link.close()
+            with self._io:
+                self._incidents.fail(f"cannot attach: {e}")
             return None
-        self.heartbeat = float(reply["heartbeat"])
-        self.attachment = Attachment(self, reply["session"], reply["engine"], arena)
-        self.counts.add("attaches")
-        logger.info("attached to the LMCache cache server at %s (session %s, engine %s, L1 %.2f GB)",
-                    self.url, reply["session"], reply["engine"], arena.size / (1 << 30))
-        self._incidents.recover()
-        return self.attachment
+        with self._io:
+            if self.attachment is not None or self._closed.is_set():  # attached meanwhile
+                link.send({"op": "bye", "session": attachment.session, "engine": attachment.engine})
+                link.close()
+                arena.close()
+                return self.attachment
+            self._link, self.attachment = link, attachment
+            self.heartbeat = float(reply["heartbeat"])
+            self.counts.add("attaches")
+            logger.info("attached to the LMCache cache server at %s (session %s, engine %s, L1 %.2f GB)",
+                        self.url, attachment.session, attachment.engine, arena.size / (1 << 30))
+            self._incidents.recover()
+            for old in list(self._retired):
+                self.retire(old)
+        return attachment
 
     def _detach(self, why: BaseException) -> None:
         """The attachment is gone (the I/O lock held): calls answer misses until the next attach."""
         self._incidents.fail(why)
-        if self.attachment is not None:
-            self.attachment.detach()
-            self.attachment = None
-        self._disconnect()
+        attachment, self.attachment = self.attachment, None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if attachment is not None:
+            attachment.detach()
 
-    def _connect(self) -> None:
-        self._disconnect()
-        self._sock = self._zmq.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sock.connect(self.url)
-
-    def _disconnect(self) -> None:
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._sock.close(0)
-            self._sock = None
-        if self._monitor is not None:
-            self._monitor.close(0)
-            self._monitor = None
-
-    @property
-    def _short_timeout(self) -> float:
-        """How long a hello or heartbeat may take: about one heartbeat."""
-        return min(self.timeout, max(self.heartbeat, 0.5))
+    def retire(self, attachment: Attachment) -> None:
+        """`attachment` is detached and nothing of it is alive. If its server is still the one
+        attached to (it did not restart; e.g. an exchange timed out), tell it that engine left, so
+        what the server held for it is given back; until then keep it to tell later."""
+        with self._io:
+            current, link = self.attachment, self._link
+            if current is None or link is None:
+                if attachment not in self._retired:
+                    self._retired.append(attachment)
+                return
+            if attachment in self._retired:
+                self._retired.remove(attachment)
+            if attachment.session == current.session and attachment is not current:
+                link.send({"op": "bye", "session": attachment.session, "engine": attachment.engine})
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat):
+            attachment = self.attachment or self._try_attach()
+            if attachment is None:
+                continue
             with self._io:
-                if self._closed.is_set():
-                    return
-                attachment = self.attachment or self._try_attach()
-                if attachment is None:
+                if self._closed.is_set() or attachment is not self.attachment or self._link is None:
                     continue
                 try:
-                    self._exchange(attachment, {"op": "heartbeat"}, self._short_timeout)
+                    self._link.exchange({"op": "heartbeat", "session": attachment.session,
+                                         "engine": attachment.engine}, next(self._ids), self.timeout)
                 except ServerAway as e:
                     self._detach(e)
 
     # ---- exchanges ------------------------------------------------------------------------------
-
-    def _exchange(self, attachment: Attachment | None, request: dict[str, Any],
-                  timeout: float) -> dict[str, Any]:
-        """Send `request` and wait for its answer (the I/O lock held)."""
-        sock, monitor = self._sock, self._monitor
-        if sock is None or monitor is None:
-            raise ServerAway("not connected")
-        request_id = next(self._ids)
-        if attachment is not None:
-            request = {**request, "session": attachment.session, "engine": attachment.engine}
-        sock.send(m.encode({**request, "id": request_id}))
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(max(1, int(left * 1000))))
-            if monitor in ready:
-                raise ServerAway("the connection to the server dropped")
-            if sock not in ready:
-                continue
-            reply = m.decode_reply(sock.recv_multipart())
-            if reply.get("id") != request_id:
-                continue  # the answer to an earlier request that timed out
-            if reply.get("ok"):
-                return reply
-            if reply.get("code") in ("session", "engine"):
-                raise ServerAway(reply.get("error", "this attachment is no longer valid"))
-            raise ServerAway(f"the server refused {request['op']}: {reply.get('error')}")
-        raise ServerAway(f"no answer to {request['op']} within {timeout:g} s")
 
     def call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """Request `op`; the answer, or None (a miss) when not attached or the exchange fails (an
@@ -243,11 +273,12 @@ class CacheServerClient(MemoryAllocatorInterface):
         with self._io:
             for attempt in (0, 1):
                 attachment = self.attachment if attempt == 0 else self._try_attach()
-                if attachment is None:
+                if attachment is None or self._link is None:
                     self.counts.add("skipped")
                     return None
+                request = {"op": op, "session": attachment.session, "engine": attachment.engine, **fields}
                 try:
-                    return self._exchange(attachment, {"op": op, **fields}, self.timeout)
+                    return self._link.exchange(request, next(self._ids), self.timeout)
                 except ServerAway as e:  # a restarted server may be there already: one attach to see
                     self.counts.add("failures")
                     self._detach(e)
@@ -257,14 +288,12 @@ class CacheServerClient(MemoryAllocatorInterface):
 
     def notify(self, attachment: Attachment, op: str, **fields: Any) -> None:
         """Tell the server `op` about `attachment`'s objects, without waiting; dropped when that
-        attachment is gone (its server reclaimed everything of it already)."""
+        attachment is gone (its server reclaims everything of it: see `retire`)."""
         with self._io:
-            if attachment is not self.attachment or self._sock is None:
+            if attachment is not self.attachment or self._link is None:
                 return
             message = {"op": op, "session": attachment.session, "engine": attachment.engine, **fields}
-            try:
-                self._sock.send(m.encode(message), zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._link.send(message):
                 self.counts.add("notifications_dropped")
 
     # ---- the allocator --------------------------------------------------------------------------
@@ -328,9 +357,12 @@ class CacheServerClient(MemoryAllocatorInterface):
         self._closed.set()
         self._beats.join(timeout=self.timeout + self.heartbeat)
         with self._io:
-            if self.attachment is not None:
-                self.notify(self.attachment, "bye")
-                self.attachment.detach()
-                self.attachment = None
-            self._disconnect()
+            attachment, link = self.attachment, self._link
+            if attachment is not None and link is not None:
+                link.send({"op": "bye", "session": attachment.session, "engine": attachment.engine})
+            self.attachment, self._link = None, None
+            if link is not None:
+                link.close()
+            if attachment is not None:
+                attachment.detach()
         self._zmq.term()

@@ -7,8 +7,9 @@ commit, abort, release, unlease, bye). Every request but ``hello`` names the ser
 
 Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fields:
 
-- ``hello`` {pid, name, metadata} -> {session, engine, arena, arena_size, heartbeat}: attach
-  (`metadata` is the engine's `LMCacheEngineMetadata`, see `metadata_to_wire`);
+- ``hello`` {pid, name, client, metadata} -> {session, engine, arena, arena_size, heartbeat}:
+  attach (`metadata` is the engine's `LMCacheEngineMetadata`, see `metadata_to_wire`; `client`,
+  optional, names the engine-side client: its earlier attachments that hold nothing are dropped);
 - ``heartbeat`` {} -> {};
 - ``contains`` {keys} -> {hits}: which keys a tier of the server holds;
 - ``lease`` {lease, keys, ttl} -> {hits}: pin the cached prefix of `keys` and start loading its

@@ -75,6 +75,7 @@ class Engine:
     model: Model
     pidfd: int | None
     last_seen: float
+    client: str | None = None  # the engine-side client that attached (it may attach again)
     reserved: dict[int, MemoryObj] = field(default_factory=dict)
     reads: dict[int, MemoryObj] = field(default_factory=dict)
     leases: set[str] = field(default_factory=set)
@@ -214,8 +215,14 @@ class CacheServer:
         pid = msg.get("pid")
         if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0):
             raise BadMessage(f"hello: 'pid' must be an int > 0 or null, got {pid!r}")
+        client = msg.get("client")
+        if client is not None and not (isinstance(client, str) and 0 < len(client) <= 64):
+            raise BadMessage(f"hello: 'client' must be a string of 1..64 characters, got {client!r}")
+        for old in [e for e in self.engines.values() if client is not None and e.client == client]:
+            if not old.reserved and not old.reads:  # e.g. a hello whose answer came too late
+                self._reap(old, "its client attached again")
         model = self._model(metadata)
-        engine = Engine(uuid.uuid4().hex[:16], name, pid, model, _pidfd(pid), time.monotonic())
+        engine = Engine(uuid.uuid4().hex[:16], name, pid, model, _pidfd(pid), time.monotonic(), client)
         self.engines[engine.engine_id] = engine
         self.counts.add("engines_attached")
         logger.info("engine %s attached: %s, pid %s, model %s%s", engine.engine_id, name, pid, model.label,

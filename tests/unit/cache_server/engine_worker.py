@@ -3,7 +3,8 @@
 Its KV cache is token-major and filled from a seed, so any process can tell what a prompt's KV
 must be: ``store`` {tokens, seed}; ``retrieve`` {tokens, seed} -> {hit, exact}; ``lookup``
 {tokens} -> {hit}; ``reserve`` {n} (hold n slots, never commit them); ``hold`` {tokens} (load the
-cached prefix and keep it); ``attached`` -> {attached}; ``close``.
+cached prefix and keep it); ``drop`` (let go of what was held); ``attached`` -> {attached};
+``close``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from lmcache.cache_engine import LMCacheEngine, _make_allocator
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import TokenMajorConnector
+from lmcache.memory_management import release_all
 from lmcache.token_database import ChunkedTokenDatabase
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK, SLOTS = 2, 2, 4, 8, 512
@@ -68,6 +70,11 @@ def run(engine: LMCacheEngine, cmd: dict) -> dict:
         got = engine.storage_manager.get_prefix(keys)
         held.extend(got)
         return {"held": len(got)}
+    if op == "drop":
+        dropped = len(held)
+        release_all(held)
+        held.clear()
+        return {"dropped": dropped}
     if op == "attached":
         return {"attached": engine.memory_allocator.available}
     raise ValueError(f"unknown op {op!r}")

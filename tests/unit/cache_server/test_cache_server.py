@@ -280,6 +280,26 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
         server.stop()
 
 
+def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_attachment_held(server, workers):
+    a = workers()
+    a.ask("store", tokens=DOC, seed=11)
+    assert a.ask("hold", tokens=DOC) == {"held": 8}
+    os.kill(server.proc.pid, signal.SIGSTOP)  # answers nothing for longer than the engine waits
+    try:
+        assert a.ask("lookup", tokens=DOC, timeout=30) == {"hit": 0}
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    a.wait_attached()
+    engines = server.get("/stats")["engines"].values()
+    assert sorted(e["reads_held"] for e in engines) == [0, 8]  # the old attachment still holds its reads
+    assert a.ask("drop") == {"dropped": 8}
+    wait_for(lambda: len(server.get("/stats")["engines"]) == 1, 10)
+    (engine,) = server.get("/stats")["engines"].values()
+    assert engine["pid"] == a.proc.pid and engine["reads_held"] == 0
+    assert a.ask("retrieve", tokens=DOC, seed=11) == {"hit": 64, "exact": True}
+    a.close()
+
+
 def test_raw_requests_naming_an_old_session_are_refused(url):
     first = CacheServer(url, 1 << 20, heartbeat=0.25)
     session = first.session
