@@ -280,7 +280,8 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
         server.stop()
 
 
-def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_attachment_held(server, workers):
+def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_attachment_held(
+        server, workers):
     a = workers()
     a.ask("store", tokens=DOC, seed=11)
     assert a.ask("hold", tokens=DOC) == {"held": 8}
