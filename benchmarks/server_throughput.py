@@ -13,7 +13,7 @@ copes with processes that die.
    (untimed: the arena's memory is reused, as in a long-running engine) and zeroes the target
    cache; each call is timed until its copies completed (`engine._copies.wait_idle`; the server's
    commits are notifications it handles before the engine's next request). Every retrieved value
-   is checked bit for bit against the stored one. One untimed warm-up each, then `--trials`
+   is checked bit for bit against the stored one. `--warmup` untimed trials each, then `--trials`
    trials alternating between the two, the order flipping every trial. Reported: median GB/s
    (bytes = the request's KV) and server / in-process ratios of the medians (goal >= 0.85).
 2. Memory. A new server's resident memory (VmRSS, RssAnon and RssShmem of /proc/<pid>/status)
@@ -21,18 +21,23 @@ copes with processes that die.
    processes that attach and sit idle), read after 4 heartbeats.
 3. Faults (server heartbeat `--heartbeat` s):
    a. an engine process holding `--fault-slots` reserved slots is SIGKILLed: the time until /stats
-      shows it gone and the arena's used bytes back where they were (the server watches its pid);
+      shows it gone and the arena's used bytes back where they were (the server watches its pid;
+      the figure includes the process's own exit, reported beside it);
    b. an engine whose process cannot be watched (a raw ZMQ ``hello`` with ``"pid": null``) reserves
       a slot and goes silent: the time until it is reaped (expected about 2 heartbeats);
    c. an engine serves a stream of `--stream-requests` store+retrieve requests (`--stream-tokens`
       each, one every `--stream-interval` s); the server is SIGKILLed before request `--kill-after`
       and a new one started on the same socket before request `--restart-after`: requests that
       raised (goal 0), requests served from cache before the kill, during the outage and after the
-      restart, and the time from the new server serving to the engine being attached again.
+      restart, and the time from the new server serving to the engine being attached again
+      (`client.attached`, polled every millisecond); each request's outcome is in the JSON.
 
 Every process and shared-memory segment this run made is gone at its end, also on failure.
 
-    python benchmarks/server_throughput.py [--trials 15] [--tokens 4096] [--quick]
+    python benchmarks/server_throughput.py [--trials 15] [--warmup 2] [--tokens 4096] [--quick]
+
+`--quick` (1,024-token requests, 5 trials, 1 GB arenas, 0-2 idle engines, a 12-request stream)
+checks the whole run in well under a minute; its figures are not the benchmark's.
 
 Writes benchmarks/out/server_throughput.json (server_throughput-quick.json with --quick).
 """
@@ -443,10 +448,11 @@ def measure_memory(args: argparse.Namespace, shape: ModelShape, procs: Processes
 
 @dataclass
 class Reaping:
-    seconds: float
+    seconds: float  # from the kill (a) or the last message (b) until gone and the memory back
     heartbeats: float
     slots: int
     bytes_held: int
+    exit_seconds: float | None = None  # (a): from the kill until the process had exited (waited for)
 
 
 def killed_engine(args: argparse.Namespace, shape: ModelShape, procs: Processes,
@@ -462,10 +468,11 @@ def killed_engine(args: argparse.Namespace, shape: ModelShape, procs: Processes,
     t0 = time.monotonic()
     engine.proc.send_signal(signal.SIGKILL)
     engine.proc.wait(10)
+    exited = time.monotonic() - t0
     wait_until(lambda: server.engine_of(pid=engine.proc.pid) is None
                and server.stats()["arena"]["used_bytes"] == base, 30, "the killed engine reaped")
     seconds = time.monotonic() - t0
-    return Reaping(seconds, seconds / server.heartbeat, args.fault_slots, held)
+    return Reaping(seconds, seconds / server.heartbeat, args.fault_slots, held, exited)
 
 
 def silent_engine(shape: ModelShape, server: ServerProcess) -> Reaping:
@@ -490,11 +497,12 @@ def silent_engine(shape: ModelShape, server: ServerProcess) -> Reaping:
         hello = ask({"op": "hello", "id": 1, "pid": None, "name": name,
                      "metadata": m.metadata_to_wire(shape.metadata())})
         reserved = ask({"op": "reserve", "id": 2, "session": hello["session"], "engine": hello["engine"],
-                        "shape": shape.chunk_shape(), "dtype": dtype_tag(shape.dtype)})
+                        "shapes": [list(shape.chunk_shape())], "dtype": dtype_tag(shape.dtype)})
         t0 = time.monotonic()  # last heard from
         seen = server.engine_of(name=name)
         held = server.stats()["arena"]["used_bytes"] - base
-        if reserved.get("slot") is None or seen is None or seen["watched"] or seen["slots_reserved"] != 1:
+        if len(reserved.get("slots", [])) != 1 or seen is None or seen["watched"] \
+                or seen["slots_reserved"] != 1:
             raise BenchmarkFailure(f"the unwatched engine is not as expected: {reserved}, {seen}")
         wait_until(lambda: server.engine_of(name=name) is None
                    and server.stats()["arena"]["used_bytes"] == base, 30 * server.heartbeat + 10,
@@ -632,7 +640,8 @@ def report(args: argparse.Namespace, shape: ModelShape, tp: Throughput, memory: 
               f"{r.arena_resident / mb:>16.1f}{r.arena_grown / mb:>13.1f}")
     print(f"3. faults (heartbeat {args.heartbeat:g} s):")
     print(f"   a. engine SIGKILLed holding {killed.slots} slots ({killed.bytes_held / mb:.1f} MB): gone and "
-          f"memory back after {killed.seconds * 1e3:.1f} ms = {killed.heartbeats:.2f} heartbeats")
+          f"memory back after {killed.seconds * 1e3:.1f} ms = {killed.heartbeats:.2f} heartbeats (its "
+          f"process took {(killed.exit_seconds or 0) * 1e3:.1f} ms to exit)")
     print(f"   b. unwatched engine (pid null) silent holding 1 slot: reaped after {silent.seconds:.2f} s = "
           f"{silent.heartbeats:.2f} heartbeats (expected about 2)")
     print(f"   c. {restart.requests} store+retrieve requests, server SIGKILLed before request "

@@ -202,21 +202,21 @@ class LMCacheEngine:
     def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any]) -> int:
         """Issue the copy of the chunks not cached yet; returns how many tokens it copies."""
         sm = self.storage_manager
-        dtype = self.metadata.kv_dtype
-        todo: list[ChunkCopy] = []
         cached = sm.stored_locally([c.key for c in chunks])
+        new: list[ChunkSpan] = []
+        for chunk, hit in zip(chunks, cached, strict=True):
+            if hit or self._copies.storing(chunk.key):
+                self.stats.add("store_skipped_tokens", chunk.num_tokens)
+            else:
+                new.append(chunk)
+        shapes = [self.gpu_connector.get_shape(c.num_tokens) for c in new]
+        objs = sm.allocate_many(shapes, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
+        todo = [ChunkCopy(chunk, obj) for chunk, obj in zip(new, objs, strict=False)]
         try:
-            for chunk, hit in zip(chunks, cached, strict=True):
-                if hit or self._copies.storing(chunk.key):
-                    self.stats.add("store_skipped_tokens", chunk.num_tokens)
-                    continue
-                obj = sm.allocate(self.gpu_connector.get_shape(chunk.num_tokens), dtype, MemoryFormat.KV_BLOB)
-                if obj is None:
-                    self.stats.add("store_dropped_tokens", chunks[-1].end - chunk.start)
-                    if self.memory_allocator.available:  # else its own outage, logged where it is seen
-                        self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
-                    break
-                todo.append(ChunkCopy(chunk, obj))
+            if len(todo) < len(new):
+                self.stats.add("store_dropped_tokens", sum(c.num_tokens for c in new[len(todo):]))
+                if self.memory_allocator.available:  # else its own outage, logged where it is seen
+                    self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
             else:
                 self._arena_full.recover()
             if not todo:
@@ -235,11 +235,12 @@ class LMCacheEngine:
 
     def _finish_store(self, todo: list[ChunkCopy], error: BaseException | None) -> None:
         """The copy of `todo` has completed (or failed): the objects enter the tiers."""
-        for copy in todo:
+        try:
             if error is None:
-                self.storage_manager.put(copy.chunk.key, copy.obj)
-                self.stats.add("stored_tokens", copy.chunk.num_tokens)
-            copy.obj.ref_count_down()
+                self.storage_manager.put_many([c.chunk.key for c in todo], [c.obj for c in todo])
+                self.stats.add("stored_tokens", sum(c.chunk.num_tokens for c in todo))
+        finally:
+            release_all([c.obj for c in todo])
         if error is not None:
             self.bugs.failed("asynchronous store copy", error)
 

@@ -48,6 +48,7 @@ from lmcache.observability import Counters, IncidentLog
 logger = logging.getLogger(__name__)
 
 RETRY_SAFE = frozenset({"contains", "lease", "reserve", "get"})
+RETRY_ATTACH_TIMEOUT = 0.2  # a request's one look for a restarted server (a live one answers in ms)
 
 
 class ServerAway(ConnectionError):
@@ -86,18 +87,27 @@ class Attachment:
         self.lock = threading.Lock()
         self.live = 0
         self.detached = False
+        self.releases: list[int] = []  # reads and slots given back, told with the next request
+        self.aborts: list[int] = []
 
     def free(self, obj: MemoryObj) -> None:
         assert isinstance(obj, ServerSlot)
-        if obj.read is not None:
-            self.client.notify(self, "release", reads=[obj.read])
-        elif not obj.committed:
-            self.client.notify(self, "abort", slot=obj.slot)
         with self.lock:
+            if obj.read is not None:
+                self.releases.append(obj.read)
+            elif not obj.committed and obj.slot is not None:
+                self.aborts.append(obj.slot)
             self.live -= 1
             done = self.detached and self.live == 0
         if done:
             self._done()
+
+    def given_back(self) -> tuple[list[int], list[int]]:
+        """The reads and the slots given back since the last call (to tell the server)."""
+        with self.lock:
+            out = self.releases, self.aborts
+            self.releases, self.aborts = [], []
+        return out
 
     def adopt(self, obj: ServerSlot) -> ServerSlot:
         with self.lock:
@@ -192,16 +202,18 @@ class CacheServerClient(MemoryAllocatorInterface):
     def attached(self) -> bool:
         return self.attachment is not None
 
-    def _try_attach(self) -> Attachment | None:
-        """Attach now if not attached; None if the server does not answer. The hello is sent on a
-        new link without the I/O lock: engine calls meanwhile answer misses at once."""
+    def _try_attach(self, timeout: float | None = None) -> Attachment | None:
+        """Attach now if not attached; None if the server does not answer within `timeout`
+        (default: about a heartbeat). The hello is sent on a new link without the I/O lock: engine
+        calls meanwhile answer misses at once."""
         if self.attachment is not None or self._closed.is_set():
             return self.attachment
         link = _Link(self._zmq, self.url)
         hello = {"op": "hello", "pid": os.getpid(), "name": self.name, "client": self.client_id,
                  "metadata": m.metadata_to_wire(self.metadata)}
         try:
-            reply = link.exchange(hello, next(self._ids), min(self.timeout, max(self.heartbeat, 0.5)))
+            wait = timeout if timeout is not None else min(self.timeout, max(self.heartbeat, 0.5))
+            reply = link.exchange(hello, next(self._ids), wait)
             arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
             attachment = Attachment(self, reply["session"], reply["engine"], arena)
         except (ServerAway, OSError, ValueError, KeyError, TypeError) as e:
@@ -258,6 +270,7 @@ class CacheServerClient(MemoryAllocatorInterface):
             with self._io:
                 if self._closed.is_set() or attachment is not self.attachment or self._link is None:
                     continue
+                self._tell_given_back(attachment)
                 try:
                     self._link.exchange({"op": "heartbeat", "session": attachment.session,
                                          "engine": attachment.engine}, next(self._ids), self.timeout)
@@ -269,21 +282,27 @@ class CacheServerClient(MemoryAllocatorInterface):
     def call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """Request `op`; the answer, or None (a miss) when not attached or the exchange fails (an
         outage: detached). After a failed exchange, a request that is safe to repeat tries one
-        attach and asks again (a server that restarted answers at once)."""
-        with self._io:
-            for attempt in (0, 1):
-                attachment = self.attachment if attempt == 0 else self._try_attach()
-                if attachment is None or self._link is None:
+        attach (without the I/O lock) and asks again: a server that restarted answers at once."""
+        answered = self._request(op, fields)
+        return answered[0] if answered is not None else None
+
+    def _request(self, op: str, fields: dict[str, Any]) -> tuple[dict[str, Any], Attachment] | None:
+        """`call`, with the attachment that answered."""
+        for attempt in (0, 1):
+            attachment = self.attachment if attempt == 0 else self._try_attach(RETRY_ATTACH_TIMEOUT)
+            with self._io:
+                if attachment is None or attachment is not self.attachment or self._link is None:
                     self.counts.add("skipped")
                     return None
                 request = {"op": op, "session": attachment.session, "engine": attachment.engine, **fields}
+                self._tell_given_back(attachment)
                 try:
-                    return self._link.exchange(request, next(self._ids), self.timeout)
-                except ServerAway as e:  # a restarted server may be there already: one attach to see
+                    return self._link.exchange(request, next(self._ids), self.timeout), attachment
+                except ServerAway as e:
                     self.counts.add("failures")
                     self._detach(e)
-                    if op not in RETRY_SAFE:
-                        break
+            if op not in RETRY_SAFE:
+                break
         return None
 
     def notify(self, attachment: Attachment, op: str, **fields: Any) -> None:
@@ -296,6 +315,15 @@ class CacheServerClient(MemoryAllocatorInterface):
             if not self._link.send(message):
                 self.counts.add("notifications_dropped")
 
+    def _tell_given_back(self, attachment: Attachment) -> None:
+        """Release the reads and abort the slots `attachment` gave back (the I/O lock held): in the
+        order of the engine's requests, before the next one, or with the next heartbeat."""
+        reads, slots = attachment.given_back()
+        if reads:
+            self.notify(attachment, "release", reads=reads)
+        if slots:
+            self.notify(attachment, "abort", slots=slots)
+
     # ---- the allocator --------------------------------------------------------------------------
 
     @property
@@ -304,50 +332,62 @@ class CacheServerClient(MemoryAllocatorInterface):
 
     def allocate(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> ServerSlot | None:
-        shape, dtype = torch.Size(shape), dtype or torch.uint8
-        with self._io:
-            reply = self.call("reserve", shape=list(shape), dtype=dtype_tag(dtype))
-            attachment = self.attachment
-            if reply is None or reply.get("slot") is None or attachment is None:
-                return None
-            return attachment.adopt(ServerSlot(attachment, int(reply["offset"]), shape, dtype,
-                                               slot=int(reply["slot"])))
+        got = self.allocate_many([torch.Size(shape)], dtype, fmt)
+        return got[0] if got else None  # type: ignore[return-value]  # a ServerSlot
+
+    def allocate_many(self, shapes: Sequence[torch.Size], dtype: torch.dtype | None,
+                      fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> list[MemoryObj]:
+        """Slots for the leading `shapes` that fit in the server's L1, reserved in one request."""
+        dtype = dtype or torch.uint8
+        if not shapes:
+            return []
+        answered = self._request("reserve", {"shapes": [list(s) for s in shapes], "dtype": dtype_tag(dtype)})
+        if answered is None:
+            return []
+        reply, attachment = answered
+        return [attachment.adopt(ServerSlot(attachment, int(offset), shape, dtype, slot=int(slot)))
+                for (slot, offset), shape in zip(reply["slots"], shapes, strict=False)]
 
     def free(self, memory_obj: Any) -> None:
         raise AssertionError("a ServerSlot is freed by its attachment")
 
-    def commit(self, key: CacheEngineKey, obj: Any) -> bool:
-        """Make the slot `obj` (filled) the server's chunk for `key`; False if it cannot be (not a
-        slot of the current attachment, or already committed)."""
+    def commit(self, keys: Sequence[CacheEngineKey], objs: Sequence[Any]) -> int:
+        """Make the slots `objs` (filled) the server's chunks for `keys`, in one message; how many
+        were committed (not: objects that are not slots of the current attachment, or committed
+        already)."""
         with self._io:
-            if not isinstance(obj, ServerSlot) or obj.read is not None or obj.committed \
-                    or obj.attachment is not self.attachment:
-                self.counts.add("commits_dropped")
-                return False
-            obj.committed = True
-            self.notify(obj.attachment, "commit", slot=obj.slot, key=key.to_string())
-        self.counts.add("commits")
-        return True
+            attachment = self.attachment
+            pairs = [(k, o) for k, o in zip(keys, objs, strict=True)
+                     if isinstance(o, ServerSlot) and o.read is None and not o.committed
+                     and o.attachment is attachment]
+            if len(pairs) < len(keys):
+                self.counts.add("commits_dropped", len(keys) - len(pairs))
+            if not pairs or attachment is None:
+                return 0
+            for _, obj in pairs:
+                obj.committed = True
+            self.notify(attachment, "commit", slots=[o.slot for _, o in pairs],
+                        keys=[k.to_string() for k, _ in pairs])
+        self.counts.add("commits", len(pairs))
+        return len(pairs)
 
     def get(self, keys: Sequence[CacheEngineKey]) -> list[ServerSlot]:
         """The server's chunks for the cached prefix of `keys` (one reference each, the caller's)."""
-        with self._io:
-            reply = self.call("get", keys=[k.to_string() for k in keys])
-            attachment = self.attachment
-            if reply is None or attachment is None:
-                return []
-            out: list[ServerSlot] = []
-            for i, (read, offset, shape, dtype) in enumerate(reply["objs"]):
-                try:
-                    out.append(attachment.adopt(ServerSlot(attachment, offset, torch.Size(shape),
-                                                           m.DTYPES[dtype], read=read)))
-                except (ServerAway, KeyError, TypeError, ValueError) as e:  # a bad answer ends the prefix
-                    self.counts.add("bad_replies")
-                    logger.warning("cache server: unusable chunk in a get reply (%s); the prefix ends there",
-                                   e)
-                    self.notify(attachment, "release", reads=[r[0] for r in reply["objs"][i:]])
-                    break
-            return out
+        answered = self._request("get", {"keys": [k.to_string() for k in keys]})
+        if answered is None:
+            return []
+        reply, attachment = answered
+        out: list[ServerSlot] = []
+        for i, (read, offset, shape, dtype) in enumerate(reply["objs"]):
+            try:
+                out.append(attachment.adopt(ServerSlot(attachment, offset, torch.Size(shape), m.DTYPES[dtype],
+                                                       read=read)))
+            except (ServerAway, KeyError, TypeError, ValueError) as e:  # a bad answer ends the prefix
+                self.counts.add("bad_replies")
+                logger.warning("cache server: unusable chunk in a get reply (%s); the prefix ends there", e)
+                self.notify(attachment, "release", reads=[r[0] for r in reply["objs"][i:]])
+                break
+        return out
 
     # ---- end ------------------------------------------------------------------------------------
 

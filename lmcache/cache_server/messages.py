@@ -14,9 +14,9 @@ Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fie
 - ``contains`` {keys} -> {hits}: which keys a tier of the server holds;
 - ``lease`` {lease, keys, ttl} -> {hits}: pin the cached prefix of `keys` and start loading its
   lower-tier chunks into L1; ``unlease`` {lease};
-- ``reserve`` {shape, dtype} -> {slot, offset} (slot None: L1 is full): a slot of the arena the
-  engine writes a chunk into; ``commit`` {slot, key} makes it `key`'s chunk, ``abort`` {slot}
-  gives it back;
+- ``reserve`` {shapes, dtype} -> {slots: [[slot, offset], ...]}: slots of the arena the engine
+  writes chunks into, for the leading shapes that fit (fewer: L1 is full); ``commit`` {slots,
+  keys} makes them those keys' chunks, ``abort`` {slots} gives them back;
 - ``get`` {keys} -> {objs: [[read, offset, shape, dtype], ...]}: the cached prefix, held for the
   engine (never evicted or reused) until ``release`` {reads};
 - ``bye`` {}: the engine leaves; everything it held is given back.
@@ -146,12 +146,15 @@ def key_of(message: dict[str, Any], value: Any) -> CacheEngineKey:
         raise BadMessage(f"{message['op']}: {e}") from None
 
 
-def shape_field(message: dict[str, Any]) -> torch.Size:
-    value = field(message, "shape")
-    if not isinstance(value, list) or not 0 < len(value) <= MAX_DIMS or \
-            not all(_is_int(v) and 0 < v < 1 << 40 for v in value):
-        raise BadMessage(f"{message['op']}: 'shape' must be a list of 1..{MAX_DIMS} ints > 0")
-    return torch.Size(value)
+def shapes_field(message: dict[str, Any]) -> list[torch.Size]:
+    value = field(message, "shapes")
+    if not isinstance(value, list) or len(value) > MAX_KEYS:
+        raise BadMessage(f"{message['op']}: 'shapes' must be a list of at most {MAX_KEYS} shapes")
+    for shape in value:
+        if not isinstance(shape, list) or not 0 < len(shape) <= MAX_DIMS or \
+                not all(_is_int(v) and 0 < v < 1 << 40 for v in shape):
+            raise BadMessage(f"{message['op']}: a shape is a list of 1..{MAX_DIMS} ints > 0, got {shape!r}")
+    return [torch.Size(shape) for shape in value]
 
 
 def dtype_field(message: dict[str, Any]) -> torch.dtype:

@@ -44,7 +44,13 @@ from lmcache.cache_server import messages as m
 from lmcache.cache_server.messages import BadMessage
 from lmcache.cache_server.shm import SharedArena, remove_stale
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.memory_management import MemoryFormat, MemoryObj, MixedMemoryAllocator, TensorMemoryAllocator
+from lmcache.memory_management import (
+    MemoryFormat,
+    MemoryObj,
+    MixedMemoryAllocator,
+    TensorMemoryAllocator,
+    release_all,
+)
 from lmcache.memory_management.allocators import GROW_BYTES
 from lmcache.observability import Counters, TierStats
 from lmcache.storage_backend.storage_manager import StorageManager
@@ -303,35 +309,38 @@ class CacheServer:
         engine.leases.discard(lease)
 
     def _reserve(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
-        shape, dtype = m.shape_field(msg), m.dtype_field(msg)
-        if shape.numel() * dtype.itemsize > self.arena.size:
-            raise BadMessage(f"reserve: {shape.numel() * dtype.itemsize} bytes is more than the arena")
-        obj = engine.model.storage.allocate(shape, dtype, MemoryFormat.KV_BLOB)
-        if obj is None:
-            engine.counts.add("reserve_full")
-            return {"slot": None, "offset": None}
-        slot = next(self._ids)
-        engine.reserved[slot] = obj
-        engine.counts.add("reserved")
-        return {"slot": slot, "offset": self._offset(obj)}
+        dtype = m.dtype_field(msg)
+        shapes = m.shapes_field(msg)
+        if sum(shape.numel() for shape in shapes) * dtype.itemsize > self.arena.size:
+            raise BadMessage("reserve: more bytes than the arena holds")
+        slots = []
+        for obj in engine.model.storage.allocate_many(shapes, dtype, MemoryFormat.KV_BLOB):
+            slot = next(self._ids)
+            engine.reserved[slot] = obj
+            slots.append([slot, self._offset(obj)])
+        engine.counts.add("reserved", len(slots))
+        if len(slots) < len(shapes):
+            engine.counts.add("reserve_full", len(shapes) - len(slots))
+        return {"slots": slots}
 
     def _commit(self, engine: Engine, msg: dict[str, Any]) -> None:
-        slot, key = m.int_field(msg, "slot"), m.key_of(msg, m.field(msg, "key"))
-        obj = engine.reserved.pop(slot, None)
-        if obj is None:
-            raise BadMessage(f"commit: engine {engine.engine_id} holds no slot {slot}")
+        slots, keys = m.int_list(msg, "slots"), m.keys_field(msg)
+        if len(slots) != len(keys) or not all(s in engine.reserved for s in slots):
+            raise BadMessage(f"commit: {len(slots)} slots (held by the engine?) for {len(keys)} keys")
+        objs = [engine.reserved.pop(s) for s in slots]
         try:
-            engine.model.storage.put(key, obj)
+            engine.model.storage.put_many(keys, objs)
         finally:
-            obj.ref_count_down()
-        engine.counts.add("committed")
-        engine.counts.add("bytes_stored", obj.get_size())
+            release_all(objs)
+        engine.counts.add("committed", len(objs))
+        engine.counts.add("bytes_stored", sum(obj.get_size() for obj in objs))
 
     def _abort(self, engine: Engine, msg: dict[str, Any]) -> None:
-        obj = engine.reserved.pop(m.int_field(msg, "slot"), None)
-        if obj is not None:
-            obj.ref_count_down()
-            engine.counts.add("aborted")
+        for slot in m.int_list(msg, "slots"):
+            obj = engine.reserved.pop(slot, None)
+            if obj is not None:
+                obj.ref_count_down()
+                engine.counts.add("aborted")
 
     def _get(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
         objs = engine.model.storage.get_prefix(m.keys_field(msg))
@@ -416,7 +425,10 @@ class CacheServer:
         self._zmq.term()
         self.allocator.close()
         self.arena.close()
-        if self._url_lock is not None:
+        if self._url_lock is not None:  # an ipc:// socket: its file and lock file go too
+            path = self.url[len("ipc://"):]
+            Path(path).unlink(missing_ok=True)
+            Path(f"{path}.lock").unlink(missing_ok=True)
             os.close(self._url_lock)
 
 

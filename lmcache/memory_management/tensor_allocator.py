@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import bisect
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,17 @@ class MemoryAllocatorInterface(abc.ABC):
         """The one buffer every tensor object is carved from (uint8; for registering it with a
         transfer library), or None when objects are not carved from one buffer."""
         return None
+
+    def allocate_many(self, shapes: Sequence[torch.Size], dtype: torch.dtype | None,
+                      fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> list[MemoryObj]:
+        """Objects for the leading `shapes` that fit, in order (stops at the first that does not)."""
+        out: list[MemoryObj] = []
+        for shape in shapes:
+            obj = self.allocate(shape, dtype, fmt)
+            if obj is None:
+                break
+            out.append(obj)
+        return out
 
     @property
     def available(self) -> bool:

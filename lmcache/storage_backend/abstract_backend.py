@@ -13,6 +13,7 @@ Primitives and when they are called (by the `StorageManager`):
 - `submit_put_task(key, obj)`: store; the backend takes its own reference on `obj` for as long as
   it needs it (the hot tier keeps it; a lower tier drops it once written). Returns a Future for
   asynchronous tiers, None when the put completed (or was dropped) synchronously.
+- `batched_put(keys, objs)`: `submit_put_task` of each pair (a tier may do it in one go).
 - `get_blocking(key)` / `batched_get(keys)`: objects with one reference each owned by the caller
   (None for misses); a key still being written is served from memory. A batched get of a remote
   tier is one round trip per failure domain; of the disk tier, concurrent reads.
@@ -117,6 +118,10 @@ class StorageBackendInterface(abc.ABC):
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get_blocking(k) for k in keys]
+
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs, strict=True):
+            self.submit_put_task(key, obj)
 
     def clear(self) -> int:
         raise NotImplementedError(f"the {self.name} tier cannot be cleared from here")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the client imports zmq: only engines on a cache server load
 @register_tier
 class CacheServerBackend(StorageBackendInterface):
     name = "CacheServer"
-    lookup_order = 5
+    lookup_order = 3  # after the hot tier (which an engine on a server has not), before PD
     is_local = True  # on this host: a store skips what the server holds
     may_fail = False  # the client turns outages into misses itself
     promote_hits = False  # there is no hot tier in the engine: the server's L1 is it
@@ -62,8 +62,11 @@ class CacheServerBackend(StorageBackendInterface):
         return False
 
     def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj) -> Future | None:
-        self.client.commit(key, memory_obj)
+        self.client.commit([key], [memory_obj])
         return None
+
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        self.client.commit(keys, objs)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         got = self.batched_get([key])

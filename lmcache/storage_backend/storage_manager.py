@@ -6,7 +6,9 @@ guarded by the tier's failure domain (`lmcache.failures`): its failure is a miss
 tier's ``failures``, logged once per incident, and the tier is backed off from until a retry works.
 
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
-- `put(key, obj)`: the hot tier keeps the object synchronously; lower tiers get it asynchronously.
+- `allocate_many(shapes, ...)`: buffers for several chunks at once (as many as fit, in order).
+- `put(key, obj)` / `put_many(keys, objs)`: the hot tier keeps the objects synchronously; lower
+  tiers get them asynchronously.
 - `stored_locally(keys)`: which keys a local tier holds (or is writing): a store skips them.
 - `locate(keys, search_range)`: the tier holding each key (None: none does): one batched
   existence check per tier, for the keys the tiers before it did not have; keys being loaded into
@@ -127,10 +129,27 @@ class StorageManager:
             return self.hot.allocate(shape, dtype, fmt)
         return self.allocator.allocate(shape, dtype, fmt)
 
+    def allocate_many(self, shapes: Sequence[torch.Size], dtype: torch.dtype | None,
+                      fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> list[MemoryObj]:
+        """Buffers for the leading `shapes` that fit (evicting as `allocate` does), in order."""
+        if self.hot is None:
+            return self.allocator.allocate_many(shapes, dtype, fmt)
+        out: list[MemoryObj] = []
+        for shape in shapes:
+            obj = self.hot.allocate(shape, dtype, fmt)
+            if obj is None:
+                break
+            out.append(obj)
+        return out
+
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        self.put_many([key], [memory_obj])
+
+    def put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        """`put` of each pair, one call per tier."""
         for tier in self.tiers:
-            self._guard(tier, tier.submit_put_task, None, key, memory_obj)
-        self._changed([key], [])
+            self._guard(tier, tier.batched_put, None, keys, objs)
+        self._changed(list(keys), [])
 
     def _promote(self, keys: list[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
         """Lower-tier hits enter the hot tier."""

@@ -205,8 +205,8 @@ def test_an_engine_that_cannot_be_watched_is_reaped_after_two_missed_heartbeats(
     sock = raw_client(url)
     att = hello(sock, pid=None)
     ident = {"session": att["session"], "engine": att["engine"]}
-    slot = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shape": [2, 2, 8, 8], "dtype": "bfloat16"})
-    assert slot is not None and slot["slot"] is not None
+    reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
+    assert reply is not None and len(reply["slots"]) == 1
     assert server.get("/stats")["arena"]["used_bytes"] == CHUNK_BYTES
     silent_from = time.monotonic()
     wait_for(lambda: not server.get("/stats")["engines"], 10 * server.heartbeat)
@@ -223,13 +223,14 @@ def test_a_reserved_slot_is_invisible_until_committed(server, url):
     att = hello(sock, pid=os.getpid())
     ident = {"session": att["session"], "engine": att["engine"]}
     key = "kv_blob@test-model@1@0@00ff@bfloat16"
-    slot = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shape": [2, 2, 8, 8], "dtype": "bfloat16"})
-    assert slot is not None
+    reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
+    assert reply is not None
+    ((slot, offset),) = reply["slots"]
     arena = shm.SharedArena.attach(att["arena"], att["arena_size"])
-    arena.tensor[slot["offset"]: slot["offset"] + CHUNK_BYTES // 2] = 7  # half written
+    arena.tensor[offset: offset + CHUNK_BYTES // 2] = 7  # half written
     assert ask_raw(sock, {"op": "contains", "id": 3, **ident, "keys": [key]})["hits"] == [False]
     assert ask_raw(sock, {"op": "get", "id": 4, **ident, "keys": [key]})["objs"] == []
-    ask_raw(sock, {"op": "commit", **ident, "slot": slot["slot"], "key": key}, timeout=0.2)
+    ask_raw(sock, {"op": "commit", **ident, "slots": [slot], "keys": [key]}, timeout=0.2)
     assert ask_raw(sock, {"op": "contains", "id": 5, **ident, "keys": [key]})["hits"] == [True]
     ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
     arena.close()
@@ -351,8 +352,8 @@ JSONISH = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 REQUESTS = st.fixed_dictionaries({"op": st.sampled_from(sorted(m.OPS)), "id": st.integers(0, 2**31)},
                                  optional={"session": st.text(max_size=40), "engine": st.text(max_size=20),
-                                           "keys": JSONISH, "shape": JSONISH, "dtype": JSONISH,
-                                           "slot": JSONISH, "reads": JSONISH, "metadata": JSONISH,
+                                           "keys": JSONISH, "shapes": JSONISH, "dtype": JSONISH,
+                                           "slots": JSONISH, "reads": JSONISH, "metadata": JSONISH,
                                            "lease": JSONISH, "ttl": JSONISH, "pid": JSONISH, "name": JSONISH})
 FRAMES = st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=3),
                    JSONISH.map(lambda v: [json.dumps(v).encode()]),

@@ -9,6 +9,7 @@ from lmcache.config import LMCacheEngineConfig
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.storage_backend.cache_server_backend import CacheServerBackend
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.storage_backend.pd_backend import PDBackend
@@ -37,13 +38,15 @@ def store(sm, keys, make_obj, seeds):
 
 
 def test_registry_lists_the_tiers_in_lookup_order_with_their_properties():
-    assert tier_classes() == [LocalCPUBackend, PDBackend, LocalDiskBackend, RemoteBackend, PeerBackend]
-    assert tier_names() == {"Hot": "Hot", "LocalCPUBackend": "Hot", "PDBackend": "PDBackend",
+    assert tier_classes() == [LocalCPUBackend, CacheServerBackend, PDBackend, LocalDiskBackend, RemoteBackend,
+                              PeerBackend]
+    assert tier_names() == {"Hot": "Hot", "LocalCPUBackend": "Hot", "CacheServer": "CacheServer",
+                            "PDBackend": "PDBackend",
                             "PD": "PDBackend", "LocalDiskBackend": "LocalDiskBackend",
                             "RemoteBackend": "RemoteBackend", "PeerBackend": "PeerBackend",
                             "P2PBackend": "PeerBackend"}
-    assert [(c.is_local, c.may_fail) for c in tier_classes()] == [(True, False), (True, False), (True, True),
-                                                                  (False, True), (False, True)]
+    assert [(c.is_local, c.may_fail) for c in tier_classes()] == [(True, False), (True, False), (True, False),
+                                                                  (True, True), (False, True), (False, True)]
 
 
 def test_a_second_tier_with_a_taken_name_is_refused():
@@ -52,7 +55,8 @@ def test_a_second_tier_with_a_taken_name_is_refused():
 
     with pytest.raises(ValueError, match="taken"):
         register_tier(Impostor)
-    assert tier_classes() == [LocalCPUBackend, PDBackend, LocalDiskBackend, RemoteBackend, PeerBackend]
+    assert tier_classes() == [LocalCPUBackend, CacheServerBackend, PDBackend, LocalDiskBackend, RemoteBackend,
+                              PeerBackend]
 
 
 def test_config_values_come_from_the_registries():
