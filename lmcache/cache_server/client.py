@@ -47,6 +47,7 @@ from lmcache.observability import Counters, IncidentLog
 
 logger = logging.getLogger(__name__)
 
+PAGE = 4096
 RETRY_SAFE = frozenset({"contains", "lease", "reserve", "get"})
 RETRY_ATTACH_TIMEOUT = 0.2  # a request's one look for a restarted server (a live one answers in ms)
 
@@ -89,6 +90,27 @@ class Attachment:
         self.detached = False
         self.releases: list[int] = []  # reads and slots given back, told with the next request
         self.aborts: list[int] = []
+        self.mapped = 0  # the arena's first bytes whose pages this process has mapped
+
+    def map_pages(self, grown: Any) -> None:
+        """Map the pages of the arena's first `grown` bytes into this process now (a read of each),
+        so a copy into or out of a slot there takes no page fault: the server wrote those pages
+        already, so nothing new is allocated. Called by the heartbeat thread, off the request path."""
+        if not isinstance(grown, int) or not self.mapped < grown <= self.arena.size:
+            return
+        with self.lock:
+            if self.detached:
+                return
+            self.live += 1  # keeps the arena mapped meanwhile
+        try:
+            self.arena.tensor[self.mapped:grown:PAGE].sum()
+            self.mapped = grown
+        finally:
+            with self.lock:
+                self.live -= 1
+                done = self.detached and self.live == 0
+            if done:
+                self._done()
 
     def free(self, obj: MemoryObj) -> None:
         assert isinstance(obj, ServerSlot)
@@ -272,10 +294,12 @@ class CacheServerClient(MemoryAllocatorInterface):
                     continue
                 self._tell_given_back(attachment)
                 try:
-                    self._link.exchange({"op": "heartbeat", "session": attachment.session,
-                                         "engine": attachment.engine}, next(self._ids), self.timeout)
+                    reply = self._link.exchange({"op": "heartbeat", "session": attachment.session,
+                                                 "engine": attachment.engine}, next(self._ids), self.timeout)
                 except ServerAway as e:
                     self._detach(e)
+                    continue
+            attachment.map_pages(reply.get("grown"))
 
     # ---- exchanges ------------------------------------------------------------------------------
 

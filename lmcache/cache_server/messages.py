@@ -7,10 +7,11 @@ commit, abort, release, unlease, bye). Every request but ``hello`` names the ser
 
 Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fields:
 
-- ``hello`` {pid, name, client, metadata} -> {session, engine, arena, arena_size, heartbeat}:
+- ``hello`` {pid, name, client, metadata} -> {session, engine, arena, arena_size, heartbeat, grown}:
   attach (`metadata` is the engine's `LMCacheEngineMetadata`, see `metadata_to_wire`; `client`,
   optional, names the engine-side client: its earlier attachments that hold nothing are dropped);
-- ``heartbeat`` {} -> {};
+- ``heartbeat`` {} -> {grown}: (`grown`: the bytes at the arena's start the server hands slots
+  out of so far; an engine maps their pages ahead of its first copy);
 - ``contains`` {keys} -> {hits}: which keys a tier of the server holds;
 - ``lease`` {lease, keys, ttl} -> {hits}: pin the cached prefix of `keys` and start loading its
   lower-tier chunks into L1; ``unlease`` {lease};

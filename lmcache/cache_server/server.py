@@ -132,7 +132,8 @@ class CacheServer:
         self.allocator = MixedMemoryAllocator(arena_bytes, TensorMemoryAllocator(self.arena.tensor,
                                                                                  grow_bytes=GROW_BYTES))
         self._handlers: dict[str, Callable[[Engine, dict[str, Any]], dict[str, Any] | None]] = {
-            "heartbeat": lambda engine, msg: {}, "contains": self._contains, "lease": self._lease,
+            "heartbeat": lambda engine, msg: {"grown": self.allocator.pin_allocator.grown},
+            "contains": self._contains, "lease": self._lease,
             "unlease": self._unlease, "reserve": self._reserve, "commit": self._commit,
             "abort": self._abort, "get": self._get, "release": self._release, "bye": self._bye,
         }
@@ -234,7 +235,8 @@ class CacheServer:
         logger.info("engine %s attached: %s, pid %s, model %s%s", engine.engine_id, name, pid, model.label,
                     "" if engine.pidfd is not None else " (its process cannot be watched: heartbeats only)")
         return {"session": self.session, "engine": engine.engine_id, "arena": self.arena.name,
-                "arena_size": self.arena.size, "heartbeat": self.heartbeat}
+                "arena_size": self.arena.size, "heartbeat": self.heartbeat,
+                "grown": self.allocator.pin_allocator.grown}
 
     def _model(self, metadata: LMCacheEngineMetadata) -> Model:
         wire = m.encode(m.metadata_to_wire(metadata))

@@ -88,6 +88,10 @@ class CacheServerBackend(StorageBackendInterface):
     def remove(self, key: CacheEngineKey) -> bool:
         return False  # the server's chunks are shared: an engine does not drop them
 
+    def clear(self) -> int:
+        raise ValueError("the cache server's tiers are shared by its engines: clear them on the server "
+                         "(lmcache clear --url <its operations endpoint>)")
+
     def healthy(self) -> bool:
         return self.client.attached
 
