@@ -1,20 +1,24 @@
 """`CacheServerClient`: an engine's attachment to a cache server, and the engine's allocator.
 
-It is the engine's `MemoryAllocatorInterface`: `allocate` reserves a slot in the server's
-shared arena and returns a `ServerSlot` viewing it, so the engine's connector copies a chunk
-straight into L1 (the only copy); `commit` (called by the cache-server tier when the storage
-manager puts the chunk) makes the server keep it. `get` returns `ServerSlot`s viewing chunks the
-server holds for this engine until the slot's last reference goes (then the server is told).
+It is the engine's `MemoryAllocatorInterface`: `allocate_many` reserves slots for all of a
+store's chunks in the server's shared arena in one request and returns `ServerSlot`s viewing
+them, so the engine's connector copies the chunks straight into L1 (the only copy); `commit`
+(called by the cache-server tier when the storage manager puts the chunks) makes the server keep
+them, in one notification. `get` returns `ServerSlot`s viewing chunks the server holds for this
+engine until each slot's last reference goes; those releases (and aborted slots) are told to the
+server with the engine's next request or heartbeat, in one message.
 
 Attachment: `hello` gives a session id, an engine id and the arena's name; the arena is mapped
-here. A thread sends a heartbeat every interval the server asked for; it also attaches (again)
-whenever the engine is not attached, so a server that starts late, or again after a crash, is
-used without restarting the engine. A failed exchange (no answer within `timeout`, the
-connection dropped, a reply saying the server restarted or forgot this engine) detaches: until
-the next attach every call answers a miss at once (stores are skipped, loads find nothing) and
-the outage is logged once (`IncidentLog`). Only requests that are safe to repeat are retried on
-a new attachment; slots of an old attachment are never committed to a new server (its memory is a
-different segment), and an old arena stays mapped until the last object viewing it is gone.
+here. A thread sends a heartbeat every interval the server asked for, maps the arena pages the
+server has grown (so copies take no page faults), and attaches (again) whenever the engine is not
+attached, so a server that starts late, or again after a crash, is used without restarting the
+engine. A failed exchange (no answer within `timeout`, the connection dropped, a reply saying the
+server restarted or forgot this engine) detaches: until the next attach every call answers a miss
+at once (stores are skipped, loads find nothing) and the outage is logged once (`IncidentLog`).
+A request that is safe to repeat looks once for a restarted server (`RETRY_ATTACH_TIMEOUT`).
+Slots of an old attachment are never committed to a new server (its memory is a different
+segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
+given up on a server that is still there (a timeout) is then retired with a ``bye``.
 """
 
 from __future__ import annotations

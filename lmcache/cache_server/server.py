@@ -137,6 +137,7 @@ class CacheServer:
             "unlease": self._unlease, "reserve": self._reserve, "commit": self._commit,
             "abort": self._abort, "get": self._get, "release": self._release, "bye": self._bye,
         }
+        assert set(self._handlers) | {"hello"} == m.OPS, "every op of the protocol has a handler"
         logger.info("LMCache cache server on %s: L1 arena %s (%.2f GB), session %s", self.url,
                     self.arena.name, arena_bytes / (1 << 30), self.session)
 
