@@ -3,6 +3,8 @@
 Small random-weight checkpoints (`tests.helpers.tiny_models`) of Llama, Gemma 3 (sliding window),
 gpt-oss (sliding window + sinks, MoE), DeepSeek-V2 (MLA, bf16) and Qwen3-Next (gated-delta-net
 linear attention + full attention, bf16) run on vLLM-CPU with vLLM's hybrid KV cache manager on.
+Gemma 3 and Qwen3-Next are served through an `lmcache cache-server` (its shared-memory L1 and its
+disk tier), the others by the engine's own CPU and disk tiers: the same checks hold for both.
 
 "Equal to the last bit" needs both engines to do the same arithmetic, so every check pairs a
 request served from LMCache (vLLM's prefix cache reset) with the request of the engine without a
@@ -39,6 +41,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
+from tests.helpers.servers import CacheServerProcess
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
@@ -58,6 +61,9 @@ MNBT = 512  # several prefill steps per prompt
 LENGTHS = {"aligned": 768, "mid": 812, "long": 1100, "tail": 897}
 EXTENDED = ("aligned", "mid", "long")  # the prompts `p + [t]` is checked with
 ENGINE_ARGS = {"qwen3_next": {"prefix_match_unit": 128}}
+# served through `lmcache cache-server` (shared-memory L1, the disk tier in the server) instead of
+# the engine's own tiers: a sliding-window model and the hybrid one (its recurrent states too)
+ON_A_CACHE_SERVER = {"gemma3", "qwen3_next"}
 # bf16 logits are rounded to 8 bits: about 0.03 at a logprob of -6; a few such steps between two
 # orders of the same sums (measured: 0.06-0.12 for DeepSeek's prefill with and without a prefix)
 BF16_LOGPROB_TOLERANCE = 0.25
@@ -114,14 +120,25 @@ def arch(request, tmp_path_factory):
         forced[key] = forced_decode(ref, p)
     stop_llm(ref)
     disk = tmp_path_factory.mktemp("disk")
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.25, local_disk=str(disk), max_local_disk_size=0.5)
+    tiers = {"local_disk": str(disk), "max_local_disk_size": 0.5}
+    server = None
+    if name in ON_A_CACHE_SERVER:  # the same tiers, in a cache server's process
+        config = tmp_path_factory.mktemp("server") / "tiers.yaml"
+        config.write_text(json.dumps(tiers))
+        server = CacheServerProcess(f"ipc://{config.parent}/cache.sock", "--config", str(config),
+                                    size_gb=0.25).start()
+        transfer = lmcache_transfer_config(cache_server_url=server.url)
+    else:
+        transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with stderr_to(str(log)):
         llm = start_llm(transfer, dtype=dtype, model=model, max_num_batched_tokens=MNBT, **engine_args)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
-    yield name, ps, cold, repeat, (again, forced), llm, log, client
+    yield name, ps, cold, repeat, (again, forced), llm, log, client, server
     client.close()
     stop_llm(llm)
+    if server is not None:
+        server.stop()
 
 
 def test_cold_requests_equal_the_engine_without_a_connector(arch):
@@ -187,7 +204,7 @@ def test_bytes_stored_are_the_models_kv_and_states(arch):
     """What the disk tier wrote (logical bytes, its blob headers aside): per token stored, K and V
     of every attention layer, or one latent per MLA layer (kv_lora_rank + qk_rope_head_dim values);
     per recurrent state stored, every linear-attention layer's conv and SSM state."""
-    name, *_, client = arch
+    name, *_, client, server = arch
     c = json.loads((Path(tiny_model_path(name)) / "config.json").read_text())
     item = 2 if ARCHS[name].dtype == "bfloat16" else 4
     layers = c["num_hidden_layers"]
@@ -207,7 +224,11 @@ def test_bytes_stored_are_the_models_kv_and_states(arch):
     while True:
         (stats,) = client.stats()
         stored, states = stats["engine"]["stored_tokens"], stats["engine"].get("stored_states", 0)
-        written = stats["tiers"]["LocalDiskBackend"]["counters"].get("bytes_written", 0)
+        if server is None:
+            written = stats["tiers"]["LocalDiskBackend"]["counters"].get("bytes_written", 0)
+        else:
+            (tiers,) = server.get("/stats")["models"].values()
+            written = tiers["LocalDiskBackend"].get("bytes_written", 0)
         if written == stored * per_token + states * state or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -216,7 +237,7 @@ def test_bytes_stored_are_the_models_kv_and_states(arch):
 
 
 def test_the_engine_keeps_vllms_hybrid_manager_and_nothing_is_refused(arch):
-    *_, log, _ = arch
+    *_, log, _, _ = arch
     text = log.read_text(errors="replace")
     assert "Turning off hybrid kv cache manager" not in text  # the connector supports vLLM's HMA
     assert "LMCache cannot serve" not in text
