@@ -30,7 +30,7 @@ from lmcache.cache_server import messages as m
 from lmcache.cache_server import shm
 from lmcache.cache_server.server import CacheServer
 from lmcache.config import LMCacheEngineMetadata
-from tests.helpers.servers import REPO, CacheServerProcess
+from tests.helpers.servers import REPO, CacheServerProcess, free_port
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 CHUNK_BYTES = 2 * 2 * 8 * 8 * 2  # [2, layers, chunk, hidden] bf16
@@ -109,8 +109,8 @@ class Worker:
 def workers(url):
     made: list[Worker] = []
 
-    def make() -> Worker:
-        made.append(Worker(url))
+    def make(at: str | None = None) -> Worker:
+        made.append(Worker(at or url))
         return made[-1]
 
     yield make
@@ -417,3 +417,15 @@ def test_health_stats_metrics_lookup_and_clear_and_the_cli_against_the_server(se
     assert post("/clear", b'{"tier": "hot"}') == (200, {"cleared": {model: {"Hot": 8}}})
     assert a.ask("lookup", tokens=DOC) == {"hit": 0}
     a.close()
+
+
+def test_engines_attach_over_tcp_too(workers):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    server = CacheServerProcess(url).start()
+    try:
+        a, b = workers(url), workers(url)
+        a.ask("store", tokens=DOC, seed=12)
+        assert b.ask("retrieve", tokens=DOC, seed=12) == {"hit": 64, "exact": True}
+        a.close(), b.close()
+    finally:
+        server.stop()
