@@ -206,12 +206,12 @@ def test_an_engine_that_cannot_be_watched_is_reaped_after_two_missed_heartbeats(
     att = hello(sock, pid=None)
     ident = {"session": att["session"], "engine": att["engine"]}
     reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
+    silent_from = time.monotonic()  # the server heard from it last just before it answered
     assert reply is not None and len(reply["slots"]) == 1
     assert server.get("/stats")["arena"]["used_bytes"] == CHUNK_BYTES
-    silent_from = time.monotonic()
     wait_for(lambda: not server.get("/stats")["engines"], 10 * server.heartbeat)
     waited = (time.monotonic() - silent_from) / server.heartbeat
-    assert 2 <= waited <= 3, f"reaped after {waited:.2f} heartbeats"
+    assert 1.95 <= waited <= 3, f"reaped after {waited:.2f} heartbeats"  # 2, give or take the answer's trip
     assert server.get("/stats")["arena"]["used_bytes"] == 0
     reply = ask_raw(sock, {"op": "heartbeat", "id": 3, **ident})
     assert reply is not None and reply["code"] == "engine"
