@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", default=None,
                    help="LMCache YAML config of the tiers behind L1 (local_disk, remote_url, ...)")
     c.add_argument("--heartbeat", type=float, default=1.0,
-                   help="seconds between engines' heartbeats; an engine silent for 2 is reaped")
+                   help="seconds between engines' heartbeats (an engine whose process the server cannot "
+                        "watch is reaped after 2 missed ones)")
     c.add_argument("--http-host", default="127.0.0.1", help="address of /health, /stats, /metrics")
     c.add_argument("--http-port", type=int, default=0, help="port of /health, /stats, /metrics (0 = any)")
     c.set_defaults(func=_cache_server)
