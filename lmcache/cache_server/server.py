@@ -7,6 +7,10 @@ batching, leases, promotion and the failure policy are the same code. The models
 a full arena evicts the asking model's least recently used chunks, and a store that still finds
 no room is dropped (the engine answers from its own computation), never blocked.
 
+One thread serves the socket; a request that may wait on a lower tier (`IO_OPS` of a model that
+has lower tiers: a disk read, a remote round trip) runs on one of `IO_WORKERS` threads and its
+answer is sent when it is ready, so the other engines are served meanwhile.
+
 KV bytes never pass through the control socket: a store reserves a slot (`reserve`), the engine
 copies the chunk into the arena at the slot's offset, and `commit` makes it visible under its
 key; until then nobody can read it. A `get` hands out offsets of chunks held for that engine until
@@ -32,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,8 @@ from lmcache.token_database import ChunkedTokenDatabase
 logger = logging.getLogger(__name__)
 
 MISSED_HEARTBEATS = 2
+IO_WORKERS = 4
+IO_OPS = frozenset({"contains", "lease", "get"})  # may wait on a lower tier (disk, remote, peers)
 
 
 @dataclass
@@ -116,6 +123,11 @@ class CacheServer:
         self._zmq = zmq.Context()
         self.socket = self._zmq.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self._answers = self._zmq.socket(zmq.PULL)  # what the I/O workers answered, to send
+        self._answers.bind(f"inproc://answers-{self.session}")
+        self._pushers: list[zmq.Socket] = []
+        self._pusher = threading.local()
+        self._io = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="lmcache-server-io")
         try:
             self.socket.bind(url)
             self.url = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -123,7 +135,9 @@ class CacheServer:
                 logger.info("removed the shared arena %s of a cache server that died", name)
             self.arena = SharedArena.create(arena_bytes)
         except BaseException:
+            self._io.shutdown()
             self.socket.close()
+            self._answers.close()
             self._zmq.term()
             if self._url_lock is not None:
                 os.close(self._url_lock)
@@ -146,6 +160,7 @@ class CacheServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._answers, zmq.POLLIN)
         watched: dict[int, str] = {}
         next_check = time.monotonic()
         while not self._stopping.is_set():
@@ -165,6 +180,12 @@ class CacheServer:
                     except zmq.Again:
                         break
                     self._serve(frames)
+            if self._answers in ready:
+                while True:
+                    try:
+                        self.socket.send_multipart(self._answers.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
             for fd, engine_id in list(watched.items()):
                 if fd in ready and engine_id in self.engines:
                     with self.lock:
@@ -185,7 +206,11 @@ class CacheServer:
             msg = m.decode(body)
             request_id = msg.get("id")
             with self.lock:
-                reply = self._handle(msg)
+                engine = self._engine_of(msg)
+                if engine is not None and msg["op"] in IO_OPS and engine.model.storage.lower:
+                    self._io.submit(self._serve_io, identity, msg, engine)  # may wait on a lower tier
+                    return
+                reply = self._handle(msg, engine)
         except BadMessage as e:
             self.counts.add("bad_messages")
             logger.debug("bad request: %s", e)
@@ -197,10 +222,11 @@ class CacheServer:
         if reply is not None:
             self.socket.send_multipart([identity, m.encode(reply)])
 
-    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg["op"]
-        if op == "hello":
-            return {"ok": True, "id": msg.get("id"), **self._hello(msg)}
+    def _engine_of(self, msg: dict[str, Any]) -> Engine | None:
+        """The attached engine a request (but ``hello``) comes from, now heard from; BadMessage if
+        it names another session or an engine the server does not know."""
+        if msg["op"] == "hello":
+            return None
         if m.str_field(msg, "session") != self.session:
             raise BadMessage("this cache server restarted since the engine attached: attach again", "session")
         engine = self.engines.get(m.str_field(msg, "engine"))
@@ -210,10 +236,41 @@ class CacheServer:
         if engine.silent:
             engine.silent = False
             logger.info("engine %s (%s) is heard from again", engine.engine_id, engine.name)
+        return engine
+
+    def _handle(self, msg: dict[str, Any], engine: Engine | None) -> dict[str, Any] | None:
+        op = msg["op"]
+        if engine is None:
+            return {"ok": True, "id": msg.get("id"), **self._hello(msg)}
         out = self._handlers[op](engine, msg)
         if "id" not in msg or op in m.NOTIFICATIONS:
             return None
         return {"ok": True, "id": msg["id"], **(out or {})}
+
+    def _serve_io(self, identity: bytes, msg: dict[str, Any], engine: Engine) -> None:
+        """A request that may wait on a lower tier, on an I/O worker: the loop serves the other
+        engines meanwhile (handlers take the lock for what they change)."""
+        request_id = msg.get("id")
+        try:
+            reply: dict[str, Any] = {"ok": True, "id": request_id,
+                                     **(self._handlers[msg["op"]](engine, msg) or {})}
+        except BadMessage as e:
+            self.counts.add("bad_messages")
+            reply = m.error(request_id, str(e), e.code)
+        except Exception as e:
+            self.counts.add("errors")
+            logger.exception("cache server: a request failed")
+            reply = m.error(request_id, f"internal error: {type(e).__name__}: {e}", "internal")
+        if "id" not in msg:
+            return
+        sock = getattr(self._pusher, "socket", None)
+        if sock is None:
+            sock = self._pusher.socket = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"inproc://answers-{self.session}")
+            with self.lock:
+                self._pushers.append(sock)
+        sock.send_multipart([identity, m.encode(reply)])
 
     # ---- attach / detach ------------------------------------------------------------------------
 
@@ -301,8 +358,11 @@ class CacheServer:
         keys, lease, ttl = m.keys_field(msg), m.str_field(msg, "lease"), m.seconds_field(msg, "ttl")
         sm = engine.model.storage
         lookup = sm.contains_prefix(keys)
-        sm.acquire_lease(engine.lease_id(lease), keys[: lookup.hits], ttl)
-        engine.leases.add(lease)
+        with self.lock:
+            if self.engines.get(engine.engine_id) is not engine:
+                raise BadMessage("the engine was reaped meanwhile: attach again", "engine")
+            sm.acquire_lease(engine.lease_id(lease), keys[: lookup.hits], ttl)
+            engine.leases.add(lease)
         sm.prefetch(lookup)
         return {"hits": lookup.hits}
 
@@ -347,6 +407,14 @@ class CacheServer:
 
     def _get(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
         objs = engine.model.storage.get_prefix(m.keys_field(msg))
+        with self.lock:
+            if self.engines.get(engine.engine_id) is not engine:
+                release_all(objs)
+                raise BadMessage("the engine was reaped meanwhile: attach again", "engine")
+            return self._hand_out(engine, objs)
+
+    def _hand_out(self, engine: Engine, objs: list[MemoryObj]) -> dict[str, Any]:
+        """Hold `objs` (the lock held) for `engine` until it releases them; their offsets."""
         out: list[list[Any]] = []
         for i, obj in enumerate(objs):
             offset = self._offset(obj)
@@ -418,13 +486,15 @@ class CacheServer:
     def close(self) -> None:
         """Give back everything, close the tiers, the socket and the arena (removed)."""
         self.stop()
+        self._io.shutdown(wait=True)
         with self.lock:
             for engine in list(self.engines.values()):
                 self._reap(engine, "the server stops")
             for model in self.models.values():
                 model.storage.close()
             self.models.clear()
-        self.socket.close(0)
+        for sock in [*self._pushers, self.socket, self._answers]:
+            sock.close(0)
         self._zmq.term()
         self.allocator.close()
         self.arena.close()

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -307,12 +308,17 @@ def test_raw_requests_naming_an_old_session_are_refused(url):
     session = first.session
     first.close()
     second = CacheServer(url, 1 << 20, heartbeat=0.25)
+    loop = threading.Thread(target=second.serve_forever)
+    loop.start()
+    sock = raw_client(url)
     try:
-        reply = second._handle({"op": "contains", "id": 1, "session": session, "engine": "x", "keys": []})
-        pytest.fail(f"answered {reply}")
-    except m.BadMessage as e:
-        assert e.code == "session"
+        engine = hello(sock, pid=os.getpid())["engine"]
+        reply = ask_raw(sock, {"op": "contains", "id": 2, "session": session, "engine": engine, "keys": []})
+        assert reply is not None and (reply["ok"], reply["code"]) == (False, "session")
     finally:
+        sock.close()
+        second.stop()
+        loop.join()
         second.close()
 
 
@@ -429,3 +435,44 @@ def test_engines_attach_over_tcp_too(workers):
         a.close(), b.close()
     finally:
         server.stop()
+
+
+def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, url, workers):
+    """The server's remote tier is a real Valkey behind 0.4 s of round-trip time: while one
+    engine's load waits on it, another engine is answered at once."""
+    from tests.helpers.servers import LatencyProxy, Valkey
+
+    valkey = Valkey(tmp_path).start()
+    proxy = LatencyProxy(valkey.port, rtt=0.4)
+    config = tmp_path / "tiers.yaml"
+    config.write_text(json.dumps({"remote_url": f"redis://{proxy.url}", "remote_timeout": 10}))
+    server = CacheServerProcess(url, "--config", str(config)).start()
+    sock = raw_client(url)
+    try:
+        att = hello(sock, pid=os.getpid())
+        ident = {"session": att["session"], "engine": att["engine"]}
+        key = "kv_blob@test-model@1@0@00ff@bfloat16"  # connects the server to Valkey (a few round trips)
+        reply = ask_raw(sock, {"op": "contains", "id": 2, **ident, "keys": [key]}, timeout=10)
+        assert reply is not None and reply["hits"] == [False]
+        a = workers()
+        a.ask("store", tokens=DOC, seed=13)
+        wait_for(lambda: next(iter(server.get("/stats")["models"].values()))["RemoteBackend"]
+                 .get("bytes_written", 0) == 8 * CHUNK_BYTES, 30, step=0.1)
+        urllib.request.urlopen(urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}'),
+                               timeout=10).read()
+        assert a.proc.stdin is not None
+        a.proc.stdin.write(json.dumps({"op": "retrieve", "tokens": DOC, "seed": 13}) + "\n")
+        a.proc.stdin.flush()  # its load now waits on the remote tier
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        beat = ask_raw(sock, {"op": "heartbeat", "id": 3, **ident})
+        answered_in = time.monotonic() - t0
+        assert beat is not None and beat["ok"]
+        assert answered_in < 0.2, f"held up {answered_in:.2f} s by another engine's load"
+        assert a._line(30) == {"hit": 64, "exact": True}
+        a.close()
+    finally:
+        sock.close()
+        server.stop()
+        proxy.close()
+        valkey.kill()
