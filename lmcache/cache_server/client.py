@@ -110,11 +110,7 @@ class Attachment:
             self.arena.tensor[self.mapped:grown:PAGE].sum()
             self.mapped = grown
         finally:
-            with self.lock:
-                self.live -= 1
-                done = self.detached and self.live == 0
-            if done:
-                self._done()
+            self._drop()
 
     def free(self, obj: MemoryObj) -> None:
         assert isinstance(obj, ServerSlot)
@@ -123,10 +119,7 @@ class Attachment:
                 self.releases.append(obj.read)
             elif not obj.committed and obj.slot is not None:
                 self.aborts.append(obj.slot)
-            self.live -= 1
-            done = self.detached and self.live == 0
-        if done:
-            self._done()
+        self._drop()
 
     def given_back(self) -> tuple[list[int], list[int]]:
         """The reads and the slots given back since the last call (to tell the server)."""
@@ -134,6 +127,14 @@ class Attachment:
             out = self.releases, self.aborts
             self.releases, self.aborts = [], []
         return out
+
+    def _drop(self) -> None:
+        """One user of the arena fewer; the last one after `detach` unmaps it."""
+        with self.lock:
+            self.live -= 1
+            done = self.detached and self.live == 0
+        if done:
+            self._done()
 
     def adopt(self, obj: ServerSlot) -> ServerSlot:
         with self.lock:

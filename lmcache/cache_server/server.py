@@ -47,7 +47,7 @@ import zmq
 from lmcache.cache_key import dtype_tag
 from lmcache.cache_server import messages as m
 from lmcache.cache_server.messages import BadMessage
-from lmcache.cache_server.shm import SharedArena, remove_stale
+from lmcache.cache_server.shm import SharedArena, process_alive, remove_stale
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import (
     MemoryFormat,
@@ -337,7 +337,7 @@ class CacheServer:
             for engine in list(self.engines.values()):
                 if now - engine.last_seen <= limit:
                     continue
-                if engine.pidfd is None or not _alive(engine.pid):
+                if engine.pidfd is None or engine.pid is None or not process_alive(engine.pid):
                     self._reap(engine, f"no heartbeat for {now - engine.last_seen:.1f} s")
                 elif not engine.silent:
                     engine.silent = True
@@ -439,7 +439,7 @@ class CacheServer:
     def _offset(self, obj: MemoryObj) -> int | None:
         """Where `obj`'s bytes start in the arena (None: they are not in it)."""
         tensor = obj.tensor
-        if tensor is None or not isinstance(tensor, torch.Tensor):
+        if tensor is None:
             return None
         offset = tensor.data_ptr() - self._arena_base
         return offset if 0 <= offset and offset + obj.get_size() <= self.arena.size else None
@@ -524,18 +524,6 @@ def _pidfd(pid: int | None) -> int | None:
         return os.pidfd_open(pid)
     except OSError:
         return None
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _claim(url: str) -> int | None:

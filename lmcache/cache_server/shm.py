@@ -88,13 +88,14 @@ def remove_stale() -> list[str]:
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}-*"):
         match = _NAME.match(path.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (visible from here)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -126,25 +126,14 @@ class LMServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> LMServer:
-        env = {**os.environ, "PYTHONPATH": str(REPO), **(self.env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.cli", "server", "--port", str(self.port), *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
-        line = self.proc.stdout.readline() if ready else ""
-        m = re.search(r"listening on [\d.]+:(\d+)", line)
-        if m is None:
-            self.proc.kill()
-            raise RuntimeError(f"lmcache server did not start: {line!r}")
+        self.proc, m = start_cli(["server", "--port", str(self.port), *self.args],
+                                 r"listening on [\d.]+:(\d+)", 30, self.env)
         self.port = int(m.group(1))
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=10)
+        return stop_process(self.proc, sig)
 
     @property
     def url(self) -> str:
@@ -319,17 +308,8 @@ class CacheServerProcess:
         self.http = ""
 
     def start(self) -> CacheServerProcess:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.cli", "cache-server", "--url", self.url, *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
-        line = self.proc.stdout.readline() if ready else ""
-        m = re.search(r"operations on (http://[\d.]+:\d+)", line)
-        if m is None:
-            self.proc.kill()
-            raise RuntimeError(f"lmcache cache-server did not start: {line!r}")
+        self.proc, m = start_cli(["cache-server", "--url", self.url, *self.args],
+                                 r"operations on (http://[\d.]+:\d+)", 60)
         self.http = m.group(1)
         return self
 
@@ -342,6 +322,28 @@ class CacheServerProcess:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=30)
+        return stop_process(self.proc, sig)
+
+
+def start_cli(args: list[str], ready: str, timeout: float,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, re.Match]:
+    """`lmcache <args>` in a subprocess, once it printed a first line matching `ready` (the match);
+    RuntimeError if it did not within `timeout` seconds."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=environ, text=True)
+    assert proc.stdout is not None
+    got, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if got else ""
+    m = re.search(ready, line)
+    if m is None:
+        proc.kill()
+        raise RuntimeError(f"lmcache {args[0]} did not start: {line!r}")
+    return proc, m
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+    """Send `sig` (if it still runs) and wait for its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout=30)
