@@ -21,7 +21,8 @@ fill vLLM's KV cache (1 GiB) 1.5 times over, then the document again with anothe
 repeat's TTFT, and where the prefiller's prompt tokens for it came from (computed, vLLM's prefix
 cache, or the connector). LMCache's instances keep 3 GB of KV in their CPU tier.
 
-    python benchmarks/disagg.py [--trials 3] [--channel nixl|tcp] [--no-nixl-connector]
+    python benchmarks/disagg.py [--trials 3] [--channel nixl|tcp] [--no-nixl-connector] [--no-repeat]
+                                [--long N --gap S --decode-tokens N]
 
 Goals (issue 24): p90 ITL of 1P1D <= 0.5x the single instance's; TTFT and ITL no worse than
 NixlConnector's, and the repeated prefix served from cache. Writes benchmarks/out/disagg.json.
@@ -219,6 +220,9 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=4.0)
     ap.add_argument("--no-nixl-connector", dest="nixl_connector", action="store_false",
                     help="leave out vLLM's NixlConnector 1P1D")
+    ap.add_argument("--no-repeat", dest="repeat", action="store_false",
+                    help="leave out the repeated document (the trials only)")
+    ap.add_argument("--tag", default="", help="write benchmarks/out/disagg-TAG.json (default disagg.json)")
     args = ap.parse_args()
     model = local_model_path("float32")
     logs = OUT / "disagg-logs"
@@ -270,7 +274,7 @@ def main() -> None:
                 print(f"trial {trial} {setup.name:8}: ITL p50 {row['itl_p50'] * 1e3:6.1f} ms  p90 "
                       f"{row['itl_p90'] * 1e3:7.1f} ms  max {row['itl_max'] * 1e3:7.1f} ms   long TTFT "
                       f"{ttfts} s   {row['throughput_tok_s']:.1f} tok/s", flush=True)
-        for setup in setups:
+        for setup in setups if args.repeat else []:
             setup.up(model, logs, warm)
             repeats[setup.name] = repeat_document(setup, args, int(args.long_tokens * per_token))
             setup.down()
@@ -284,7 +288,7 @@ def main() -> None:
     prompt_tokens = sum(sum(r["prompt_tokens"]) for r in runs["1P1D"])
     n_requests = sum(len(r["prompt_tokens"]) for r in runs["1P1D"])
     identical = {name: [a["texts"] for a in runs["single"]] == [b["texts"] for b in rows]
-                 and repeats["single"]["texts"] == repeats[name]["texts"]
+                 and (not repeats or repeats["single"]["texts"] == repeats[name]["texts"])
                  for name, rows in runs.items() if name != "single"}
     med = {name: {k: statistics.median(r[k] for r in rows) for k in ("itl_p50", "itl_p90", "long_ttft_p90",
                                                                     "throughput_tok_s")}
@@ -300,15 +304,15 @@ def main() -> None:
     print(f"\nmedians of {args.trials} trials (channel {args.channel}):")
     for name, m in med.items():
         print(f"  {name:8}: ITL p50 {m['itl_p50'] * 1e3:6.1f} ms, p90 {m['itl_p90'] * 1e3:7.1f} ms; "
-              f"long TTFT p90 {m['long_ttft_p90']:.2f} s; {m['throughput_tok_s']:.1f} tok/s; repeated "
-              f"document TTFT {repeats[name]['repeat_ttft']:.3f} s")
+              f"long TTFT p90 {m['long_ttft_p90']:.2f} s; {m['throughput_tok_s']:.1f} tok/s"
+              + (f"; repeated document TTFT {repeats[name]['repeat_ttft']:.3f} s" if repeats else ""))
     print(f"  p90 ITL 1P1D / single: {ratio:.2f} (goal <= 0.5)  answers identical to single: {identical}")
     print(f"  LMCache decoder computed {computed:.0f} prompt tokens for {n_requests} requests (<= 1 each); "
           f"KV sent {sent / 1e6:.1f} MB = prompts' KV {prompt_tokens * per_token / 1e6:.1f} MB: "
           f"{sent == prompt_tokens * per_token}")
     for name, sources in decoded.items():
         print(f"  {name} decoder's prompt tokens in the trials: { {k: int(v) for k, v in sources.items()} }")
-    (OUT / "disagg.json").write_text(json.dumps(
+    (OUT / f"disagg{'-' + args.tag if args.tag else ''}.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "args": vars(args),
          "runs": {k: [{x: y for x, y in r.items() if x != "texts"} for r in v] for k, v in runs.items()},
          **summary}, indent=2))

@@ -82,14 +82,16 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _controller_call(args: argparse.Namespace) -> int:
-    """One request to an engine's controller; prints the JSON answer (exit 1 on an error)."""
+    """One request to an engine's controller or a cache server's operations endpoint; prints the
+    JSON answer (exit 1 on an error)."""
     import json
     import urllib.error
     import urllib.request
 
     url = args.url or os.environ.get("LMCACHE_CONTROLLER_URL")
     if not url:
-        raise SystemExit("give --url HOST:PORT (or set LMCACHE_CONTROLLER_URL): the engine's controller_url")
+        raise SystemExit("give --url HOST:PORT (or set LMCACHE_CONTROLLER_URL): the engine's controller_url "
+                         "or the cache server's --http-port")
     base = url if "://" in url else f"http://{url}"
     body = _request_body(args)
     data = None if body is None else json.dumps(body).encode()
@@ -103,7 +105,7 @@ def _controller_call(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as e:
         print(f"error {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
     except (urllib.error.URLError, OSError) as e:
-        print(f"cannot reach the controller at {base}: {e}", file=sys.stderr)
+        print(f"cannot reach {base}: {e}", file=sys.stderr)
     return 1
 
 
@@ -129,7 +131,8 @@ def _request_body(args: argparse.Namespace) -> dict | None:
 def _add_controller_commands(sub: argparse._SubParsersAction) -> None:
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary)
-        p.add_argument("--url", help="the engine's controller, HOST:PORT (default: $LMCACHE_CONTROLLER_URL)")
+        p.add_argument("--url", help="the engine's controller or a cache server's operations endpoint, "
+                                     "HOST:PORT (default: $LMCACHE_CONTROLLER_URL)")
         p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
         p.set_defaults(func=_controller_call)
         return p
@@ -180,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--heartbeat", type=float, default=1.0,
                    help="seconds between engines' heartbeats (an engine whose process the server cannot "
                         "watch is reaped after 2 missed ones)")
-    c.add_argument("--http-host", default="127.0.0.1", help="address of /health, /stats, /metrics")
-    c.add_argument("--http-port", type=int, default=0, help="port of /health, /stats, /metrics (0 = any)")
+    c.add_argument("--http-host", default="127.0.0.1", help="address of the operations endpoint (/health, "
+                   "/stats, /metrics, /lookup, /clear, /pin, /unpin)")
+    c.add_argument("--http-port", type=int, default=0, help="port of the operations endpoint (0 = any)")
     c.set_defaults(func=_cache_server)
     x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
     x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")

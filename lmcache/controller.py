@@ -77,7 +77,7 @@ class Controller(JsonHTTPService):
 
     def lookup(self, body: dict[str, Any]) -> dict[str, Any]:
         fields(body, {"tokens", "text", "extra_key"})
-        tokens, extra_key = self._tokens(body), opt_str(body, "extra_key")
+        tokens, extra_key = prompt_tokens(body, self.tokenize), opt_str(body, "extra_key")
         sm = self.engine.storage_manager
         per_tier = {t.name: self.engine.lookup(tokens, t.name, extra_key=extra_key) for t in sm.tiers}
         chunks = list(self.engine.token_database.process_tokens(tokens, extra_key=extra_key))
@@ -100,42 +100,54 @@ class Controller(JsonHTTPService):
         return {"cleared": self.engine.storage_manager.clear(which)}
 
     def pin(self, body: dict[str, Any]) -> dict[str, Any]:
-        fields(body, {"tokens", "text", "extra_key", "ttl"})
-        tokens, extra_key = self._tokens(body), opt_str(body, "extra_key")
-        ttl = body.get("ttl", DEFAULT_PIN_TTL)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-            raise BadRequest(f"'ttl' must be a number of seconds > 0, got {ttl!r}")
-        lease = _pin_id(tokens, extra_key)
-        hit = self.engine.lookup(tokens, extra_key=extra_key, lease_id=lease, lease_ttl=float(ttl))
+        tokens, extra_key, ttl, lease = pin_request(body, self.tokenize)
+        hit = self.engine.lookup(tokens, extra_key=extra_key, lease_id=lease, lease_ttl=ttl)
         return {"pinned_tokens": hit, "lease": lease}
 
     def unpin(self, body: dict[str, Any]) -> dict[str, Any]:
-        fields(body, {"tokens", "text", "extra_key", "lease"})
-        if "lease" in body:
-            if set(body) != {"lease"} or not isinstance(body["lease"], str):
-                raise BadRequest("give either 'lease' (a string) alone, or 'tokens' / 'text'")
-            lease = body["lease"]
-        else:
-            lease = _pin_id(self._tokens(body), opt_str(body, "extra_key"))
+        lease = unpin_request(body, self.tokenize)
         self.engine.release(lease)
         return {"released": lease}
 
-    # ---- helpers ----------------------------------------------------------------------------------
 
-    def _tokens(self, body: dict[str, Any]) -> torch.Tensor:
-        if ("tokens" in body) == ("text" in body):
-            raise BadRequest("give exactly one of 'tokens' (a list of token ids) or 'text'")
-        if "text" in body:
-            if not isinstance(body["text"], str):
-                raise BadRequest("'text' must be a string")
-            if self.tokenize is None:
-                raise BadRequest("this controller has no tokenizer: send 'tokens'")
-            ids: Any = self.tokenize(body["text"])
-        else:
-            ids = token_ids(body)
-        if not ids:
-            raise BadRequest("the prompt is empty")
-        return torch.tensor(ids, dtype=torch.int64)
+# ---- requests (shared with the cache server's operations endpoint) --------------------------------
+
+def prompt_tokens(body: dict[str, Any], tokenize: Callable[[str], list[int]] | None) -> torch.Tensor:
+    """The prompt of a request body: its ``tokens``, or its ``text`` through `tokenize`."""
+    if ("tokens" in body) == ("text" in body):
+        raise BadRequest("give exactly one of 'tokens' (a list of token ids) or 'text'")
+    if "text" in body:
+        if not isinstance(body["text"], str):
+            raise BadRequest("'text' must be a string")
+        if tokenize is None:
+            raise BadRequest("no tokenizer here: send 'tokens'")
+        ids: Any = tokenize(body["text"])
+    else:
+        ids = token_ids(body)
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def pin_request(body: dict[str, Any], tokenize: Callable[[str], list[int]] | None
+                ) -> tuple[torch.Tensor, str | None, float, str]:
+    """A ``/pin`` body: the prompt, its extra key, the pin's ttl and its lease id."""
+    fields(body, {"tokens", "text", "extra_key", "ttl"})
+    tokens, extra_key = prompt_tokens(body, tokenize), opt_str(body, "extra_key")
+    ttl = body.get("ttl", DEFAULT_PIN_TTL)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise BadRequest(f"'ttl' must be a number of seconds > 0, got {ttl!r}")
+    return tokens, extra_key, float(ttl), _pin_id(tokens, extra_key)
+
+
+def unpin_request(body: dict[str, Any], tokenize: Callable[[str], list[int]] | None) -> str:
+    """The lease id an ``/unpin`` body names (by ``lease``, or by the prompt it pinned)."""
+    fields(body, {"tokens", "text", "extra_key", "lease"})
+    if "lease" in body:
+        if set(body) != {"lease"} or not isinstance(body["lease"], str):
+            raise BadRequest("give either 'lease' (a string) alone, or 'tokens' / 'text'")
+        return str(body["lease"])
+    return _pin_id(prompt_tokens(body, tokenize), opt_str(body, "extra_key"))
 
 
 def _pin_id(tokens: torch.Tensor, extra_key: str | None) -> str:

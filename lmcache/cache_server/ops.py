@@ -9,6 +9,12 @@ work against it as against an engine's controller):
     POST /lookup  {"tokens": [int, ...], "extra_key"?: str}
                   -> {"tokens": n, "models": {model: {"cached_tokens": n, "tiers": {tier: n}}}}
     POST /clear   {"tier": "hot" | "disk" | "all"} -> {"cleared": {model: {tier: chunks dropped}}}
+    POST /pin     {"tokens": [...], "extra_key"?, "ttl"?: seconds (default 3600)}
+                  -> {"lease": id, "models": {model: pinned tokens}}: each model's cached prefix
+                  stays cached (lower-tier chunks are brought into L1) until unpinned or the ttl ends
+    POST /unpin   {"tokens": [...], "extra_key"?} or {"lease": id} -> {"released": id}
+
+The server has no tokenizer: prompts are token ids (`lmcache pin --tokens`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache.cache_server.server import CacheServer
+from lmcache.controller import pin_request, unpin_request
 from lmcache.json_http import BadRequest, JsonHTTPService, RawReply, Route, fields, opt_str, token_ids
 from lmcache.storage_backend.storage_manager import StorageManager
 
@@ -38,7 +45,8 @@ class OpsEndpoint(JsonHTTPService):
         self.registry.register(_Collector(server))
         routes: dict[tuple[str, str], Route] = {
             ("GET", "/health"): self.health, ("GET", "/stats"): self.stats, ("GET", "/metrics"): self.metrics,
-            ("POST", "/lookup"): self.lookup, ("POST", "/clear"): self.clear}
+            ("POST", "/lookup"): self.lookup, ("POST", "/clear"): self.clear,
+            ("POST", "/pin"): self.pin, ("POST", "/unpin"): self.unpin}
         super().__init__(routes, host, port, "cache server operations")
 
     def health(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +73,15 @@ class OpsEndpoint(JsonHTTPService):
             raise BadRequest(f"'tier' must be one of {list(StorageManager.CLEARABLE)}, "
                              f"got {body['tier']!r}")
         return {"cleared": self.server.clear(body["tier"])}
+
+    def pin(self, body: dict[str, Any]) -> dict[str, Any]:
+        tokens, extra_key, ttl, lease = pin_request(body, tokenize=None)
+        return {"lease": lease, "models": self.server.pin(tokens, extra_key, lease, ttl)}
+
+    def unpin(self, body: dict[str, Any]) -> dict[str, Any]:
+        lease = unpin_request(body, tokenize=None)
+        self.server.unpin(lease)
+        return {"released": lease}
 
 
 class _Collector(Collector):

@@ -3,9 +3,10 @@ and serves the engines attached to it over a ZMQ control socket (`messages`).
 
 The tiers are the in-process engine's: per model (engine metadata) one `StorageManager` over the
 shared arena, with the server's configuration for the lower tiers (disk, remote, ...), so prefix
-batching, leases, promotion and the failure policy are the same code. The models share the arena;
-a full arena evicts the asking model's least recently used chunks, and a store that still finds
-no room is dropped (the engine answers from its own computation), never blocked.
+batching, leases, promotion and the failure policy are the same code. The models share the arena
+and one eviction order (`EvictionDomain`): a full arena evicts the least recently used chunks of
+any model, and a store that still finds no room is dropped (the engine answers from its own
+computation), never blocked.
 
 One thread serves the socket; a request that may wait on a lower tier (`IO_OPS` of a model that
 has lower tiers: a disk read, a remote round trip) runs on one of `IO_WORKERS` threads and its
@@ -58,6 +59,7 @@ from lmcache.memory_management import (
 )
 from lmcache.memory_management.allocators import GROW_BYTES
 from lmcache.observability import Counters, TierStats
+from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.storage_manager import StorageManager
 from lmcache.token_database import ChunkedTokenDatabase
 
@@ -66,6 +68,7 @@ logger = logging.getLogger(__name__)
 MISSED_HEARTBEATS = 2
 IO_WORKERS = 4
 IO_OPS = frozenset({"contains", "lease", "get"})  # may wait on a lower tier (disk, remote, peers)
+OPS_LEASE = "ops/"  # the leases of the operations endpoint's pins (an engine's are "<engine id>/...")
 
 
 @dataclass
@@ -145,6 +148,7 @@ class CacheServer:
         self._arena_base = self.arena.tensor.data_ptr()
         self.allocator = MixedMemoryAllocator(arena_bytes, TensorMemoryAllocator(self.arena.tensor,
                                                                                  grow_bytes=GROW_BYTES))
+        self.eviction = EvictionDomain(self.config.cache_policy)
         self._handlers: dict[str, Callable[[Engine, dict[str, Any]], dict[str, Any] | None]] = {
             "heartbeat": lambda engine, msg: {"grown": self.allocator.pin_allocator.grown},
             "contains": self._contains, "lease": self._lease,
@@ -306,7 +310,7 @@ class CacheServer:
             if config.local_disk is not None:  # one directory per model: its own index and size
                 folder = label.replace("/", "_").replace(":", "_")
                 config = dataclasses.replace(config, local_disk=str(Path(config.local_disk) / folder))
-            storage = StorageManager(config, metadata, self.allocator)
+            storage = StorageManager(config, metadata, self.allocator, eviction=self.eviction)
             tokens = ChunkedTokenDatabase(config, metadata)
             model = self.models[label] = Model(label, metadata, storage, tokens)
         return model
@@ -482,6 +486,27 @@ class CacheServer:
     def clear(self, which: str) -> dict[str, dict[str, int]]:
         with self.lock:
             return {label: model.storage.clear(which) for label, model in self.models.items()}
+
+    def pin(self, tokens: torch.Tensor, extra_key: str | None, lease: str, ttl: float) -> dict[str, int]:
+        """For each model: keep the cached prefix of `tokens` cached (in whichever tier holds it;
+        lower-tier chunks are brought into L1) until `unpin(lease)` or `ttl` seconds; how many
+        tokens that is. Pinning the same lease again replaces what it pins."""
+        with self.lock:
+            models = list(self.models.values())
+        pinned = {}
+        for model in models:  # without the lock: a lookup may wait on a lower tier
+            chunks = list(model.tokens.process_tokens(tokens, extra_key=extra_key))
+            keys = [c.key for c in chunks]
+            lookup = model.storage.contains_prefix(keys)
+            model.storage.acquire_lease(OPS_LEASE + lease, keys[: lookup.hits], ttl)
+            model.storage.prefetch(lookup)
+            pinned[model.label] = chunks[lookup.hits - 1].end if lookup.hits else 0
+        return pinned
+
+    def unpin(self, lease: str) -> None:
+        with self.lock:
+            for model in self.models.values():
+                model.storage.release_lease(OPS_LEASE + lease)
 
     def close(self) -> None:
         """Give back everything, close the tiers, the socket and the arena (removed)."""

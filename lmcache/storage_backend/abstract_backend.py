@@ -49,6 +49,7 @@ from lmcache.observability import TierStats
 if TYPE_CHECKING:
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
     from lmcache.memory_management import MemoryAllocatorInterface
+    from lmcache.storage_backend.evictor import EvictionDomain
     from lmcache.storage_backend.leases import PinTable
     from lmcache.storage_backend.serde.serde import AllocateFn
 
@@ -67,7 +68,7 @@ class TierContext:
     from the hot tier; `pins` says which keys a lookup lease protects from eviction. A tier that
     drops keys calls `on_removed(keys)`; `read_local(key)` reads a chunk from the local tiers (one
     reference for the caller; None if none holds it) and `has_local(key)` says whether one holds
-    it."""
+    it. `eviction`: the eviction order the hot tier shares with others on the same arena."""
 
     config: LMCacheEngineConfig
     metadata: LMCacheEngineMetadata
@@ -77,6 +78,7 @@ class TierContext:
     on_removed: Callable[[list[CacheEngineKey]], None] = _nothing
     read_local: Callable[[CacheEngineKey], MemoryObj | None] = _no_read
     has_local: Callable[[CacheEngineKey], bool] = lambda key: False
+    eviction: EvictionDomain | None = None
 
 
 class StorageBackendInterface(abc.ABC):

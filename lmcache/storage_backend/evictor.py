@@ -1,4 +1,5 @@
-"""Eviction orders for a cache tier: LRU, LFU, FIFO.
+"""Eviction orders for a cache tier: LRU, LFU, FIFO, and the domain that keeps one order for the
+tiers that share an arena.
 
 A policy only orders keys; the tier decides which candidates may actually go (nobody else holds
 them, not pinned). `candidates()` yields keys from the first to evict to the last.
@@ -7,9 +8,14 @@ them, not pinned). `candidates()` yields keys from the first to evict to the las
 from __future__ import annotations
 
 import abc
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from lmcache.cache_key import CacheEngineKey
+    from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 
 K = TypeVar("K", bound=Hashable)
 
@@ -94,3 +100,14 @@ def make_policy(name: str) -> CachePolicy:
         return POLICIES[name.upper()]()
     except KeyError:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}") from None
+
+
+class EvictionDomain:
+    """One eviction order (and one lock) for the hot tiers that share an arena: the cache server's
+    models evict each other's least recently used chunks, not only their own. The policy orders
+    ``(tier, key)`` pairs, so equal keys of two tiers stay apart. An engine's hot tier has a
+    domain of its own."""
+
+    def __init__(self, policy: str = "LRU") -> None:
+        self.lock = threading.RLock()
+        self.policy: CachePolicy[tuple[LocalCPUBackend, CacheEngineKey]] = make_policy(policy)

@@ -3,14 +3,15 @@ engine's CPU arena.
 
 It owns eviction for that arena: `allocate` evicts in policy order (LRU by default) until the
 allocation fits, skipping objects somebody else still holds (ref count > 1) or that a lookup
-lease pins (`PinTable`), and returns None when nothing more can be freed. Puts are synchronous.
+lease pins (`PinTable`), and returns None when nothing more can be freed. Hot tiers that share an
+arena (the cache server's models) share an `EvictionDomain`: one order and one lock, so a full
+arena evicts whichever tier's chunks come first, not only the asking tier's. Puts are synchronous.
 Removals are reported (`on_removed`) after the tier's lock is released, never under it: the
 receiver may call back into any tier.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -20,7 +21,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
-from lmcache.storage_backend.evictor import CachePolicy, make_policy
+from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.registry import register_tier
 
@@ -35,12 +36,15 @@ class LocalCPUBackend(StorageBackendInterface):
 
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",
                  pins: PinTable | None = None,
-                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None) -> None:
+                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None,
+                 domain: EvictionDomain | None = None) -> None:
+        """`domain`: the eviction order shared with other hot tiers on the same arena (its policy
+        then rules, not `policy`); by default one of its own."""
         self.allocator = allocator
         self.on_removed = on_removed
-        self.policy: CachePolicy[CacheEngineKey] = make_policy(policy)
+        self.domain = domain if domain is not None else EvictionDomain(policy)
         self.pins = pins if pins is not None else PinTable()
-        self.lock = threading.RLock()
+        self.lock = self.domain.lock
         self._objs: dict[CacheEngineKey, MemoryObj] = {}
         self._bytes_used = 0
         self.num_evicted = 0
@@ -49,7 +53,7 @@ class LocalCPUBackend(StorageBackendInterface):
     def create(cls, ctx: TierContext) -> LocalCPUBackend | None:
         if not ctx.config.local_cpu or ctx.config.cache_server_url is not None:
             return None  # an engine on a cache server: the server's L1 is its hot tier
-        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.on_removed)
+        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.on_removed, ctx.eviction)
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -67,7 +71,7 @@ class LocalCPUBackend(StorageBackendInterface):
             memory_obj.ref_count_up()
             self._objs[key] = memory_obj
             self._bytes_used += memory_obj.metadata.phy_size
-            self.policy.on_insert(key)
+            self.domain.policy.on_insert((self, key))
         return None
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -76,7 +80,7 @@ class LocalCPUBackend(StorageBackendInterface):
             if obj is None:
                 return None
             obj.ref_count_up()
-            self.policy.on_access(key)
+            self.domain.policy.on_access((self, key))
             return obj
 
     def keys(self) -> list[CacheEngineKey]:
@@ -97,7 +101,7 @@ class LocalCPUBackend(StorageBackendInterface):
         if obj is None:
             return False
         self._bytes_used -= obj.metadata.phy_size
-        self.policy.on_remove(key)
+        self.domain.policy.on_remove((self, key))
         obj.ref_count_down()
         return True
 
@@ -110,22 +114,23 @@ class LocalCPUBackend(StorageBackendInterface):
         obj = self.allocator.allocate(shape, dtype, fmt)
         if obj is not None:
             return obj
-        evicted: list[CacheEngineKey] = []
+        evicted: dict[LocalCPUBackend, list[CacheEngineKey]] = {}
         try:
             with self.lock:
-                for key in self.policy.candidates():
-                    victim = self._objs[key]
-                    if self.pins.is_pinned(key) or victim.get_ref_count() > 1:
+                for tier, key in self.domain.policy.candidates():
+                    victim = tier._objs[key]
+                    if tier.pins.is_pinned(key) or victim.get_ref_count() > 1:
                         continue
-                    self._drop_locked(key)
-                    evicted.append(key)
-                    self.num_evicted += 1
+                    tier._drop_locked(key)
+                    evicted.setdefault(tier, []).append(key)
+                    tier.num_evicted += 1
                     obj = self.allocator.allocate(shape, dtype, fmt)
                     if obj is not None:
                         return obj
             return None
         finally:
-            self._report(evicted)
+            for tier, keys in evicted.items():
+                tier._report(keys)
 
     def check_integrity(self, at_rest: bool = False) -> None:
         """Raise AssertionError unless every object held is live (`at_rest`: and held by this tier

@@ -42,6 +42,7 @@ from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
 from lmcache.observability import Counters, TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.storage_backend.registry import create_tiers, tier_names
@@ -79,9 +80,11 @@ class _Load:
 
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 allocator: MemoryAllocatorInterface, faults: FailureDomains | None = None) -> None:
+                 allocator: MemoryAllocatorInterface, faults: FailureDomains | None = None,
+                 eviction: EvictionDomain | None = None) -> None:
         """`faults` guards the tiers (one domain per tier name; by default backing off from 0.5 s
-        up to 30 s)."""
+        up to 30 s); `eviction`: the eviction order the hot tier shares with the hot tiers of other
+        managers on the same `allocator` (by default its own)."""
         self.allocator = allocator
         self.pins = PinTable()
         self.leases = LeaseTable(self.pins)
@@ -90,7 +93,7 @@ class StorageManager:
         self._listeners: list[StorageBackendInterface] = []
         self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins,
                                               self._removed_locally, self.read_local,
-                                              lambda key: self.stored_locally([key])[0]))
+                                              lambda key: self.stored_locally([key])[0], eviction))
         self._listeners = [t for t in self.tiers if t.publishes_local_keys]
         hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
         self.hot: LocalCPUBackend | None = hot[0] if hot else None

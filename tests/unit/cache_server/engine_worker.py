@@ -4,7 +4,7 @@ Its KV cache is token-major and filled from a seed, so any process can tell what
 must be: ``store`` {tokens, seed}; ``retrieve`` {tokens, seed} -> {hit, exact}; ``lookup``
 {tokens} -> {hit}; ``reserve`` {n} (hold n slots, never commit them); ``hold`` {tokens} (load the
 cached prefix and keep it); ``drop`` (let go of what was held); ``attached`` -> {attached};
-``close``.
+``close``. Arguments: the server's URL and, optionally, the model's name (default "test-model").
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def kv_cache(seed: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(one(), one()) for _ in range(LAYERS)]
 
 
-def build(url: str, heartbeat_timeout: float = 2.0) -> LMCacheEngine:
+def build(url: str, model: str = "test-model", heartbeat_timeout: float = 2.0) -> LMCacheEngine:
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, cache_server_url=url,
                                                remote_timeout=heartbeat_timeout)
-    metadata = LMCacheEngineMetadata("test-model", 1, 0, "vllm", torch.bfloat16,
+    metadata = LMCacheEngineMetadata(model, 1, 0, "vllm", torch.bfloat16,
                                      (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE))
     return LMCacheEngine(config, metadata, _make_allocator(config, metadata),
                          ChunkedTokenDatabase(config, metadata), TokenMajorConnector(HIDDEN, LAYERS))
@@ -84,7 +84,7 @@ held: list = []
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = build(sys.argv[1])
+    engine = build(*sys.argv[1:3])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

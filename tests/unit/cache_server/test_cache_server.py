@@ -65,9 +65,9 @@ def server(url):
 
 
 class Worker:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, model: str = "test-model") -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING"}
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), url], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), url, model], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert self._line(60) == {"ready": True}
 
@@ -110,8 +110,8 @@ class Worker:
 def workers(url):
     made: list[Worker] = []
 
-    def make(at: str | None = None) -> Worker:
-        made.append(Worker(at or url))
+    def make(at: str | None = None, model: str = "test-model") -> Worker:
+        made.append(Worker(at or url, model))
         return made[-1]
 
     yield make
@@ -351,6 +351,30 @@ def test_a_full_l1_drops_stores_at_once(url, workers):
         server.stop()
 
 
+def test_models_sharing_a_full_l1_evict_each_others_least_recently_used_chunks(url, workers):
+    """The arena is full of model A's chunks; model B's store evicts A's least recently used ones
+    (A's other chunks and what A reads stay)."""
+    server = CacheServerProcess(url, size_gb=16 * CHUNK_BYTES / (1 << 30)).start()
+    try:
+        a, b = workers(model="model-a"), workers(model="model-b")
+        old, recent = DOC, [d + 100 for d in DOC]
+        a.ask("store", tokens=old, seed=13)
+        a.ask("store", tokens=recent, seed=14)  # 16 chunks: the arena is full
+        assert a.ask("retrieve", tokens=old[:32], seed=13) == {"hit": 32, "exact": True}  # used again
+        assert b.ask("store", tokens=[d + 500 for d in DOC], seed=15) == {"stored": True}
+        assert b.ask("retrieve", tokens=[d + 500 for d in DOC], seed=15) == {"hit": 64, "exact": True}
+        # LRU: old's last 4 chunks (never read), then recent's first 4 went; what A read stayed
+        assert a.ask("retrieve", tokens=old, seed=13) == {"hit": 32, "exact": True}
+        assert a.ask("lookup", tokens=recent) == {"hit": 0}
+        models = server.get("/stats")["models"]
+        chunks = {label.split(":")[0]: tiers["Hot"]["chunks"] for label, tiers in models.items()}
+        evicted = {label.split(":")[0]: tiers["Hot"]["evicted"] for label, tiers in models.items()}
+        assert (chunks, evicted) == ({"model-a": 8, "model-b": 8}, {"model-a": 8, "model-b": 0})
+        a.close(), b.close()
+    finally:
+        server.stop()
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
@@ -423,6 +447,39 @@ def test_health_stats_metrics_lookup_and_clear_and_the_cli_against_the_server(se
     assert post("/clear", b'{"tier": "hot"}') == (200, {"cleared": {model: {"Hot": 8}}})
     assert a.ask("lookup", tokens=DOC) == {"hit": 0}
     a.close()
+
+
+def test_a_pin_through_the_operations_endpoint_and_the_cli_keeps_a_prefix_in_a_full_l1(url, workers):
+    server = CacheServerProcess(url, size_gb=16 * CHUNK_BYTES / (1 << 30)).start()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def cli(*args: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "lmcache.cli", *args, "--url", server.http],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    try:
+        a = workers()
+        a.ask("store", tokens=DOC, seed=16)
+        pinned = cli("pin", "--tokens", ",".join(map(str, DOC)), "--ttl", "600")
+        (model,) = pinned["models"]
+        assert pinned["models"] == {model: 64}
+        for k, seed in ((1, 17), (2, 18)):  # 16 more chunks through a 16-chunk L1
+            a.ask("store", tokens=[d + 100 * k for d in DOC], seed=seed)
+        assert a.ask("retrieve", tokens=DOC, seed=16) == {"hit": 64, "exact": True}
+        assert a.ask("lookup", tokens=[d + 100 for d in DOC]) == {"hit": 0}  # evicted instead
+        assert cli("unpin", "--lease", pinned["lease"]) == {"released": pinned["lease"]}
+        a.ask("store", tokens=[d + 300 for d in DOC], seed=19)
+        a.ask("store", tokens=[d + 400 for d in DOC], seed=20)
+        assert a.ask("lookup", tokens=DOC) == {"hit": 0}  # no longer pinned: evicted
+        request = urllib.request.Request(server.http + "/pin", data=b'{"text": "hello"}', method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400 and "no tokenizer" in json.loads(refused.value.read())["error"]
+        a.close()
+    finally:
+        server.stop()
 
 
 def test_engines_attach_over_tcp_too(workers):

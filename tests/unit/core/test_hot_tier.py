@@ -3,7 +3,7 @@ import torch
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
-from lmcache.storage_backend.evictor import FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
+from lmcache.storage_backend.evictor import EvictionDomain, FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 
 ALIGN = TensorMemoryAllocator.ALIGN_BYTES
@@ -152,3 +152,32 @@ def test_evictions_and_removals_are_reported_after_the_tier_lock_is_released():
     hot.remove(key(1))
     assert reports[-1] == ([key(1)], True)
     hot.check_integrity(at_rest=True)
+
+
+def test_hot_tiers_sharing_an_arena_evict_in_one_order():
+    """Two hot tiers on one arena with one `EvictionDomain` (the cache server's models): a full
+    arena evicts the least recently used chunk of either tier, each reported to its own tier;
+    a pinned chunk of the other tier is skipped. Equal keys of the two tiers stay apart."""
+    arena = TensorMemoryAllocator(torch.zeros(4 * ALIGN, dtype=torch.uint8))
+    domain = EvictionDomain("LRU")
+    removed = {"a": [], "b": []}
+    a = LocalCPUBackend(arena, on_removed=removed["a"].extend, domain=domain)
+    b = LocalCPUBackend(arena, on_removed=removed["b"].extend, domain=domain)
+    put(a, 0)
+    put(a, 1)
+    put(b, 0)  # the same key as a's first chunk, another tier's chunk
+    put(b, 2)
+    a.get_blocking(key(0)).ref_count_down()  # a's chunk 0 is now the most recently used
+    a.pins.pin([key(1)])  # and a's chunk 1 is pinned
+    put(b, 3)  # the arena is full: b's own chunk 0 is the least recently used that may go
+    assert (removed, b.num_evicted, a.num_evicted) == ({"a": [], "b": [key(0)]}, 1, 0)
+    put(b, 4)  # next: a's chunk 1 is pinned, so b's chunk 2
+    assert removed == {"a": [], "b": [key(0), key(2)]}
+    a.pins.unpin([key(1)])
+    put(b, 5)  # now a's chunk 1, the least recently used, goes: b evicted a's chunk
+    assert removed == {"a": [key(1)], "b": [key(0), key(2)]} and a.num_evicted == 1
+    assert sorted(k.chunk_hash for k in a.keys()) == [key(0).chunk_hash]
+    assert b.contains(key(3)) and b.contains(key(4)) and b.contains(key(5)) and not b.contains(key(0))
+    a.check_integrity(at_rest=True)
+    b.check_integrity(at_rest=True)
+    assert arena.used_bytes == 4 * ALIGN
