@@ -3,8 +3,9 @@ it (`engine_worker.py`), over its real ipc socket and shared memory.
 
 Sharing (one engine's store is the other's hit, one copy), faults (an engine SIGKILLed holding
 slots and reads, one that cannot be watched and goes silent, the server SIGKILLed and restarted,
-a restart between heartbeats), a full L1, malformed control messages, the operations endpoint,
-and no shared-memory segment left behind by any test.
+a restart between heartbeats), a full L1 (and two models sharing it), malformed control messages,
+the operations endpoint (pins too), two servers sharing chunks as peers, and no shared-memory
+segment left behind by any test.
 """
 
 from __future__ import annotations
@@ -532,4 +533,36 @@ def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, 
         sock.close()
         server.stop()
         proxy.close()
+        valkey.kill()
+
+
+def test_two_cache_servers_share_chunks_as_peers(tmp_path, workers):
+    """Two hosts' cache servers with the peer tier behind their L1s (one Valkey for registrations):
+    what an engine stored on one server is a full, exact hit for an engine on the other, pulled
+    from the first server's peer server into the second's L1, where it stays when the first dies."""
+    from tests.helpers.servers import Valkey
+
+    valkey = Valkey(tmp_path).start()
+    config = tmp_path / "tiers.yaml"
+    config.write_text(json.dumps({"enable_p2p": True, "lookup_url": f"redis://127.0.0.1:{valkey.port}",
+                                  "distributed_url": "127.0.0.1:0", "p2p_ttl": 5, "remote_timeout": 5}))
+    urls = [f"ipc://{tmp_path}/cache-{i}.sock" for i in (1, 2)]
+    servers = [CacheServerProcess(u, "--config", str(config)).start() for u in urls]
+    try:
+        a, b = workers(urls[0]), workers(urls[1])
+        a.ask("store", tokens=DOC, seed=21)
+        wait_for(lambda: b.ask("lookup", tokens=DOC) == {"hit": 64}, 20, step=0.2)  # registered
+        assert b.ask("retrieve", tokens=DOC, seed=21) == {"hit": 64, "exact": True}
+        (model,) = servers[1].get("/stats")["models"].values()
+        assert (model["PeerBackend"]["hits"], model["PeerBackend"]["bytes_read"]) == (8, 8 * CHUNK_BYTES)
+        assert model["Hot"]["chunks"] == 8  # promoted into the second server's L1
+        servers[0].stop(signal.SIGKILL)
+        assert b.ask("retrieve", tokens=DOC, seed=21) == {"hit": 64, "exact": True}
+        a.kill()
+        b.close()
+    finally:
+        for s in servers:
+            if s.proc is not None and s.proc.poll() is None:
+                s.stop()
+        shm.remove_stale()  # the killed server's arena (what its successor would remove)
         valkey.kill()
