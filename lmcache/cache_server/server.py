@@ -148,7 +148,7 @@ class CacheServer:
         self._arena_base = self.arena.tensor.data_ptr()
         self.allocator = MixedMemoryAllocator(arena_bytes, TensorMemoryAllocator(self.arena.tensor,
                                                                                  grow_bytes=GROW_BYTES))
-        self.eviction = EvictionDomain(self.config.cache_policy)
+        self.eviction: EvictionDomain[Any] = EvictionDomain(self.config.cache_policy)
         self._handlers: dict[str, Callable[[Engine, dict[str, Any]], dict[str, Any] | None]] = {
             "heartbeat": lambda engine, msg: {"grown": self.allocator.pin_allocator.grown},
             "contains": self._contains, "lease": self._lease,

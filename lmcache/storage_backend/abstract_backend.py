@@ -40,7 +40,7 @@ import abc
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
@@ -78,7 +78,7 @@ class TierContext:
     on_removed: Callable[[list[CacheEngineKey]], None] = _nothing
     read_local: Callable[[CacheEngineKey], MemoryObj | None] = _no_read
     has_local: Callable[[CacheEngineKey], bool] = lambda key: False
-    eviction: EvictionDomain | None = None
+    eviction: EvictionDomain[Any] | None = None
 
 
 class StorageBackendInterface(abc.ABC):

@@ -11,11 +11,7 @@ import abc
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from lmcache.cache_key import CacheEngineKey
-    from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -102,12 +98,12 @@ def make_policy(name: str) -> CachePolicy:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}") from None
 
 
-class EvictionDomain:
+class EvictionDomain(Generic[K]):
     """One eviction order (and one lock) for the hot tiers that share an arena: the cache server's
-    models evict each other's least recently used chunks, not only their own. The policy orders
-    ``(tier, key)`` pairs, so equal keys of two tiers stay apart. An engine's hot tier has a
+    models evict each other's least recently used chunks, not only their own. The hot tier orders
+    ``(tier, key)`` pairs in it, so equal keys of two tiers stay apart. An engine's hot tier has a
     domain of its own."""
 
     def __init__(self, policy: str = "LRU") -> None:
         self.lock = threading.RLock()
-        self.policy: CachePolicy[tuple[LocalCPUBackend, CacheEngineKey]] = make_policy(policy)
+        self.policy: CachePolicy[K] = make_policy(policy)

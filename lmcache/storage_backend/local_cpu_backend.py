@@ -37,12 +37,13 @@ class LocalCPUBackend(StorageBackendInterface):
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",
                  pins: PinTable | None = None,
                  on_removed: Callable[[list[CacheEngineKey]], None] | None = None,
-                 domain: EvictionDomain | None = None) -> None:
+                 domain: EvictionDomain[tuple[LocalCPUBackend, CacheEngineKey]] | None = None) -> None:
         """`domain`: the eviction order shared with other hot tiers on the same arena (its policy
         then rules, not `policy`); by default one of its own."""
         self.allocator = allocator
         self.on_removed = on_removed
-        self.domain = domain if domain is not None else EvictionDomain(policy)
+        self.domain: EvictionDomain[tuple[LocalCPUBackend, CacheEngineKey]] = (
+            domain if domain is not None else EvictionDomain(policy))
         self.pins = pins if pins is not None else PinTable()
         self.lock = self.domain.lock
         self._objs: dict[CacheEngineKey, MemoryObj] = {}

@@ -81,7 +81,7 @@ class _Load:
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  allocator: MemoryAllocatorInterface, faults: FailureDomains | None = None,
-                 eviction: EvictionDomain | None = None) -> None:
+                 eviction: EvictionDomain[Any] | None = None) -> None:
         """`faults` guards the tiers (one domain per tier name; by default backing off from 0.5 s
         up to 30 s); `eviction`: the eviction order the hot tier shares with the hot tiers of other
         managers on the same `allocator` (by default its own)."""
