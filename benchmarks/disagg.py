@@ -22,10 +22,11 @@ repeat's TTFT, and where the prefiller's prompt tokens for it came from (compute
 cache, or the connector). LMCache's instances keep 3 GB of KV in their CPU tier.
 
     python benchmarks/disagg.py [--trials 3] [--channel nixl|tcp] [--no-nixl-connector] [--no-repeat]
-                                [--long N --gap S --decode-tokens N]
+                                [--long N --gap S --decode-tokens N] [--tag TAG]
 
 Goals (issue 24): p90 ITL of 1P1D <= 0.5x the single instance's; TTFT and ITL no worse than
-NixlConnector's, and the repeated prefix served from cache. Writes benchmarks/out/disagg.json.
+NixlConnector's, and the repeated prefix served from cache. Writes benchmarks/out/disagg.json
+(disagg-TAG.json with `--tag`).
 """
 
 from __future__ import annotations
