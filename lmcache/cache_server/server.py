@@ -61,7 +61,7 @@ from lmcache.memory_management.allocators import GROW_BYTES
 from lmcache.observability import Counters, TierStats
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.storage_manager import StorageManager
-from lmcache.token_database import ChunkedTokenDatabase
+from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan
 
 logger = logging.getLogger(__name__)
 
@@ -495,12 +495,12 @@ class CacheServer:
             models = list(self.models.values())
         pinned = {}
         for model in models:  # without the lock: a lookup may wait on a lower tier
-            chunks = list(model.tokens.process_tokens(tokens, extra_key=extra_key))
+            chunks = _chunks(model, tokens, extra_key)
             keys = [c.key for c in chunks]
             lookup = model.storage.contains_prefix(keys)
             model.storage.acquire_lease(OPS_LEASE + lease, keys[: lookup.hits], ttl)
             model.storage.prefetch(lookup)
-            pinned[model.label] = chunks[lookup.hits - 1].end if lookup.hits else 0
+            pinned[model.label] = _prefix_tokens(chunks, lookup.hits)
         return pinned
 
     def unpin(self, lease: str) -> None:
@@ -530,13 +530,21 @@ class CacheServer:
             os.close(self._url_lock)
 
 
+def _chunks(model: Model, tokens: torch.Tensor, extra_key: str | None) -> list[ChunkSpan]:
+    return list(model.tokens.process_tokens(tokens, extra_key=extra_key))
+
+
+def _prefix_tokens(chunks: list[ChunkSpan], hits: int) -> int:
+    """How many tokens the first `hits` of `chunks` cover."""
+    return chunks[hits - 1].end if hits else 0
+
+
 def _cached(model: Model, tokens: torch.Tensor, extra_key: str | None) -> dict[str, Any]:
-    chunks = list(model.tokens.process_tokens(tokens, extra_key=extra_key))
+    chunks = _chunks(model, tokens, extra_key)
     keys = [c.key for c in chunks]
 
     def prefix(search_range: str | None) -> int:
-        hits = model.storage.contains_prefix(keys, search_range).hits
-        return chunks[hits - 1].end if hits else 0
+        return _prefix_tokens(chunks, model.storage.contains_prefix(keys, search_range).hits)
 
     return {"cached_tokens": prefix(None), "tiers": {t.name: prefix(t.name) for t in model.storage.tiers}}
 

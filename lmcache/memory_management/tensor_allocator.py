@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,13 +62,7 @@ class MemoryAllocatorInterface(abc.ABC):
     def allocate_many(self, shapes: Sequence[torch.Size], dtype: torch.dtype | None,
                       fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> list[MemoryObj]:
         """Objects for the leading `shapes` that fit, in order (stops at the first that does not)."""
-        out: list[MemoryObj] = []
-        for shape in shapes:
-            obj = self.allocate(shape, dtype, fmt)
-            if obj is None:
-                break
-            out.append(obj)
-        return out
+        return allocate_leading(self.allocate, shapes, dtype, fmt)
 
     @property
     def available(self) -> bool:
@@ -82,6 +76,19 @@ class MemoryAllocatorInterface(abc.ABC):
     def check_integrity(self) -> None:  # noqa: B027 - optional hook
         """Raise AssertionError unless the books balance (free + used = total, nothing handed out
         twice). An allocator that keeps no books (each object its own tensor) has nothing to check."""
+
+
+def allocate_leading(allocate: Callable[[torch.Size, torch.dtype | None, MemoryFormat], MemoryObj | None],
+                     shapes: Sequence[torch.Size], dtype: torch.dtype | None,
+                     fmt: MemoryFormat) -> list[MemoryObj]:
+    """`allocate` each of `shapes` in order, up to the first that does not fit."""
+    out: list[MemoryObj] = []
+    for shape in shapes:
+        obj = allocate(shape, dtype, fmt)
+        if obj is None:
+            break
+        out.append(obj)
+    return out
 
 
 class TensorMemoryAllocator(MemoryAllocatorInterface):

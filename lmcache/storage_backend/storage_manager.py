@@ -40,6 +40,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
+from lmcache.memory_management.tensor_allocator import allocate_leading
 from lmcache.observability import Counters, TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import EvictionDomain
@@ -137,13 +138,7 @@ class StorageManager:
         """Buffers for the leading `shapes` that fit (evicting as `allocate` does), in order."""
         if self.hot is None:
             return self.allocator.allocate_many(shapes, dtype, fmt)
-        out: list[MemoryObj] = []
-        for shape in shapes:
-            obj = self.hot.allocate(shape, dtype, fmt)
-            if obj is None:
-                break
-            out.append(obj)
-        return out
+        return allocate_leading(self.hot.allocate, shapes, dtype, fmt)
 
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         self.put_many([key], [memory_obj])
