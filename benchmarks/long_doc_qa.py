@@ -5,15 +5,25 @@ N documents of L tokens (public-domain prose from benchmarks/data/, each documen
 question per document, asked in two rounds. vLLM's own prefix cache is reset between the rounds, so
 the second round is served by the connector or recomputed. For each configuration, sequentially in
 one process: no connector, vLLM's ExampleConnector (safetensors on local disk), and LMCache (the hot
-CPU tier). Requests are sent one at a time; TTFT comes from vLLM's request metrics. LMCache's time
-spent storing is read from the worker's engine counters, so its overhead on cold requests is
-measured directly, not inferred from two noisy TTFTs.
+CPU tier). Without a connector both rounds would compute the same prefill, so that configuration
+asks one round: its TTFT is both the cold and the recompute figure. Requests are sent one at a
+time; TTFT comes from vLLM's request metrics. LMCache's time spent storing is read from the worker's
+engine counters, so its overhead on cold requests is measured directly, not inferred from two noisy
+TTFTs.
 
-    python benchmarks/long_doc_qa.py [--num-docs 4] [--doc-tokens 4000] [--configs none,example,lmcache]
+    python benchmarks/long_doc_qa.py [--num-docs 1] [--doc-tokens 4000] [--configs none,example,lmcache]
+                                     [--dtype auto|bfloat16|float32]
+
+The model runs in the dtype this CPU computes natively unless --dtype says otherwise: bf16 where it
+has AMX or avx512_bf16, fp32 elsewhere (without them vLLM-CPU emulates bf16, 2-3 times slower).
+One document by default: `make demo` should finish in under 5 minutes on 2 AVX2 cores, where each
+document is prefilled once per configuration, a 4,000-token fp32 prefill takes 20-45 s (most of it
+in vLLM-CPU's attention kernel) and each of the three engines 35-50 s to start (RESULTS.md).
 
 Prints a table and each goal with `met` / `NOT met`, writes benchmarks/out/long_doc_qa.json and
 .png, and exits with status 1 when a goal is missed. The header and the JSON name the CPU (model,
-AMX or not) and the attention ISA vLLM picked, since vLLM-CPU packs KV differently on each.
+AMX or not), the dtype and why, the vLLM-CPU kernel build the engine loaded and the attention ISA
+vLLM picked, since vLLM-CPU packs KV differently on each.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from machine import cpu_info, cpu_line
+from machine import cpu_info, cpu_line, pick_dtype
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,14 +61,16 @@ class ConfigResult:
     cached_round2: list[int] = field(default_factory=list)
     engine_stats: dict[str, float] = field(default_factory=dict)
     attn_isa: str = ""  # the attention ISA vLLM-CPU picked (how it packs KV)
+    kernels: str = ""  # the vLLM-CPU kernel library the engine's worker loaded, e.g. "_C_AVX2"
 
     @property
     def mean1(self) -> float:
         return statistics.mean(self.round1_ttft)
 
     @property
-    def mean2(self) -> float:
-        return statistics.mean(self.round2_ttft)
+    def mean2(self) -> float | None:
+        """None where the configuration asks one round (no connector)."""
+        return statistics.mean(self.round2_ttft) if self.round2_ttft else None
 
 
 def build_documents(tokenizer: Any, num_docs: int, doc_tokens: int) -> list[list[int]]:
@@ -99,6 +111,31 @@ def attention_isa(llm: Any) -> str:
                        config.model_config.get_head_size())
 
 
+def engine_kernels() -> str:
+    """The vLLM-CPU kernel library (e.g. ``_C_AVX2``) the running engine loaded. Its worker is a
+    descendant of this process, so this reads their memory maps; where none shows one, the library
+    vLLM picks on this CPU."""
+    import psutil
+
+    from lmcache.integration.vllm.cpu_build import loaded_build, native_build
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            build = loaded_build(Path(f"/proc/{child.pid}/maps").read_text())
+        except OSError:
+            continue
+        if build is not None:
+            return build.library
+    return native_build().library
+
+
+def kernels_line(kernels: str, isa: str) -> str:
+    """`cpu_build.describe`'s line for the build whose library is `kernels`."""
+    from lmcache.integration.vllm.cpu_build import BUILDS, describe
+
+    return describe(isa, next(b for b in BUILDS.values() if b.library == kernels))
+
+
 def run_config(name: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> ConfigResult:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -114,9 +151,9 @@ def run_config(name: str, prompts: list[list[int]], args: argparse.Namespace, mo
     sampling = SamplingParams(max_tokens=1, temperature=0)
     warm_up = TokensPrompt(prompt_token_ids=list(range(1000, 1300)))
     llm.generate([warm_up], sampling, use_tqdm=False)  # vLLM skips its own warm-up with a fixed KV size
-    result = ConfigResult(name, attn_isa=attention_isa(llm))
+    result = ConfigResult(name, attn_isa=attention_isa(llm), kernels=engine_kernels())
     try:
-        for rnd in (1, 2):
+        for rnd in (1,) if name == "none" else (1, 2):
             llm.reset_prefix_cache()
             for ids in tqdm(prompts, desc=f"{LABELS[name]:<22} round {rnd}", unit="req", leave=False):
                 out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)[0]
@@ -140,12 +177,17 @@ def run_config(name: str, prompts: list[list[int]], args: argparse.Namespace, mo
 
 def report(results: list[ConfigResult], args: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
     by = {r.name: r for r in results}
-    recompute = by["none"].mean2 if "none" in by else None
-    print(f"\nLong-document QA: {args.num_docs} documents x {args.doc_tokens} tokens, one question each, "
-          f"two rounds (vLLM prefix cache reset before each), SmolLM2-135M {args.dtype} on vLLM-CPU")
-    print(f"CPU: {cpu_line()}; vLLM's attention ISA: {results[0].attn_isa}")
+    recompute = by["none"].mean1 if "none" in by else None  # a recompute is a cold prefill
+    docs = f"{args.num_docs} document{'s' if args.num_docs > 1 else ''}"
+    print(f"\nLong-document QA: {docs} x {args.doc_tokens} tokens, one question each, "
+          f"two rounds (vLLM prefix cache reset before each; one without a connector), SmolLM2-135M "
+          f"{args.dtype} on vLLM-CPU")
+    print(f"CPU: {cpu_line()}; {kernels_line(results[0].kernels, results[0].attn_isa)}")
     print(f"{'configuration':<24}{'round 1 TTFT':>14}{'round 2 TTFT':>14}{'round 2 speedup':>17}")
     for r in results:
+        if r.mean2 is None:
+            print(f"{LABELS[r.name]:<24}{r.mean1:>12.3f} s{'(recomputes)':>14}{'1.0x':>17}")
+            continue
         speedup = f"{recompute / r.mean2:.1f}x" if recompute else "-"
         print(f"{LABELS[r.name]:<24}{r.mean1:>12.3f} s{r.mean2:>12.3f} s{speedup:>17}")
     summary: dict[str, Any] = {}
@@ -200,7 +242,7 @@ def plot(results: list[ConfigResult], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(results))
     ax.bar([x - 0.2 for x in xs], [r.mean1 for r in results], 0.4, label="round 1 (cold)")
-    ax.bar([x + 0.2 for x in xs], [r.mean2 for r in results], 0.4, label="round 2 (repeat)")
+    ax.bar([x + 0.2 for x in xs], [r.mean2 or float("nan") for r in results], 0.4, label="round 2 (repeat)")
     ax.set_xticks(list(xs), [LABELS[r.name] for r in results])
     ax.set_yscale("log")
     ax.set_ylabel("mean TTFT (s, log scale)")
@@ -213,10 +255,11 @@ def plot(results: list[ConfigResult], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-docs", type=int, default=4)
+    parser.add_argument("--num-docs", type=int, default=1)
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--configs", default="none,example,lmcache")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="auto: bfloat16 where the CPU has AMX or avx512_bf16, float32 otherwise")
     parser.add_argument("--kv-gb", type=float, default=1.0, help="vLLM's KV pool (GiB)")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -229,6 +272,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     print(f"Long-document QA on vLLM-CPU; CPU: {cpu_line()}")
+    dtype = pick_dtype(args.dtype)
+    args.dtype = dtype.dtype
+    print(f"dtype {dtype.dtype}: {dtype.reason}")
     model = local_model_path(args.dtype)
     prompts = []
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -238,8 +284,9 @@ def main() -> None:
     results = [run_config(name, prompts, args, model) for name in configs]
     summary = report(results, args, len(prompts[0]))
     OUT.mkdir(exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d"), "machine": cpu_info() | {"attn_isa": results[0].attn_isa},
-               "args": vars(args), "wall_s": time.perf_counter() - t0, "summary": summary,
+    machine = cpu_info() | {"kernels": results[0].kernels, "attn_isa": results[0].attn_isa}
+    payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "args": vars(args),
+               "dtype_reason": dtype.reason, "wall_s": time.perf_counter() - t0, "summary": summary,
                "results": [asdict(r) | {"mean_round1": r.mean1, "mean_round2": r.mean2} for r in results]}
     (OUT / "long_doc_qa.json").write_text(json.dumps(payload, indent=1))
     plot(results, OUT / "long_doc_qa.png")

@@ -93,10 +93,10 @@ def forced_build_env(name: str) -> dict[str, str]:
             "ONEDNN_MAX_CPU_ISA": build.onednn}
 
 
-def describe(isa: str | None = None) -> str:
-    """One line for logs and reports: the loaded build (or the one vLLM would pick) and, if given,
-    the attention ISA, e.g. ``"vLLM-CPU kernels _C_AVX2 (avx2 build), attention ISA vec"``."""
-    build = loaded_build()
+def describe(isa: str | None = None, build: KernelBuild | None = None) -> str:
+    """One line for logs and reports: `build` (default: the loaded one) and, if given, the
+    attention ISA, e.g. ``"vLLM-CPU kernels _C_AVX2 (avx2 build), attention ISA vec"``."""
+    build = build or loaded_build()
     text = (f"vLLM-CPU kernels {build.library} ({build.name} build)" if build is not None
             else f"vLLM-CPU kernels not loaded (this CPU: {native_build().name} build)")
     return f"{text}, attention ISA {isa}" if isa else text
