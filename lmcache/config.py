@@ -34,7 +34,8 @@ ENV_PREFIX = "LMCACHE_"
 # LMCACHE_* variables that are not config fields but are read elsewhere; never warned about.
 KNOWN_NON_FIELD_ENV = frozenset(
     {"LMCACHE_CONFIG_FILE", "LMCACHE_LOG_LEVEL", "LMCACHE_AUTH_TOKEN", "LMCACHE_MODEL_DIR",
-     "LMCACHE_NATIVE", "LMCACHE_NATIVE_CACHE_DIR", "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_STAGED_COPY"}
+     "LMCACHE_NATIVE", "LMCACHE_NATIVE_CACHE_DIR", "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_STAGED_COPY",
+     "LMCACHE_COPY_ISA", "LMCACHE_MALLOC_TUNING"}
 )
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -1,10 +1,11 @@
 """CacheGen's data passes on the CPU: native kernels, or the numpy reference with the same results.
 
-`kernels()` returns `NativeKernels` (`lmcache/native/cachegen_kernels.c`: compiled on first use,
-parallel over pairs / substreams with OpenMP, the GIL released) where a C compiler is available
-and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy definitions in `quant` and
-`rans`). Both produce bit-identical streams and values (`tests/unit/cachegen/test_cachegen_kernels.py`);
-the reference is ~50x slower.
+`kernels()` returns `NativeKernels` (`lmcache/native/cachegen_kernels.c`: compiled on first use
+in the build for the CPU's widest vector path or the one ``LMCACHE_COPY_ISA`` caps it at (see
+`lmcache.native`), parallel over pairs / substreams with OpenMP, the GIL released) where a C
+compiler is available and ``LMCACHE_NATIVE`` is not 0, else `ReferenceKernels` (the numpy
+definitions in `quant` and `rans`). Both produce bit-identical streams and values
+(`tests/unit/cachegen/test_cachegen_kernels.py`); the reference is ~50x slower.
 
 Passes, on KV viewed as ``x: [G, T, C]`` (G = 2 * layers (K/V, layer) pairs, CPU, contiguous):
 `stats` (channel sums, token sums of squares), `quantize` (symbols, anchor refinements and the
@@ -147,6 +148,7 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self.path = native.build_of(lib)  # the vector path of its build
 
     @staticmethod
     def _threads() -> int:
@@ -317,9 +319,10 @@ class NativeKernels:
 Kernels = NativeKernels | ReferenceKernels
 
 
-def kernels(use_native: bool = True) -> Kernels:
-    """The native kernels when `use_native` and they can be built, else the numpy reference."""
-    lib = native.load("cachegen_kernels") if use_native else None
+def kernels(use_native: bool = True, isa: str | None = None) -> Kernels:
+    """The native kernels when `use_native` and they can be built, else the numpy reference.
+    `isa`: the widest vector path of their build (default: `native.copy_isa()`)."""
+    lib = native.load("cachegen_kernels", isa) if use_native else None
     if lib is None:
         return ReferenceKernels()
     native.tune_malloc()

@@ -16,18 +16,12 @@
  * substream is valid only if every lane ends at L with every word consumed.
  *
  * Work is split over pairs / substreams with OpenMP (dynamic schedule); ctypes releases the GIL.
+ * The file is built once per vector path (`lmcache.native`: baseline x86-64, and x86-64-v3 with
+ * AVX2 and BMI2); the arithmetic is the same IEEE operations in every build (no FMA).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Hot functions are compiled twice, for x86-64-v3 (AVX2, BMI2) and the baseline, and picked at
- * load time by the CPU (the arithmetic is the same IEEE operations either way, no FMA). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HOT
-#endif
 
 #define PROB_BITS 12
 #define PROB_SCALE (1u << PROB_BITS)
@@ -86,7 +80,7 @@ PAIR void stats_pair(const void *x, int dtype, int64_t g, int64_t T, int64_t C, 
     }
 }
 
-HOT int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
+int cg_stats(const void *x, int dtype, int64_t G, int64_t T, int64_t C, float *colsum,
              double *sumsq, int nthreads) {
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
@@ -188,7 +182,7 @@ PAIR void quantize_pair(const void *x, int dtype, int64_t g, int64_t G, int64_t 
 }
 
 /* Pass 2 on every pair (see quantize_pair), with means [G][C] and inv_steps [G][T]. */
-HOT int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
+int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const float *means,
                 const float *inv_steps, const int64_t *anchor_of, int16_t *q, int64_t *abs_sum,
                 int32_t *qmin, int32_t *qmax, int32_t *qpeak, uint8_t *refine, int nthreads) {
     int failed = 0;
@@ -237,7 +231,7 @@ PAIR void histogram_pair(const int16_t *q, int64_t T, int64_t C, const int64_t *
 /* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
  * group's first table entry minus its lowest symbol). Pair g's entries are the range
  * [pair_entries[g], pair_entries[g + 1]), so pairs run in parallel without conflicts. */
-HOT int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
+int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_t *sym_base,
                  const int64_t *pair_entries, int64_t *counts, int nthreads) {
     int64_t width = 1;
     for (int64_t g = 0; g < G; g++)
@@ -399,27 +393,29 @@ int cg_normalize(const int64_t *counts, int64_t N, const int64_t *group_start,
  * (Granlund-Montgomery, N = 63). Then
  * x' = (x / f) << PROB_BITS | x % f + cum = x + (x / f) * (2^PROB_BITS - f) + cum. f = 1 uses
  * m = 2^64 - 1, l - 1 = 0, which gives x - 1 instead of x (x >= 1): its bias adds the missing
- * 2^PROB_BITS - 1. 24-byte entries, one pointer per coded channel to its group's entries. */
+ * 2^PROB_BITS - 1. 32-byte entries (an entry's address is one shift and add from its symbol;
+ * cmpl is 64-bit for a multiply from memory), one pointer per coded channel to its group's
+ * entries. */
 typedef struct {
     uint64_t m;
     uint64_t x_max; /* renormalize (emit a word) while x >= x_max */
+    uint64_t cmpl;  /* 2^PROB_BITS - f */
+    uint32_t shift; /* l - 1 */
     uint32_t bias;  /* cum, plus 2^PROB_BITS - 1 when f = 1 (see enc_put) */
-    uint16_t cmpl;  /* 2^PROB_BITS - f */
-    uint16_t shift; /* l - 1 */
 } enc_sym;
 
 static void enc_sym_init(enc_sym *s, uint32_t freq, uint32_t cum) {
     uint32_t l = 0;
     while ((1u << l) < freq) l++;
-    s->cmpl = (uint16_t)(PROB_SCALE - freq);
+    s->cmpl = PROB_SCALE - freq;
     if (freq == 1) {
         s->m = ~0ull;
         s->shift = 0;
-        s->bias = cum + s->cmpl;
+        s->bias = cum + (uint32_t)s->cmpl;
     } else {
         unsigned __int128 num = (unsigned __int128)1 << (63 + l);
         s->m = (uint64_t)((num + freq - 1) / freq);
-        s->shift = (uint16_t)(l - 1);
+        s->shift = l - 1;
         s->bias = cum;
     }
     s->x_max = ((RANS_L >> PROB_BITS) << 32) * (uint64_t)freq;
@@ -431,15 +427,15 @@ static inline uint64_t enc_put(uint64_t x, const enc_sym *s) {
 }
 
 /* One encoder step on state X for the row's coded channel J (column COL(J) of the row): emit a
- * word if needed (written ahead into ptr[-1] always, kept only when emitted: branch-free), then
- * code the symbol. */
+ * word if needed (written ahead into out[at - 1] always, kept only when emitted: branch-free; the
+ * count `at += kept - 1` compiles to one add with carry), then code the symbol. */
 #define ENC_STEP(X, J, COL)                                                                 \
     do {                                                                                    \
         const enc_sym *e_ = base[J] + row[COL(J)];                                          \
-        uint64_t emit_ = (X) >= e_->x_max;                                                  \
-        ptr[-1] = (uint32_t)(X);                                                            \
-        ptr -= emit_;                                                                       \
-        (X) = emit_ ? (X) >> 32 : (X);                                                      \
+        int keep_ = (X) < e_->x_max;                                                        \
+        out[at - 1] = (uint32_t)(X);                                                        \
+        at += keep_ - 1;                                                                    \
+        (X) = keep_ ? (X) : (X) >> 32;                                                      \
         (X) = enc_put((X), e_);                                                             \
     } while (0)
 
@@ -491,15 +487,16 @@ static void enc_group(const uint32_t *freq, int64_t size, enc_sym *tab) {
 
 /* Pass 4 on one substream: the symbols of tokens [t0, t1) of a pair (q: its rows [T][C]) over its
  * nc >= 1 coded channels ch[j], whose table entries are base[j][symbol], written backwards from
- * ptr. Returns where its words begin, or NULL if they would reach below lo. */
+ * end. Returns where its words begin, or NULL if they would reach below lo. */
 PAIR uint32_t *encode_substream(const int16_t *q, int64_t C, int64_t t0, int64_t t1, int64_t nc,
-                                const int64_t *ch, const enc_sym **base, const uint32_t *lo,
-                                uint32_t *ptr) {
+                                const int64_t *ch, const enc_sym **base, uint32_t *lo,
+                                uint32_t *end) {
     uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L, x4 = RANS_L, x5 = RANS_L,
              x6 = RANS_L, x7 = RANS_L;
-    int64_t i = (t1 - t0) * nc - 1;
+    uint32_t *out = lo;
+    int64_t i = (t1 - t0) * nc - 1, at = end - lo; /* the words so far: out[at ..] */
     for (int64_t t = t1 - 1; t >= t0; t--) {
-        if (ptr - lo < nc + 1) return NULL; /* a row emits <= nc words (+ the slot written ahead) */
+        if (at < nc + 1) return NULL; /* a row emits <= nc words (+ the slot written ahead) */
         const int16_t *row = q + t * C;
         if (t - 2 >= t0) /* rows are read backwards, long after quantize wrote them */
             for (int64_t c = 0; c < C; c += 32) __builtin_prefetch(row - 2 * C + c);
@@ -508,7 +505,8 @@ PAIR uint32_t *encode_substream(const int16_t *q, int64_t C, int64_t t0, int64_t
         else
             ENC_ROW(COL_LISTED);
     }
-    if (ptr - lo < 2 * LANES) return NULL;
+    if (at < 2 * LANES) return NULL;
+    uint32_t *ptr = out + at;
     uint64_t x[LANES] = {x0, x1, x2, x3, x4, x5, x6, x7};
     for (int l = LANES - 1; l >= 0; l--) {
         *--ptr = (uint32_t)x[l];
@@ -538,7 +536,7 @@ static int64_t compact_substreams(uint32_t *out, const int64_t *region_start,
  * out (compact_substreams). freq: per table entry, the N groups' tables at group_start[n],
  * group_size[n] entries each.
  * Returns the number of words, or -1 if a region was too small, -2 on allocation failure. */
-HOT int64_t cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
+int64_t cg_encode(const int16_t *q, int64_t G, int64_t T, int64_t C, int64_t B,
                       const int64_t *block_starts, const int64_t *ncoded, const int64_t *chans,
                       const int64_t *sym_base, const uint32_t *freq, int64_t N,
                       const int64_t *group_start, const int64_t *group_size, uint32_t *out,
@@ -618,7 +616,7 @@ static int grow(void **buf, int64_t *cap, int64_t need, size_t item) {
  * small, -2 on allocation failure, -3 for non-finite sums, -4 if a token's symbols reach QMAX
  * (its step needs raising: `cachegen.quant.bound_exponents`, which the passes do), -5 for a group
  * of more than MAX_ALPHABET symbols. */
-HOT int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t C, int64_t B,
+int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t C, int64_t B,
                             const int64_t *block_starts, const int64_t *anchor_of,
                             const int64_t *bins, const double *exp_thr, const float *inv_step_of,
                             const double *class_thr, float *means, int32_t *exps, uint8_t *refine,
@@ -774,17 +772,15 @@ HOT int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int6
     return total;
 }
 
-/* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW):
- * decode, renormalize branch-free (reading the next word always; CHECKED: guard the read and mark
- * the substream broken past its end). */
-typedef uint16_t dec_index;
-
-#define DEC_STEP(X, J, CHECKED, COL)                                                         \
+/* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW;
+ * IDX: the type of its slot index, see dec_tables): decode, renormalize branch-free (reading the
+ * next word always; CHECKED: guard the read and mark the substream broken past its end). */
+#define DEC_STEP(X, J, CHECKED, COL, IDX)                                                    \
     do {                                                                                     \
-        const dec_chan *d_ = &dc[J];                                                         \
+        const IDX *t_ = (const IDX *)tab[J];                                                 \
         uint32_t slot_ = (uint32_t)((X) & (PROB_SCALE - 1));                                 \
-        uint32_t k_ = d_->index[slot_];                                                      \
-        uint32_t e_ = d_->entry[k_];                                                         \
+        uint32_t k_ = t_[slot_];                                                             \
+        uint32_t e_ = ((const uint32_t *)(t_ + PROB_SCALE))[k_];                             \
         (X) = (uint64_t)(e_ >> 16) * ((X) >> PROB_BITS) + slot_ - (e_ & 0xFFFFu);            \
         uint64_t need_ = (X) < RANS_L;                                                       \
         if ((CHECKED) && ptr >= len) {                                                       \
@@ -794,65 +790,66 @@ typedef uint16_t dec_index;
         uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        sym[COL(J)] = d_->low + (int32_t)k_;                                                 \
+        sym[COL(J)] = (int32_t)k_;                                                           \
     } while (0)
 
-#define DEC_ANY_LANE(I, J, CHECKED, COL)                                                     \
+#define DEC_ANY_LANE(I, J, CHECKED, COL, IDX)                                                \
     do {                                                                                     \
         switch ((I) & (LANES - 1)) {                                                         \
-        case 0: DEC_STEP(x0, J, CHECKED, COL); break;                                        \
-        case 1: DEC_STEP(x1, J, CHECKED, COL); break;                                        \
-        case 2: DEC_STEP(x2, J, CHECKED, COL); break;                                        \
-        case 3: DEC_STEP(x3, J, CHECKED, COL); break;                                        \
-        case 4: DEC_STEP(x4, J, CHECKED, COL); break;                                        \
-        case 5: DEC_STEP(x5, J, CHECKED, COL); break;                                        \
-        case 6: DEC_STEP(x6, J, CHECKED, COL); break;                                        \
-        default: DEC_STEP(x7, J, CHECKED, COL); break;                                       \
+        case 0: DEC_STEP(x0, J, CHECKED, COL, IDX); break;                                   \
+        case 1: DEC_STEP(x1, J, CHECKED, COL, IDX); break;                                   \
+        case 2: DEC_STEP(x2, J, CHECKED, COL, IDX); break;                                   \
+        case 3: DEC_STEP(x3, J, CHECKED, COL, IDX); break;                                   \
+        case 4: DEC_STEP(x4, J, CHECKED, COL, IDX); break;                                   \
+        case 5: DEC_STEP(x5, J, CHECKED, COL, IDX); break;                                   \
+        case 6: DEC_STEP(x6, J, CHECKED, COL, IDX); break;                                   \
+        default: DEC_STEP(x7, J, CHECKED, COL, IDX); break;                                  \
         }                                                                                    \
     } while (0)
 
-typedef struct {
-    const dec_index *index; /* per slot of the channel's group: the local index k owning it */
-    const uint32_t *entry;  /* per local index of the group: f << 16 | cum */
-    int32_t low;            /* the group's lowest symbol (local index 0) */
-} dec_chan;
-
 /* Decode one row's coded channels into sym (see ENC_ROW for COL). */
-#define DEC_ROW(COL)                                                                         \
+#define DEC_ROW(COL, IDX)                                                                    \
     do {                                                                                     \
         int64_t j = 0;                                                                       \
         if (len - ptr >= nc) { /* the row cannot run out of words: no bounds checks */       \
-            for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0, COL);        \
+            for (; j < nc && (i & (LANES - 1)); j++, i++) DEC_ANY_LANE(i, j, 0, COL, IDX);   \
             for (; j + LANES <= nc; j += LANES, i += LANES) {                                \
-                DEC_STEP(x0, j, 0, COL);                                                     \
-                DEC_STEP(x1, j + 1, 0, COL);                                                 \
-                DEC_STEP(x2, j + 2, 0, COL);                                                 \
-                DEC_STEP(x3, j + 3, 0, COL);                                                 \
-                DEC_STEP(x4, j + 4, 0, COL);                                                 \
-                DEC_STEP(x5, j + 5, 0, COL);                                                 \
-                DEC_STEP(x6, j + 6, 0, COL);                                                 \
-                DEC_STEP(x7, j + 7, 0, COL);                                                 \
+                DEC_STEP(x0, j, 0, COL, IDX);                                                \
+                DEC_STEP(x1, j + 1, 0, COL, IDX);                                            \
+                DEC_STEP(x2, j + 2, 0, COL, IDX);                                            \
+                DEC_STEP(x3, j + 3, 0, COL, IDX);                                            \
+                DEC_STEP(x4, j + 4, 0, COL, IDX);                                            \
+                DEC_STEP(x5, j + 5, 0, COL, IDX);                                            \
+                DEC_STEP(x6, j + 6, 0, COL, IDX);                                            \
+                DEC_STEP(x7, j + 7, 0, COL, IDX);                                            \
             }                                                                                \
         }                                                                                    \
-        for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1, COL);                                 \
+        for (; j < nc; j++, i++) DEC_ANY_LANE(i, j, 1, COL, IDX);                            \
     } while (0)
 
-/* The decoder tables of groups [first, last] (one pair's groups): index gets PROB_SCALE slots
- * per group (in group order), entry the group's entries f << 16 | cum at entry + group_start[grp]
- * - group_start[first]. freq: the concatenated tables (`cachegen.rans.check_tables` has checked
- * that each sums to PROB_SCALE; checked again here, so that no caller can make this write past
- * the tables). Returns 0, or -1 for a group whose frequencies do not sum to PROB_SCALE. */
+/* The decoder table of each group of [first, last] (one pair's groups), DEC_TABLE(narrow) bytes
+ * apart in tables: per slot the local index k owning it (PROB_SCALE of them, uint8_t where
+ * `narrow`, i.e. every group has at most 256 symbols: the tables then take half the cache, else
+ * uint16_t), then per k its entry f << 16 | cum (uint32_t). freq: the concatenated tables
+ * (`cachegen.rans.check_tables` has checked that each sums to PROB_SCALE; checked again here, so
+ * that no caller can make this write past the tables). Returns 0, or -1 for a group whose
+ * frequencies do not sum to PROB_SCALE. */
+#define DEC_TABLE(narrow) ((narrow) ? PROB_SCALE + 4 * 256 : 2 * PROB_SCALE + 4 * PROB_SCALE)
+
 static int dec_tables(const uint32_t *freq, const int64_t *group_start, const int64_t *group_size,
-                      int64_t first, int64_t last, dec_index *index, uint32_t *entry) {
+                      int64_t first, int64_t last, int narrow, char *tables) {
     for (int64_t grp = first; grp <= last; grp++) {
-        dec_index *ix = index + (grp - first) * PROB_SCALE;
-        uint32_t *en = entry + (group_start[grp] - group_start[first]);
+        char *table = tables + (grp - first) * DEC_TABLE(narrow);
+        uint8_t *ix8 = (uint8_t *)table;
+        uint16_t *ix16 = (uint16_t *)table;
+        uint32_t *en = (uint32_t *)(table + PROB_SCALE * (narrow ? 1 : 2));
         const uint32_t *f = freq + group_start[grp];
         uint32_t slot = 0;
         for (int64_t k = 0; k < group_size[grp]; k++) {
             if (f[k] > PROB_SCALE - slot) return -1;
             en[k] = f[k] << 16 | slot;
-            for (uint32_t r = 0; r < f[k]; r++) ix[slot + r] = (dec_index)k;
+            if (narrow) memset(ix8 + slot, (int)k, f[k]);
+            else for (uint32_t r = 0; r < f[k]; r++) ix16[slot + r] = (uint16_t)k;
             slot += f[k];
         }
         if (slot != PROB_SCALE) return -1;
@@ -869,7 +866,7 @@ static int dec_tables(const uint32_t *freq, const int64_t *group_start, const in
  * of block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing.
  * Substream s's words: words[stream_off[s], + stream_len[s]). Returns the number of substreams
  * that failed to decode (0 = all valid). */
-HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
+int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
               int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
@@ -879,12 +876,12 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        dec_chan *dc = (dec_chan *)malloc(sizeof(dec_chan) * C);
-        int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's symbols */
-        dec_index *index = (dec_index *)malloc(sizeof(dec_index) * NUM_CLASSES * PROB_SCALE);
-        uint32_t *entry = (uint32_t *)malloc(sizeof(uint32_t) * NUM_CLASSES * PROB_SCALE);
-        int ok = dc && sym && index && entry;
-        int64_t built = -1; /* the pair whose tables index / entry hold */
+        const char **tab = (const char **)malloc(sizeof(char *) * C); /* coded channel j's table */
+        int32_t *restrict sym = (int32_t *)malloc(sizeof(int32_t) * C); /* the row's local indices */
+        int32_t *restrict low = (int32_t *)malloc(sizeof(int32_t) * C); /* + low[c]: its symbols */
+        char *tables = (char *)malloc(NUM_CLASSES * DEC_TABLE(0));
+        int ok = tab && sym && low && tables;
+        int64_t built = -1; /* the pair whose tables `tables` holds */
         #pragma omp for schedule(dynamic, 1) reduction(+ : bad)
         for (int64_t s = 0; s < B * G; s++) {
             if (!ok) {
@@ -904,21 +901,19 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
                 bad++;
                 continue;
             }
+            int narrow = 1;
+            for (int64_t grp = first; grp <= last; grp++) narrow &= group_size[grp] <= 256;
             if (built != g && nc) {
                 built = -1;
-                if (dec_tables(freq, group_start, group_size, first, last, index, entry)) {
+                if (dec_tables(freq, group_start, group_size, first, last, narrow, tables)) {
                     bad++;
                     continue;
                 }
                 built = g;
             }
-            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = group_low[gid[cc[k]]];
-            for (int64_t j = 0; j < nc; j++) {
-                int64_t grp = gid[ch[j]];
-                dc[j].index = index + (grp - first) * PROB_SCALE;
-                dc[j].entry = entry + (group_start[grp] - group_start[first]);
-                dc[j].low = group_low[grp];
-            }
+            for (int64_t c = 0; c < C; c++) low[c] = group_low[gid[c]];
+            for (int64_t k = 0; k < nk; k++) sym[cc[k]] = 0;
+            for (int64_t j = 0; j < nc; j++) tab[j] = tables + (gid[ch[j]] - first) * DEC_TABLE(narrow);
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
             const uint32_t *w = words + stream_off[s];
             int broken = n == 0 ? len != 0 : len < 2 * LANES;
@@ -936,39 +931,43 @@ HOT int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_
             }
             int64_t ptr = n ? 2 * LANES : 0, i = 0;
             for (int64_t t = t0; t < t1 && !broken; t++) {
-                if (nc == C)
-                    DEC_ROW(COL_ALL);
+                if (nc == C && narrow)
+                    DEC_ROW(COL_ALL, uint8_t);
+                else if (narrow)
+                    DEC_ROW(COL_LISTED, uint8_t);
+                else if (nc == C)
+                    DEC_ROW(COL_ALL, uint16_t);
                 else
-                    DEC_ROW(COL_LISTED);
+                    DEC_ROW(COL_LISTED, uint16_t);
                 const float step = steps[g * T + t];
                 int64_t o = (g * T + t) * C;
                 if (t == t0) {
                     const float *ref = refine + (b * G + g) * C;
                     for (int64_t c = 0; c < C; c++) {
-                        float v = ((float)sym[c] + ref[c]) * step + mean[c];
+                        float v = ((float)(sym[c] + low[c]) + ref[c]) * step + mean[c];
                         if (dtype == 0) ((uint16_t *)out)[o + c] = f32_to_bf16(v);
                         else if (dtype == 1) ((_Float16 *)out)[o + c] = (_Float16)v;
                         else ((float *)out)[o + c] = v;
                     }
                 } else if (dtype == 0) {
                     uint16_t *restrict dst = (uint16_t *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16((float)sym[c] * step + mean[c]);
+                    for (int64_t c = 0; c < C; c++) dst[c] = f32_to_bf16((float)(sym[c] + low[c]) * step + mean[c]);
                 } else if (dtype == 1) {
                     _Float16 *restrict dst = (_Float16 *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)((float)sym[c] * step + mean[c]);
+                    for (int64_t c = 0; c < C; c++) dst[c] = (_Float16)((float)(sym[c] + low[c]) * step + mean[c]);
                 } else {
                     float *restrict dst = (float *)out + o;
-                    for (int64_t c = 0; c < C; c++) dst[c] = (float)sym[c] * step + mean[c];
+                    for (int64_t c = 0; c < C; c++) dst[c] = (float)(sym[c] + low[c]) * step + mean[c];
                 }
             }
             broken |= (x0 != RANS_L) | (x1 != RANS_L) | (x2 != RANS_L) | (x3 != RANS_L) |
                       (x4 != RANS_L) | (x5 != RANS_L) | (x6 != RANS_L) | (x7 != RANS_L);
             bad += broken || ptr != len;
         }
-        free(dc);
+        free(tab);
         free(sym);
-        free(index);
-        free(entry);
+        free(low);
+        free(tables);
     }
     return bad;
 }

@@ -8,11 +8,11 @@ KV stored by vLLM-CPU is shared with vLLM on CUDA and with HF transformers.
 A layout on `BatchedKVConnector`: the request-level checks and the slot rule are shared (a store
 rejects negative slots, a retrieve skips them: blocks the engine already holds are never
 overwritten). For the layouts of a known kind (`cpu_layout.KINDS`: vec / vec16, and amx for bf16)
-all chunks of a request move in ONE native call (`lmcache.native.lmc_packed_copy`: SSE2 8x8
-transposes for vec K; whole 16-token K tiles transposed in 4-byte units and token pairs of V
-interleaved for amx). Without it, vec blocks go through `index_select` / `index_copy_` on
-zero-copy strided views and partial blocks through per-token indexing; any other layout (and amx)
-goes through its permutations.
+all chunks of a request move in ONE native call (`lmcache.native.lmc_packed_copy`: vec K
+transposed in tiles of the widest vector path the CPU has, SSE2, AVX2 or AVX-512; whole 16-token
+K tiles transposed in 4-byte units and token pairs of V interleaved for amx). Without it, vec
+blocks go through `index_select` / `index_copy_` on zero-copy strided views and partial blocks
+through per-token indexing; any other layout (and amx) goes through its permutations.
 
 Several KV cache groups (`layer_groups`: each layer's group): the slot mapping is ``[G, T]``, one
 row per group, and each layer reads its group's row; a store writes zeros for a token its layer's

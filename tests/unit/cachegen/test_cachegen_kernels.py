@@ -12,11 +12,22 @@ from lmcache.cachegen.decoder import decode_stream
 from lmcache.cachegen.encoder import encode_stream
 from lmcache.cachegen.kernels import NativeKernels, ReferenceKernels, kernels
 from lmcache.storage_backend.serde.serde import CorruptBlobError
+from tests.helpers.copy_paths import NATIVE_PATHS
 
 NATIVE = kernels()
 pytestmark = pytest.mark.skipif(not isinstance(NATIVE, NativeKernels),
                                 reason="native kernels unavailable (no C compiler)")
 REFERENCE = ReferenceKernels()
+
+
+@pytest.fixture(params=NATIVE_PATHS)
+def native(request) -> NativeKernels:
+    """The native kernels in their build for each vector path this CPU runs."""
+    coder = kernels(isa=request.param)
+    assert isinstance(coder, NativeKernels)
+    if coder.path != request.param:
+        pytest.skip(f"no {request.param} build of CacheGen's kernels (their {coder.path} one serves it)")
+    return coder
 
 
 def test_lmcache_native_0_selects_the_reference(monkeypatch) -> None:
@@ -34,21 +45,22 @@ def test_lmcache_native_0_selects_the_reference(monkeypatch) -> None:
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        seed=st.integers(0, 2**16))
 def test_native_and_reference_streams_and_values_are_identical(
-        make_kv, nlayers: int, ntokens: int, hidden: int, chunk: int, bins: int, scale: float,
-        dtype: torch.dtype, seed: int) -> None:
+        make_kv, native: NativeKernels, nlayers: int, ntokens: int, hidden: int, chunk: int, bins: int,
+        scale: float, dtype: torch.dtype, seed: int) -> None:
     kv = (make_kv(nlayers, ntokens, hidden, torch.float32, seed) * scale).to(dtype)
     cfg = CacheGenConfig.uniform(nlayers, bins, max(2, bins // 2))
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
-    native, reference = encode_stream(kv, kb, vb, chunk, NATIVE), encode_stream(kv, kb, vb, chunk, REFERENCE)
-    assert native.to_bytes() == reference.to_bytes()
-    _assert_fused_equals_passes(kv, kb, vb, [min(chunk, ntokens - t) for t in range(0, ntokens, chunk)])
+    coded, reference = encode_stream(kv, kb, vb, chunk, native), encode_stream(kv, kb, vb, chunk, REFERENCE)
+    assert coded.to_bytes() == reference.to_bytes()
+    _assert_fused_equals_passes(native, kv, kb, vb,
+                                [min(chunk, ntokens - t) for t in range(0, ntokens, chunk)])
     for out_dtype in (dtype, torch.float32):
-        a, b = decode_stream(native, out_dtype, NATIVE), decode_stream(native, out_dtype, REFERENCE)
+        a, b = decode_stream(coded, out_dtype, native), decode_stream(coded, out_dtype, REFERENCE)
         assert a.dtype == out_dtype and torch.equal(a, b)
 
 
-def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
-                                blocks: list[int]) -> None:
+def _assert_fused_equals_passes(native: NativeKernels, kv: torch.Tensor, kb: torch.Tensor,
+                                vb: torch.Tensor, blocks: list[int]) -> None:
     """The native fused encoder gives the native passes' results, field by field."""
     import numpy as np
 
@@ -56,7 +68,7 @@ def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Te
 
     def impl() -> CacheGenEncoderImpl:
         return CacheGenEncoderImpl(kv=kv, key_bins=kb, value_bins=vb, block_tokens=blocks,
-                                   kernels=NATIVE)
+                                   kernels=native)
 
     fused, passes = impl().code(), impl().code_by_passes()
     for name in ("means", "exps", "refine", "classes", "low", "size", "freqs"):
@@ -67,29 +79,30 @@ def _assert_fused_equals_passes(kv: torch.Tensor, kb: torch.Tensor, vb: torch.Te
 
 
 @pytest.mark.parametrize("kind", ["zeros", "constant", "one channel", "tiny values"])
-def test_degenerate_kv_codes_as_the_reference_does(kind: str) -> None:
+def test_degenerate_kv_codes_as_the_reference_does(native: NativeKernels, kind: str) -> None:
     """No coded channel at all (every group a single symbol), one channel, subnormal values."""
     kv = {"zeros": torch.zeros(2, 2, 10, 8), "constant": torch.full((2, 2, 10, 8), 3.0),
           "one channel": torch.randn(2, 1, 33, 1, generator=torch.Generator().manual_seed(0)),
           "tiny values": torch.randn(2, 2, 20, 8, generator=torch.Generator().manual_seed(1)) * 1e-40
           }[kind]
     kb, vb = torch.full((kv.shape[1],), 20), torch.full((kv.shape[1],), 10)
-    native, reference = encode_stream(kv, kb, vb, 7, NATIVE), encode_stream(kv, kb, vb, 7, REFERENCE)
-    assert native.to_bytes() == reference.to_bytes()
-    assert torch.equal(decode_stream(native, torch.float32, NATIVE),
-                       decode_stream(native, torch.float32, REFERENCE))
+    coded, reference = encode_stream(kv, kb, vb, 7, native), encode_stream(kv, kb, vb, 7, REFERENCE)
+    assert coded.to_bytes() == reference.to_bytes()
+    assert torch.equal(decode_stream(coded, torch.float32, native),
+                       decode_stream(coded, torch.float32, REFERENCE))
 
 
-def test_a_block_of_more_than_65535_tokens_codes_as_the_reference_does() -> None:
+def test_a_block_of_more_than_65535_tokens_codes_as_the_reference_does(native: NativeKernels) -> None:
     """The quantizer flushes its 32-bit per-channel sums of |q| every 65,536 tokens."""
     kv = torch.randn(2, 1, 70_000, 4, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     kb = vb = torch.tensor([300])
-    native = encode_stream(kv, kb, vb, 70_000, NATIVE)
-    assert native.to_bytes() == encode_stream(kv, kb, vb, 70_000, REFERENCE).to_bytes()
-    _assert_fused_equals_passes(kv, kb, vb, [70_000])
+    coded = encode_stream(kv, kb, vb, 70_000, native)
+    assert coded.to_bytes() == encode_stream(kv, kb, vb, 70_000, REFERENCE).to_bytes()
+    _assert_fused_equals_passes(native, kv, kb, vb, [70_000])
 
 
-def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv) -> None:
+def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv, native: NativeKernels
+                                                                           ) -> None:
     """The fused encoder declines a chunk where a token's step must be raised (a token far
     smaller than its channels' means); the passes code it, still as the reference does."""
     import numpy as np
@@ -100,11 +113,11 @@ def test_a_token_whose_symbols_need_a_larger_step_is_coded_by_the_passes(make_kv
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
     x = kv.reshape(4, 40, 32).contiguous()
     bins = np.concatenate([cfg.key_bins(), cfg.value_bins()])
-    assert NATIVE.encode_chunk(x, bins, np.array([0, 40])) is None
-    native, reference = encode_stream(kv, kb, vb, 40, NATIVE), encode_stream(kv, kb, vb, 40, REFERENCE)
-    assert native.to_bytes() == reference.to_bytes()
-    step = 2.0 ** (native.max_tensors_key[:, 7].float() / 8)  # token 7's raised step, per layer
-    error = (decode_stream(native, torch.float32, NATIVE)[0, :, 7] - kv[0, :, 7]).abs().amax(1)
+    assert native.encode_chunk(x, bins, np.array([0, 40])) is None
+    coded, reference = encode_stream(kv, kb, vb, 40, native), encode_stream(kv, kb, vb, 40, REFERENCE)
+    assert coded.to_bytes() == reference.to_bytes()
+    step = 2.0 ** (coded.max_tensors_key[:, 7].float() / 8)  # token 7's raised step, per layer
+    error = (decode_stream(coded, torch.float32, native)[0, :, 7] - kv[0, :, 7]).abs().amax(1)
     assert (error <= step / 2 * (1 + 1e-4)).all()
 
 
@@ -124,7 +137,8 @@ def test_the_serializer_writes_the_stream_encode_stream_gives(make_kv) -> None:
         assert blob.unpack(ser.to_bytes(kv), "cachegen").payload == out.to_bytes()
 
 
-def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv) -> None:
+def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv, native: NativeKernels
+                                                                         ) -> None:
     """The native coder reads the symbols of a pair whose channels are all coded directly and
     those of a pair with single-symbol (uncoded) channels through its channel list: both must
     give the reference's stream."""
@@ -136,13 +150,13 @@ def test_pairs_with_and_without_single_symbol_channels_code_identically(make_kv)
     kb, vb = torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins())
     layout = CacheGenEncoderImpl(kv=kv, key_bins=kb, value_bins=vb).compute_cdf().layout
     assert layout.ncoded[1] < 64 and (layout.ncoded[[0, 2, 3]] == 64).all()
-    native, reference = encode_stream(kv, kb, vb, 48, NATIVE), encode_stream(kv, kb, vb, 48, REFERENCE)
-    assert native.to_bytes() == reference.to_bytes()
-    assert torch.equal(decode_stream(native, torch.bfloat16, NATIVE),
-                       decode_stream(native, torch.bfloat16, REFERENCE))
+    coded, reference = encode_stream(kv, kb, vb, 48, native), encode_stream(kv, kb, vb, 48, REFERENCE)
+    assert coded.to_bytes() == reference.to_bytes()
+    assert torch.equal(decode_stream(coded, torch.bfloat16, native),
+                       decode_stream(coded, torch.bfloat16, REFERENCE))
 
 
-def test_the_native_decoder_checks_its_tables_itself(make_kv) -> None:
+def test_the_native_decoder_checks_its_tables_itself(make_kv, native: NativeKernels) -> None:
     """Frequency tables that do not sum to the scale never reach the native decoder through the
     stream parser; called directly with such tables it reports corrupt substreams (it must not
     write its slot tables out of bounds)."""
@@ -155,7 +169,7 @@ def test_the_native_decoder_checks_its_tables_itself(make_kv) -> None:
     lengths = encoded.start_indices.long().diff(dim=1).reshape(-1).numpy()
     for bad in (tables.freq * 2, tables.freq // 2):
         with pytest.raises(CorruptBlobError, match="do not decode"):
-            NATIVE.decode(encoded.bytestream, lengths, tables.layout, bad, tables.means, tables.steps,
+            native.decode(encoded.bytestream, lengths, tables.layout, bad, tables.means, tables.steps,
                           tables.refine, 32, torch.bfloat16)
 
 
@@ -193,9 +207,10 @@ def test_threads_encoding_and_decoding_at_once_get_the_single_thread_results(mak
                                              torch.bfloat16, NATIVE))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(npairs=st.integers(1, 5), nch=st.integers(1, 40), ntok=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_native_group_tables_equal_the_reference(npairs: int, nch: int, ntok: int, seed: int) -> None:
+def test_native_group_tables_equal_the_reference(native: NativeKernels, npairs: int, nch: int, ntok: int,
+                                                  seed: int) -> None:
     """Groups, layout (pairs with single-symbol channels included) and frequency tables."""
     import numpy as np
 
@@ -205,17 +220,17 @@ def test_native_group_tables_equal_the_reference(npairs: int, nch: int, ntok: in
     classes = rng.integers(0, 16, (npairs, nch)).astype(np.uint8)
     classes[:, rng.random(nch) < 0.5] = 0  # channels sharing groups
     qmin, qmax = q.min(axis=1).astype(np.int32), q.max(axis=1).astype(np.int32)
-    low, size = NATIVE.group_ranges(classes, qmin, qmax)
+    low, size = native.group_ranges(classes, qmin, qmax)
     ref_low, ref_size = REFERENCE.group_ranges(classes, qmin, qmax)
     assert low.tolist() == ref_low.tolist() and size.tolist() == ref_size.tolist()
     starts = np.array([0, ntok])
-    layout = NATIVE.layout(classes, low, size, starts)
+    layout = native.layout(classes, low, size, starts)
     ref_layout = REFERENCE.layout(classes, low, size, starts)
     for name in ("group_of", "group_low", "group_size", "group_start", "ncoded", "chans", "nconst",
                  "cchans", "sym_base"):
         assert getattr(layout, name).tolist() == getattr(ref_layout, name).tolist(), name
     counts = REFERENCE.histogram(q, layout)
-    assert NATIVE.normalize(counts, layout).tolist() == REFERENCE.normalize(counts, layout).tolist()
+    assert native.normalize(counts, layout).tolist() == REFERENCE.normalize(counts, layout).tolist()
 
 
 def test_native_layout_rejects_ranges_that_do_not_match_the_classes() -> None:

@@ -11,6 +11,7 @@ from lmcache.gpu_connector import (
     VLLMPagedMemGPUConnectorV2,
 )
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+from tests.helpers.copy_paths import NATIVE_PATHS, copy_isa
 from tests.helpers.paged_kv import LAYOUTS, PAGED, KVCache
 
 L, H, D, BS, NB = 3, 2, 8, 4, 16
@@ -112,6 +113,31 @@ def test_every_path_calls_on_done_exactly_once_and_an_empty_request_too(path):
     conn.batched_from_gpu([obj_for(conn, 8)], [0], [8], on_done=calls.append, **kv.kwargs(slots))
     conn.batched_to_gpu([], [], [], on_done=calls.append, **kv.kwargs(slots))
     assert calls == [None, None]
+
+
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+@pytest.mark.parametrize("layout", ["flash_attn", "kv_tuples"])
+def test_large_native_copies_on_each_vector_path_move_the_slots_rows(layout, path):
+    """A request over 8 MB (where the native copies stream whole cache lines on the AVX2 and
+    AVX-512 paths): blocks out of order, runs cut at odd places, rows of 480 bytes (runs start
+    and end inside cache lines), a partial last block."""
+    src = KVCache(layout, layers=6, heads=6, head_size=40, block_size=16, num_blocks=160)
+    slots = src.slots_for(2048)
+    slots = torch.cat([slots[:100], slots[103:1500], slots[1501:2040]])  # runs of odd lengths
+    n = slots.shape[0]
+    conn = src.connector()
+    alloc = HostMemoryAllocator(2 * n * conn.get_shape(1).numel() + (1 << 20))
+    starts, ends = [0, 1000], [1000, n]
+    objs = [alloc.allocate(conn.get_shape(b - a), torch.bfloat16, MemoryFormat.KV_BLOB)
+            for a, b in zip(starts, ends)]
+    assert 2 * 6 * n * 6 * 40 * 2 > 8 << 20
+    dst = src.zeros_like()
+    with copy_isa(path):
+        conn.batched_from_gpu(objs, starts, ends, **src.kwargs(slots))
+        conn.batched_to_gpu(objs, starts, ends, **dst.kwargs(slots))
+    for obj, a, b in zip(objs, starts, ends):
+        assert torch.equal(obj.tensor, src.rows(slots[a:b]))
+    assert torch.equal(dst.rows(slots), src.rows(slots))
 
 
 def test_paths_agree_bit_for_bit_on_float32():

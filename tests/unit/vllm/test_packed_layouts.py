@@ -5,8 +5,6 @@ where the kernel runs, and the copies (native and torch, every direction) agains
 from __future__ import annotations
 
 import json
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,8 @@ from lmcache.integration.vllm.cpu_layout import (
     probe_packed_layout,
 )
 from lmcache.memory_management import HostMemoryAllocator, MemoryFormat
+from tests.helpers.copy_paths import NATIVE_PATHS, copy_isa
+from tests.helpers.kernel_builds import skip_unless_vllm_writes
 
 SAMPLES = Path(__file__).parents[2] / "data" / "vllm_cpu_layouts"
 CASES = json.loads((SAMPLES / "index.json").read_text())["cases"]
@@ -44,30 +44,13 @@ def measured(case) -> PackedLayout:
                         torch.from_numpy(data["v_perm"].astype(np.int64)).flatten())
 
 
-@contextmanager
-def copy_isa(cap: str | None):
-    """The native copy capped at `cap` (LMCACHE_COPY_ISA; None: the widest this CPU has)."""
-    old = os.environ.pop("LMCACHE_COPY_ISA", None)
-    if cap is not None:
-        os.environ["LMCACHE_COPY_ISA"] = cap
-    try:
-        yield
-    finally:
-        os.environ.pop("LMCACHE_COPY_ISA", None)
-        if old is not None:
-            os.environ["LMCACHE_COPY_ISA"] = old
-
-
-# every path of the native copy this CPU can run: its widest (AVX-512 where it has it) and SSE2
-NATIVE_PATHS = [None, "sse2"]
-
-
-def copies(layout: PackedLayout, layers: int, dtype, caches, slots, skip, bounds):
+def copies(layout: PackedLayout, layers: int, dtype, caches, slots, skip, bounds, path: str):
     """Gather `bounds` chunks from `caches` and scatter them into caches full of 7s (`skip` slots
-    -1 are held by vLLM), natively on each path and by torch: [(chunk tensors, caches)] per way."""
+    -1 are held by vLLM), natively on vector path `path` and by torch: [(chunk tensors, caches)]
+    per way."""
     h, d = layout.num_kv_heads, layout.head_size
     results = []
-    for use_native, cap in [(True, c) for c in NATIVE_PATHS] + [(False, None)]:
+    for use_native, cap in [(True, path), (False, None)]:
         conn = VLLMCPUPackedConnector(h * d, layers, layout, use_native=use_native)
         alloc = HostMemoryAllocator(1 << 26)
         objs = [alloc.allocate(conn.get_shape(b - a), dtype, MemoryFormat.KV_BLOB) for a, b in bounds]
@@ -112,6 +95,7 @@ def test_each_measured_layout_is_its_isas_closed_form(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_the_live_probe_finds_the_measured_layout_where_vllms_kernel_runs(case):
     pytest.importorskip("vllm._custom_ops")
+    skip_unless_vllm_writes(case["isa"])
     probed = probe_packed_layout(case["num_kv_heads"], case["head_size"], case["block_size"],
                                  DTYPES[case["dtype"]], case["isa"])
     sample = measured(case)
@@ -154,9 +138,10 @@ LAYOUTS = [("vec", torch.bfloat16, 2, 64, 32), ("vec", torch.float16, 3, 64, 32)
            ("amx", torch.bfloat16, 2, 64, 32), ("amx", torch.bfloat16, 1, 96, 64)]
 
 
+@pytest.mark.parametrize("path", NATIVE_PATHS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(which=st.integers(0, len(LAYOUTS) - 1), data=st.data())
-def test_native_and_torch_copies_agree_on_any_slot_mapping(which, data):
+def test_native_and_torch_copies_agree_on_any_slot_mapping(path, which, data):
     """Random requests over each layout: partial blocks, runs starting inside tiles, blocks out of
     order, several chunks, and on a retrieve tokens vLLM already holds (-1): the native copy and
     the torch one (the layout's permutations) give the same bytes both ways."""
@@ -176,14 +161,15 @@ def test_native_and_torch_copies_agree_on_any_slot_mapping(which, data):
     caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     skip = slots.clone()
     skip[: data.draw(st.integers(0, n), label="held")] = -1
-    assert_all_equal(copies(layout, layers, dtype, caches, slots, skip, bounds))
+    assert_all_equal(copies(layout, layers, dtype, caches, slots, skip, bounds, path))
 
 
 @pytest.mark.parametrize("isa,dtype,h,d", [("vec", torch.bfloat16, 4, 64), ("amx", torch.bfloat16, 4, 64),
                                            ("vec", torch.float32, 2, 64), ("vec16", torch.bfloat16, 4, 80)])
-def test_large_copies_stream_the_same_bytes(isa, dtype, h, d):
-    """Copies of more than 8 MB write whole cache lines with non-temporal stores (AVX-512): the
-    same bytes as the SSE2 path and torch, with blocks out of order and a partial last block."""
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+def test_large_copies_stream_the_same_bytes(path, isa, dtype, h, d):
+    """Copies of more than 8 MB write whole cache lines with non-temporal stores (AVX2, AVX-512):
+    the same bytes as torch, with blocks out of order and a partial last block."""
     bs, layers, n = 128, 4, 4096 - 37
     nb = n // bs + 4
     layout = closed_form_layout(h, d, bs, isa)
@@ -193,4 +179,4 @@ def test_large_copies_stream_the_same_bytes(isa, dtype, h, d):
     caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     assert 2 * layers * n * h * d * dtype.itemsize > 8 << 20
     bounds = [(a, min(a + 1024, n)) for a in range(0, n, 1024)]
-    assert_all_equal(copies(layout, layers, dtype, caches, slots, slots, bounds))
+    assert_all_equal(copies(layout, layers, dtype, caches, slots, slots, bounds, path))
