@@ -4,7 +4,8 @@
 
 Run from the checkout's root on the GPU machine (Python 3.12, torch with CUDA, no network, no
 vLLM), with the ignored folder `.whl/` carried: the wheels the machine lacks (pyzmq, redis,
-hiredis, nvCOMP's `nvidia-nvcomp-cu13` + `nvidia-libnvcomp-cu13`) and CacheGen's real-KV sample
+hiredis, nvCOMP's `nvidia-nvcomp-cu13` + `nvidia-libnvcomp-cu13` 5.1.0.21: built with CUDA 13.0,
+the driver's (580) own version, where 6.0 is built with 13.4) and CacheGen's real-KV sample
 (`cachegen_kv_smollm2_256.pt`, see `cachegen_gpu_coder.py`). The package itself runs from the
 checkout (PYTHONPATH=.; the native C kernels build with the machine's C compiler).
 
