@@ -14,7 +14,9 @@ The engine's requests go through its cache-server client, on a tiny model (the u
 
 A round runs the same requests twice, once while an operator lookup (``POST /lookup`` of a document
 the server does not hold, so that it waits on every lower tier) is in flight and once without one;
-the order of the two flips every round, so both see the same machine.
+the order of the two flips every round, so both see the same machine. Requests are due at a fixed
+interval and timed from when they were due, so a server that holds one request up is charged for
+every request that arrived meanwhile (not only for the first).
 """
 
 from __future__ import annotations
@@ -131,26 +133,27 @@ class EngineRequests:
             raise AssertionError("the leased lookup missed the document")
         self.engine.release("ops-load")
 
-    def timed(self, per_op: int) -> tuple[dict[str, list[float]], float]:
-        """`per_op` rounds of store, retrieve, lookup: seconds per request by op, and when the last
-        one ended (time.monotonic)."""
+    def timed(self, per_op: int, interval: float) -> tuple[dict[str, list[float]], float]:
+        """`per_op` rounds of store, retrieve, lookup, one request due every `interval` seconds
+        (an open loop, as requests arrive at a server: a request held up also delays the ones due
+        after it, and their wait counts): seconds from each request's due time to its end, by op,
+        and when the last one ended (time.monotonic)."""
         calls: dict[str, Callable[[], None]] = {"store": self.store, "retrieve": self.retrieve,
                                                 "lookup": self.lookup}
         seconds: dict[str, list[float]] = {op: [] for op in OPS}
-        end = time.monotonic()
-        for _ in range(per_op):
-            for op in OPS:
-                t0 = time.perf_counter()
-                calls[op]()
-                seconds[op].append(time.perf_counter() - t0)
-            end = time.monotonic()
-        return seconds, end
+        start = time.perf_counter()
+        for i, op in enumerate(op for _ in range(per_op) for op in OPS):
+            due = start + i * interval
+            time.sleep(max(0.0, due - time.perf_counter()))
+            calls[op]()
+            seconds[op].append(time.perf_counter() - due)
+        return seconds, time.monotonic()
 
 
 def interleaved_rounds(http: str, requests: EngineRequests, operator_tokens: list[int], rounds: int,
-                       per_op: int) -> Rounds:
-    """`rounds` rounds of `requests.timed(per_op)` with and without an operator lookup of
-    `operator_tokens` in flight (see the module docstring)."""
+                       per_op: int, interval: float = 0.02) -> Rounds:
+    """`rounds` rounds of `requests.timed(per_op, interval)` with and without an operator lookup
+    of `operator_tokens` in flight (see the module docstring)."""
     out = Rounds()
     for r in range(rounds):
         for busy in ((True, False) if r % 2 else (False, True)):
@@ -159,7 +162,7 @@ def interleaved_rounds(http: str, requests: EngineRequests, operator_tokens: lis
                 operator.start()
                 operator.sent.wait()
                 time.sleep(LEAD)  # the server is waiting on its lower tiers for the operator by now
-            seconds, last = requests.timed(per_op)
+            seconds, last = requests.timed(per_op, interval)
             if operator is not None:
                 operator.join()
                 if operator.error is not None:

@@ -601,7 +601,7 @@ def test_an_engines_requests_are_not_held_up_by_operator_lookups_against_a_slow_
         cold = [d + 5000 for d in DOC]  # never stored: the operator's lookup asks the remote tier
         (answer,) = operator_lookup(server.http, cold)["models"].values()
         assert answer == {"cached_tokens": 0, "tiers": {"Hot": 0, "RemoteBackend": 0}}
-        rounds = interleaved_rounds(server.http, requests, cold, rounds=6, per_op=2)
+        rounds = interleaved_rounds(server.http, requests, cold, rounds=6, per_op=3)
         assert min(rounds.operator) >= 0.5, "the operator's lookups did not wait on the remote tier"
         assert rounds.overlapped, "the engine's requests ended after the operator's lookup"
         added = rounds.added_ms()
