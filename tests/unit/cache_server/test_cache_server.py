@@ -495,16 +495,25 @@ def test_engines_attach_over_tcp_too(workers):
         server.stop()
 
 
-def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, url, workers):
-    """The server's remote tier is a real Valkey behind 0.4 s of round-trip time: while one
-    engine's load waits on it, another engine is answered at once."""
+@pytest.fixture
+def slow_remote(tmp_path):
+    """A real Valkey behind 0.5 s of round-trip time (`LatencyProxy`) and the server config that
+    makes it the server's remote tier."""
     from tests.helpers.servers import LatencyProxy, Valkey
 
     valkey = Valkey(tmp_path).start()
-    proxy = LatencyProxy(valkey.port, rtt=0.4)
-    config = tmp_path / "tiers.yaml"
+    proxy = LatencyProxy(valkey.port, rtt=0.5)
+    config = tmp_path / "slow-remote.yaml"
     config.write_text(json.dumps({"remote_url": f"redis://{proxy.url}", "remote_timeout": 10}))
-    server = CacheServerProcess(url, "--config", str(config)).start()
+    yield config
+    proxy.close()
+    valkey.kill()
+
+
+def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(url, workers, slow_remote):
+    """The server's remote tier is a real Valkey behind 0.5 s of round-trip time: while one
+    engine's load waits on it, another engine is answered at once."""
+    server = CacheServerProcess(url, "--config", str(slow_remote)).start()
     sock = raw_client(url)
     try:
         att = hello(sock, pid=os.getpid())
@@ -532,8 +541,6 @@ def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, 
     finally:
         sock.close()
         server.stop()
-        proxy.close()
-        valkey.kill()
 
 
 def test_two_cache_servers_share_chunks_as_peers(tmp_path, workers):
@@ -569,21 +576,6 @@ def test_two_cache_servers_share_chunks_as_peers(tmp_path, workers):
 
 
 # ---- operations never stall serving -------------------------------------------------------------
-
-@pytest.fixture
-def slow_remote(tmp_path):
-    """A real Valkey behind 0.5 s of round-trip time (`LatencyProxy`) and the server config that
-    makes it the server's remote tier."""
-    from tests.helpers.servers import LatencyProxy, Valkey
-
-    valkey = Valkey(tmp_path).start()
-    proxy = LatencyProxy(valkey.port, rtt=0.5)
-    config = tmp_path / "slow-remote.yaml"
-    config.write_text(json.dumps({"remote_url": f"redis://{proxy.url}", "remote_timeout": 10}))
-    yield config
-    proxy.close()
-    valkey.kill()
-
 
 def test_an_engines_requests_are_not_held_up_by_operator_lookups_against_a_slow_remote(url, slow_remote):
     """An operator's lookup waits on the server's remote tier (0.5 s round trips) for every chunk;
