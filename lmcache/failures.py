@@ -49,10 +49,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class DomainFault(Exception):
+    """A call into failure domain `domain` (its label) was not made (`skipped`: backing off) or
+    failed (the cause is ``__cause__``). It has been counted and logged by that domain already:
+    whoever catches it answers its miss without counting or logging it again."""
+
+    def __init__(self, domain: str, skipped: bool) -> None:
+        super().__init__(f"{domain}: {'backing off, not tried' if skipped else 'failed'}")
+        self.domain = domain
+        self.skipped = skipped
+
+
 class _Domain:
     def __init__(self, label: str, initial: float, maximum: float, clock: Clock, consequence: str) -> None:
+        self.label = label
         self.backoff = Backoff(initial, maximum, clock)
-        self.incidents = IncidentLog(logger, label, consequence=consequence)
+        self.incidents = IncidentLog(logger, label, consequence=consequence, clock=clock)
 
 
 class FailureDomains:
@@ -69,7 +81,7 @@ class FailureDomains:
         self._label = label
         self._range = (initial, maximum)
         self._clock = clock
-        self._passthrough = passthrough
+        self._passthrough: tuple[type[BaseException], ...] = (DomainFault, *passthrough)
         self._consequence = consequence
         self._lock = threading.Lock()
         self._domains: dict[str, _Domain] = {}
@@ -84,24 +96,36 @@ class FailureDomains:
                 self._counts[name] = Counters()
             return domain
 
-    def call(self, name: str, fn: Callable[[], T], default: T) -> T:
+    def run(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` against domain `name`; raises `DomainFault` if the domain is backing off (the call
+        is not made: counted in ``skipped``) or `fn` fails (counted in ``failures``, backoff
+        doubled, a warning on the first failure of an incident). A `DomainFault` that `fn` raises
+        (from a domain inside it) and the `passthrough` exceptions propagate untouched."""
         domain = self._get(name)
         if not domain.backoff.ready():
             self._counts[name].add("skipped")
-            return default
+            raise DomainFault(domain.label, skipped=True)
         try:
             result = fn()
         except self._passthrough:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of the store is a miss
+        except Exception as e:  # any failure of the store is a fault of the domain
             self._counts[name].add("failures")
             domain.backoff.failed()
             domain.incidents.fail(e)
-            return default
+            raise DomainFault(domain.label, skipped=False) from e
         if domain.backoff.failing:
             domain.backoff.succeeded()
             domain.incidents.recover()
         return result
+
+    def call(self, name: str, fn: Callable[[], T], default: T) -> T:
+        """`run(name, fn)`, with `default` (the miss) for a `DomainFault`, this domain's or one
+        raised inside `fn` (already counted and logged where it was raised: not again here)."""
+        try:
+            return self.run(name, fn)
+        except DomainFault:
+            return default
 
     def counts(self, name: str | None = None) -> dict[str, float]:
         """``failures`` and ``skipped`` calls of domain `name` (summed over every domain, for
@@ -124,6 +148,15 @@ class FailureDomains:
         with self._lock:
             domain = self._domains.get(name)
         return domain is None or domain.backoff.ready()
+
+    def admit(self, name: str) -> bool:
+        """`ready(name)`, counting a call not made (``skipped``) if it is not: for a caller that
+        routes around a domain that is backing off instead of calling into it."""
+        if self.ready(name):
+            return True
+        self._get(name)
+        self._counts[name].add("skipped")
+        return False
 
     def failing(self, name: str | None = None) -> bool:
         """Whether domain `name` (any domain, for None) is failing (being backed off from)."""

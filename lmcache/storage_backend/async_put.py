@@ -10,9 +10,13 @@
   that races a write is served from memory.
 - `flush(timeout)` waits for everything in flight; `close(timeout)` stops accepting, flushes with
   that bounded wait, then cancels what is still queued.
-A write is a call into the queue's failure domain (`lmcache.failures`): one that raises is counted
-in `num_failed` and logged once per incident, and while the domain backs off, writes are not
-attempted (counted in `num_dropped`).
+A write is a call into the queue's failure domain (`lmcache.failures`, named after the queue): a
+write that raises is a fault of that domain (counted in its ``failures``, logged once per
+incident), and while it backs off, writes are not attempted (its ``skipped``); `fault_counts()`
+reports both. A write may raise `DomainFault` instead: a failure domain inside the tier (a node of
+a cluster) caught, counted and logged the fault, so the queue only accounts for the put. Either
+way a put that failed is counted in `num_failed`, one not attempted in `num_dropped`, and only a
+put that was written in `num_written` / `num_bytes_written`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from lmcache.cache_key import CacheEngineKey
-from lmcache.failures import FailureDomains
+from lmcache.failures import DomainFault, FailureDomains
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import IncidentLog
 
@@ -81,14 +85,15 @@ class AsyncPutQueue:
 
     def _attempt(self, key: CacheEngineKey, obj: MemoryObj) -> str:
         """Write through the failure domain: "written", "failed" or "skipped" (backing off)."""
-        if not self._faults.ready(self.name):
-            return "skipped"
+        try:
+            self._faults.run(self.name, partial(self._write, key, obj))
+        except DomainFault as fault:
+            return "skipped" if fault.skipped else "failed"
+        return "written"
 
-        def write() -> str:
-            self._write(key, obj)
-            return "written"
-
-        return self._faults.call(self.name, write, "failed")
+    def fault_counts(self) -> dict[str, float]:
+        """``failures`` and ``skipped`` of the queue's own failure domain."""
+        return self._faults.counts(self.name)
 
     def _finish(self, key: CacheEngineKey, obj: MemoryObj, future: Future) -> None:
         outcome = "skipped" if future.cancelled() else future.result()
