@@ -5,7 +5,8 @@
   so the hot tier cannot recycle the buffer under a write.
 - A key already in flight is not queued twice: `submit` returns the existing Future.
 - At most `max_pending` writes are in flight; beyond that `submit` drops the put (returns None,
-  counts it in `num_dropped`) instead of blocking the engine.
+  counts it in `num_dropped`) instead of blocking the engine: capacity, not a failure, summarized
+  at most once per interval (`observability.CapacityLog`).
 - `get_pending(key)` hands out the in-flight object (with a reference for the caller), so a read
   that races a write is served from memory.
 - `flush(timeout)` waits for everything in flight; `close(timeout)` stops accepting, flushes with
@@ -30,7 +31,7 @@ from functools import partial
 from lmcache.cache_key import CacheEngineKey
 from lmcache.failures import DomainFault, FailureDomains
 from lmcache.memory_management import MemoryObj
-from lmcache.observability import IncidentLog
+from lmcache.observability import CapacityLog
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class AsyncPutQueue:
         self._pending: dict[CacheEngineKey, tuple[Future, MemoryObj]] = {}
         self._closed = False
         self._faults = faults or FailureDomains(lambda domain: f"asynchronous writes to {domain}")
-        self._full = IncidentLog(logger, f"queueing writes to {name}")  # puts dropped, not failed
+        self._full = CapacityLog(logger, f"{name}: the write queue was full ({max_pending} in flight)",
+                                 "puts dropped, in num_dropped")  # capacity, not a failure
         self.num_written = 0
         self.num_bytes_written = 0
         self.num_failed = 0
@@ -72,11 +74,11 @@ class AsyncPutQueue:
                 return pending[0]
             if self._closed or len(self._pending) >= self.max_pending:
                 self.num_dropped += 1
-                self._full.fail("the queue is closed" if self._closed else
-                                f"the queue is full ({self.max_pending} in flight); dropping puts (counted "
-                                "in num_dropped)")
+                if self._closed:
+                    logger.debug("%s: a put after close is dropped", self.name)
+                else:
+                    self._full.note(1)
                 return None
-            self._full.recover()
             obj.ref_count_up()
             future = self._executor.submit(self._attempt, key, obj)
             self._pending[key] = (future, obj)
