@@ -33,6 +33,13 @@ def scrape(engine, tier: str) -> dict[str, float]:
     return {name: float(v) for name, t, v in TIER_COUNTER.findall(text) if t == tier}
 
 
+def report(what: str, phases: dict[str, dict[str, float]], moved: str) -> None:
+    """The figures of one outage, printed (``pytest -s``) for benchmarks/RESULTS.md."""
+    names = ("failures", "skipped", "puts_failed", "puts_dropped", moved)
+    print(f"\n{what}: " + "; ".join(f"{phase} " + " ".join(f"{n}={int(c.get(n, 0))}" for n in names)
+                                     for phase, c in phases.items()))
+
+
 def store_docs(engine, seeds: range) -> None:
     """Store a document per seed from two threads at once, then wait for the remote writes."""
     def run(part: range) -> None:
@@ -108,6 +115,7 @@ def test_a_killed_remote_store_shows_failures_and_skips_not_bytes_written(reques
         after = scrape(engine, "RemoteBackend")
         assert after["bytes_written"] - resumed["bytes_written"] == 32 * CHUNK_BYTES
         assert (after["failures"], after["skipped"]) == (resumed["failures"], resumed["skipped"])
+        report(kind, {"before": before, "during": during, "after": after}, "bytes_written")
         engine.storage_manager.clear("hot")
         assert engine.lookup(torch.randint(0, 30000, (DOC,), generator=torch.Generator().manual_seed(16))) \
             == DOC  # served by the store again
@@ -134,6 +142,7 @@ def test_a_killed_peer_shows_failures_and_skips_not_bytes_read(valkey):
         assert retrieve(engine, 5, DOC) == DOC
         after = scrape(engine, "PeerBackend")
         assert after["bytes_read"] - during["bytes_read"] == 4 * CHUNK_BYTES
+        report("peer", {"before": before, "during": during, "after": after}, "bytes_read")
     finally:
         for p in (proc, fresh):
             if p is not None:
