@@ -357,7 +357,7 @@ class StorageManager:
         that guards its own nodes or peers reports theirs; both are summed, never replaced)."""
         out = {}
         for tier in self.tiers:
-            own = self._guard(tier, tier.stats, None) or TierStats()
+            own = tier.stats()  # the tier's own counters: never the store, so never backed off from
             ours = add_counts(self._counts[tier.name].snapshot(), self._faults.counts(tier.name))
             out[tier.name] = TierStats(add_counts(own.counters, ours), own.gauges)
         return out
