@@ -32,7 +32,7 @@ import xxhash
 from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend import disk_file
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
@@ -168,8 +168,8 @@ class LocalDiskBackend(LowerTierBackend):
     def stats(self) -> TierStats:
         base = super().stats()
         with self._index_lock:
-            return TierStats({**base.counters, "evicted": self.num_evicted, "corrupt": self.num_corrupt,
-                              "too_large": self.num_too_large},
+            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "too_large": self.num_too_large}
+            return TierStats(add_counts(base.counters, own),
                              {**base.gauges, "files": len(self._index), "bytes_used": self.used_bytes})
 
     def clear(self) -> int:

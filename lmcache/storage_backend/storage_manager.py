@@ -41,7 +41,7 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
 from lmcache.memory_management.tensor_allocator import allocate_leading
-from lmcache.observability import Counters, TierStats
+from lmcache.observability import Counters, TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import LeaseTable, PinTable
@@ -352,14 +352,14 @@ class StorageManager:
         return {t.name: bool(self._guard(t, t.healthy, False)) for t in self.tiers}
 
     def stats(self) -> dict[str, TierStats]:
-        """Each tier's counters and gauges, with what this manager counts for it: ``hits``
-        (chunks served), ``bytes_read`` and ``failures`` (calls that failed: misses)."""
+        """Each tier's counters and gauges, added to what this manager counts for it: ``hits``
+        (chunks served), ``bytes_read``, and the ``failures`` / ``skipped`` of its guard (a tier
+        that guards its own nodes or peers reports theirs; both are summed, never replaced)."""
         out = {}
         for tier in self.tiers:
-            own = self._guard(tier, tier.stats, None) or TierStats()
-            counts = self._counts[tier.name].snapshot()
-            ours = {**counts, "failures": self._faults.counts(tier.name)["failures"]}
-            out[tier.name] = TierStats({**own.counters, **ours}, own.gauges)
+            own = tier.stats()  # the tier's own counters: never the store, so never backed off from
+            ours = add_counts(self._counts[tier.name].snapshot(), self._faults.counts(tier.name))
+            out[tier.name] = TierStats(add_counts(own.counters, ours), own.gauges)
         return out
 
     def _served(self, tier: StorageBackendInterface, objs: Sequence[MemoryObj | None]) -> None:
