@@ -49,14 +49,15 @@ class TierEvent:
 
 class TierEvents:
     """A tier's bounded, thread-safe event buffer. When `max_events` are waiting, the oldest is
-    dropped (logged once until the next `take`): a lost event only leaves a peer registration
-    stale, which readers see as a miss."""
+    dropped (logged once until the next `take`; a lost event only leaves a peer registration
+    stale, which readers see as a miss). A buffer nobody has taken from yet (a tier used on its
+    own, as the seed API does) keeps the latest events without a word."""
 
     def __init__(self, tier: str, max_events: int = MAX_EVENTS) -> None:
         self.tier = tier
         self._lock = threading.Lock()
         self._events: deque[TierEvent] = deque(maxlen=max_events)
-        self._overflowed = False
+        self._overflowed = True  # not worth a warning until someone takes events
         self.num_dropped = 0
 
     def stored(self, keys: Sequence[CacheEngineKey]) -> None:
