@@ -184,3 +184,17 @@ def test_a_triton_kernel_that_cannot_launch_falls_back_to_torch_ops(caplog):
     conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
     assert torch.equal(obj.tensor, src.rows(slots))
     assert copier.kernel == "torch" and "torch ops from now on" in caplog.text
+
+
+def test_the_triton_kernel_claims_16_byte_rows_only_where_every_row_start_is_aligned():
+    pytest.importorskip("triton")
+    from lmcache.gpu_connector import triton_rows
+    from lmcache.gpu_connector.sources import KVSources
+
+    base = torch.zeros(2 * 2048 + 1, dtype=torch.bfloat16)
+    aligned = [base[i * 2048: (i + 1) * 2048].view(4, 16, 2, 16) for i in range(2)]
+    tables = torch.tensor([[0, 1], [0, 32], [512, 512]])
+    assert triton_rows.vector_width(KVSources(aligned, 32), tables) == 8
+    shifted = [base[1 + i * 2048: 1 + (i + 1) * 2048].view(4, 16, 2, 16) for i in range(2)]
+    assert triton_rows.vector_width(KVSources(shifted, 32), tables) == 1  # 2-byte aligned sources
+    assert triton_rows.vector_width(KVSources(aligned, 32), tables + 1) == 1  # buffer rows off by one
