@@ -122,7 +122,7 @@ class CacheGenEncoderOutput:
     def to_bytes(self) -> bytes:
         return fmt.pack(self)
 
-    def to_parts(self) -> list[bytes]:
+    def to_parts(self) -> list[bytes | memoryview]:
         """`to_bytes` as [the stream's header and tables, the substreams] (not joined)."""
         return fmt.pack_parts(self)
 

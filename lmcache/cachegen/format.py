@@ -87,7 +87,7 @@ class RansTables(NamedTuple):
     lengths: np.ndarray  # [B * G] bytes of each substream
 
 
-def pack_parts(out: Any) -> list[bytes]:
+def pack_parts(out: Any) -> list[bytes | memoryview]:
     """`pack`'s bytes as [everything before the substreams, the substreams] (the encoder's
     payload is not copied)."""
     nlayers, ntokens = out.max_tensors_key.shape
@@ -109,8 +109,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def pack_fields(coder: int, num_heads: int, head_size: int, key_bins: np.ndarray,
                 value_bins: np.ndarray, block_tokens: np.ndarray, means: np.ndarray,
-                exps: np.ndarray, tables: RansTables | None, payload: bytes,
-                symbol_checksum: int = 0) -> list[bytes]:
+                exps: np.ndarray, tables: RansTables | None, payload: bytes | memoryview,
+                symbol_checksum: int = 0) -> list[bytes | memoryview]:
     """`pack_parts` from numpy fields: means [G, C] as bf16 bit patterns (int16 / uint16), exps
     [G, T] step exponents, `tables` for coder 1 (None for coder 3), payload: the coded bytes,
     symbol_checksum: coder 3's (unsigned 64-bit)."""
@@ -227,7 +227,8 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
         if ngroups:
             raise CorruptBlobError(f"an nvCOMP-coded stream has no symbol groups, header says {ngroups}")
         (checksum,) = r.take(1, np.uint64, "symbol_checksum")
-        fields.update(bytestream=bytes(r.buf[r.pos:]), symbol_checksum=int(checksum),
+        # a view, not a copy: the payload goes straight to pinned memory and the device
+        fields.update(bytestream=r.buf[r.pos:], symbol_checksum=int(checksum),
                       start_indices=torch.tensor([[0, len(r.buf) - r.pos]], dtype=torch.int64),
                       cdf=torch.empty(0, dtype=torch.int32),
                       channel_classes=torch.empty(0, dtype=torch.uint8),
