@@ -12,10 +12,14 @@ A program's tile is ``[TOKENS * HEADS, HEAD_DIM]``: one row per (token, head), e
 of ``head_size`` contiguous elements in the cache (HF caches keep a token's heads ``T * D`` apart,
 vLLM's paged caches side by side). Addressing a row as ``row start + arange(HEAD_DIM)`` lets Triton
 see the contiguity, and where every row start is a multiple of 16 bytes (`vector_width` checks the
-strides, offsets and tables on the host) the kernel says so (``tl.multiple_of``) and each thread
-moves 16-byte vectors. Issue 36's first device run used one column index per element
-(``col // head_size * head_stride + col % head_size``), which hides the contiguity: 2-byte scalar
-accesses, with 256-byte rows (70B/TP8: 1 KV head x 128; HF: per head) at ~11 GB/s per request.
+strides, offsets and tables on the host) the kernel says so (``tl.multiple_of`` /
+``tl.max_contiguous`` on the 2-D offsets: hints on the 1-D row starts alone left single-head tiles
+scalar) and each thread moves 16-byte vectors. Issue 36's first device run used one column index
+per element (``col // head_size * head_stride + col % head_size``), which hides the contiguity:
+its PTX for sm_90 (compiled ahead of time on a CPU machine, `triton.compile` with
+``GPUTarget("cuda", 90, 32)``) has 64 ``ld.global.b16`` / ``st.global.b16`` per thread; this
+kernel's has 8 ``ld.global.v4.b32`` / ``st.global.v4.b32`` for the same 8,192-element tile.
+Requests at 11 GB/s (70B/TP8 rows of 1 KV head x 128) and ~44 GB/s (8B-like) were kernel-bound.
 
 Imported only where the staged path runs with Triton (CUDA; or CPU under ``TRITON_INTERPRET=1``).
 """
@@ -50,13 +54,15 @@ def _copy_rows_kernel(src, src_offsets, slots, buf, row_offsets, source_strides,
         + (slot - block * block_size) * token_stride + h * head_stride
     buf_row = tl.load(row_offsets + t, mask=live, other=0) \
         + s * tl.load(source_strides + t, mask=live, other=0) + h * HEAD_SIZE
-    if VEC > 1:
-        src_row = tl.multiple_of(src_row, VEC)
-        buf_row = tl.multiple_of(buf_row, VEC)
     d = tl.arange(0, HEAD_DIM)
     mask = (live & (slot >= 0))[:, None] & (d < HEAD_SIZE)[None, :]
-    src_ptrs = src + src_row[:, None] + d[None, :]
-    buf_ptrs = buf + buf_row[:, None] + d[None, :]
+    src_off = src_row[:, None] + d[None, :]
+    buf_off = buf_row[:, None] + d[None, :]
+    if VEC > 1:  # every row starts on a 16-byte boundary (checked on the host): vector accesses
+        src_off = tl.max_contiguous(tl.multiple_of(src_off, [1, VEC]), [1, VEC])
+        buf_off = tl.max_contiguous(tl.multiple_of(buf_off, [1, VEC]), [1, VEC])
+    src_ptrs = src + src_off
+    buf_ptrs = buf + buf_off
     if SCATTER:
         tl.store(src_ptrs, tl.load(buf_ptrs, mask=mask), mask=mask)
     else:
