@@ -14,7 +14,9 @@ Needs a CUDA device; without one it says so and exits 0. Measured in one run, in
 2. `PrefixCacheLM` on a random-weight Llama (`LlamaConfig`: 16 layers, 8 KV heads x 128, hidden
    2048, bf16) and a `--prefix-tokens` prompt: plain forward (a fresh `DynamicCache`) vs the
    first prefill + store into a fresh engine vs the repeat with the prefix loaded. Each timed
-   region starts after ``torch.cuda.synchronize()``; the first prefill is reported twice: until
+   region starts after ``torch.cuda.synchronize()`` and ends once its device work has finished
+   (the plain forward and the repeat: ``torch.cuda.synchronize()``, which issue 36's first run
+   left out); the first prefill is reported twice: until
    the caller's stream is done (what the caller waits for: the store's device-to-host copy runs on
    behind it) and until the store has completed (``drain`` + device synchronisation).
 
@@ -93,9 +95,13 @@ def out_of_time(args: argparse.Namespace) -> bool:
 
 
 def timed(fn: Callable[[], object]) -> float:
+    """Seconds from an idle device until `fn`'s device work has finished. (Issue 36's first run
+    stopped the clock when `fn` returned: the plain forward and the repeat were timed until their
+    kernels were issued, plus whatever the forward synchronised inside.)"""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -157,7 +163,12 @@ def measure_shape(name: str, layers: int, heads: int, head_size: int, args: argp
         assert connector.drain(60)
         engine.close()
 
-    profile = profile_once(store_and_retrieve) if args.profile else None
+    profile = None
+    if args.profile:
+        try:  # a profiler that fails here must not cost the measured figures
+            profile = profile_once(store_and_retrieve)
+        except Exception as e:  # noqa: BLE001
+            print(f"  profile failed: {type(e).__name__}: {e}")
     slots_dev = slots.to(dev)
     exact = all(torch.equal(s.view(2, -1, hidden)[:, slots_dev], d.view(2, -1, hidden)[:, slots_dev])
                 for s, d in zip(src, dst, strict=True))
