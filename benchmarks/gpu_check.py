@@ -1,6 +1,17 @@
 """Issue 36's CUDA checks in one short device run, within a hard time budget.
 
     python3 benchmarks/gpu_check.py [--budget-s 210] [--out $OUT] [--install env|target|none]
+                                    [--tests FILE,...] [--tests-limit-s 80] [--transfer-reps 5]
+                                    [--workers 4] [--profile] [--coder-repeats 10] [--prefix-reps 3]
+                                    [--prefix-min-s 45]
+
+A short second run (issue 36's fixes: the CUDA test files they touch, both transfer shapes with a
+profile, the coder, the prefix case if time is left; at most ~140 s):
+
+    python3 benchmarks/gpu_check.py --budget-s 138 --out $OUT --workers 8 --tests-limit-s 65 \
+        --tests tests/unit/cachegen/test_cachegen_cuda.py,tests/unit/core/test_gpu_connector_cuda.py,\
+tests/integration/vllm/test_cuda_paths.py,tests/unit/transformers/test_prefix_cache_paths.py \
+        --transfer-reps 3 --profile --coder-repeats 5 --prefix-reps 2 --prefix-min-s 25
 
 Run from the checkout's root on the GPU machine (Python 3.12, torch with CUDA, no network, no
 vLLM), with the ignored folder `.whl/` carried: the wheels the machine lacks (pyzmq, redis,
@@ -226,6 +237,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "out"))
     ap.add_argument("--install", choices=["env", "target", "none"], default="env")
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"), help="the --target folder")
+    ap.add_argument("--tests", default="", help="comma-separated CUDA test files / ids (default: all)")
+    ap.add_argument("--tests-limit-s", type=float, default=80.0, help="the CUDA tests' time limit")
+    ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers for the CUDA tests")
+    ap.add_argument("--transfer-reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="gpu_transfer --profile (top device ops)")
+    ap.add_argument("--coder-repeats", type=int, default=10)
+    ap.add_argument("--prefix-reps", type=int, default=3)
+    ap.add_argument("--prefix-min-s", type=float, default=45.0,
+                    help="run the prefix case only if this many seconds are left")
     args = ap.parse_args()
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -242,22 +262,26 @@ def main() -> None:
                     {"error": "the probe printed nothing"})
 
     xml = args.out / "pytest_cuda.xml"
-    workers = ["-n", "4"] if env_info.get("xdist") not in (None, "missing") else []  # Triton compiles
+    workers = ["-n", str(args.workers)] if env_info.get("xdist") not in (None, "missing") else []  # Triton
+    tests = [t for t in args.tests.split(",") if t] if args.tests else CUDA_TESTS
     runner.run("cuda tests", [sys.executable, "-m", "pytest", "-q", "-rsfE", "-p", "no:cacheprovider",
-                              *workers, "--timeout", "45", f"--junitxml={xml}", *CUDA_TESTS], 80)
+                              *workers, "--timeout", "45", f"--junitxml={xml}", *tests], args.tests_limit_s)
 
     py = sys.executable
-    runner.run("gpu_transfer", [py, "benchmarks/gpu_transfer.py", "--tokens", "8192", "--reps", "5",
+    profile = ["--profile"] if args.profile else []
+    runner.run("gpu_transfer", [py, "benchmarks/gpu_transfer.py", "--tokens", "8192",
+                                "--reps", str(args.transfer_reps), *profile,
                                 "--shapes", "8B-like,70B-TP8", "--skip-prefix", "--out", str(args.out),
                                 "--budget-s", f"{max(10.0, min(35.0, runner.left() - 70)):.0f}"], 60)
-    runner.run("cachegen gpu coder", [py, "benchmarks/cachegen_gpu_coder.py", "--repeats", "10",
+    runner.run("cachegen gpu coder", [py, "benchmarks/cachegen_gpu_coder.py",
+                                      "--repeats", str(args.coder_repeats),
                                       "--kv", str(WHEELS / "cachegen_kv_smollm2_256.pt"),
                                       "--out", str(args.out)], 45)
     runner.run("prefix cache (optional)", [py, "benchmarks/gpu_transfer.py", "--shapes", "",
-                                           "--prefix-tokens", "8192", "--prefix-reps", "3",
+                                           "--prefix-tokens", "8192", "--prefix-reps", str(args.prefix_reps),
                                            "--out", str(args.out), "--name", "gpu_prefix",
                                            "--budget-s", f"{max(5.0, min(40.0, runner.left() - 25)):.0f}"],
-               60, min_s=45)
+               60, min_s=args.prefix_min_s)
 
     transfer = read_json(args.out / "gpu_transfer.json")
     figures: dict[str, Any] = {

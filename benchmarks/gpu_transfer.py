@@ -14,7 +14,9 @@ Needs a CUDA device; without one it says so and exits 0. Measured in one run, in
 2. `PrefixCacheLM` on a random-weight Llama (`LlamaConfig`: 16 layers, 8 KV heads x 128, hidden
    2048, bf16) and a `--prefix-tokens` prompt: plain forward (a fresh `DynamicCache`) vs the
    first prefill + store into a fresh engine vs the repeat with the prefix loaded. Each timed
-   region starts after ``torch.cuda.synchronize()``; the first prefill is reported twice: until
+   region starts after ``torch.cuda.synchronize()`` and ends once its device work has finished
+   (the plain forward and the repeat: ``torch.cuda.synchronize()``, which issue 36's first run
+   left out); the first prefill is reported twice: until
    the caller's stream is done (what the caller waits for: the store's device-to-host copy runs on
    behind it) and until the store has completed (``drain`` + device synchronisation).
 
@@ -68,6 +70,7 @@ class ShapeRow:
     retrieve_ratio: float
     bit_exact: bool
     reps_done: int
+    profile: list[dict] | None = None  # --profile: the top device ops of one store + retrieve
 
 
 @dataclass
@@ -92,9 +95,13 @@ def out_of_time(args: argparse.Namespace) -> bool:
 
 
 def timed(fn: Callable[[], object]) -> float:
+    """Seconds from an idle device until `fn`'s device work has finished. (Issue 36's first run
+    stopped the clock when `fn` returned: the plain forward and the repeat were timed until their
+    kernels were issued, plus whatever the forward synchronised inside.)"""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -149,6 +156,19 @@ def measure_shape(name: str, layers: int, heads: int, head_size: int, args: argp
                 times[key].append(value)
             if out_of_time(args):
                 break
+    def store_and_retrieve() -> None:
+        engine = paged_engine(layers, heads, head_size, nbytes, connector)
+        store(engine)
+        retrieve(engine)
+        assert connector.drain(60)
+        engine.close()
+
+    profile = None
+    if args.profile:
+        try:  # a profiler that fails here must not cost the measured figures
+            profile = profile_once(store_and_retrieve)
+        except Exception as e:  # noqa: BLE001
+            print(f"  profile failed: {type(e).__name__}: {e}")
     slots_dev = slots.to(dev)
     exact = all(torch.equal(s.view(2, -1, hidden)[:, slots_dev], d.view(2, -1, hidden)[:, slots_dev])
                 for s, d in zip(src, dst, strict=True))
@@ -156,7 +176,28 @@ def measure_shape(name: str, layers: int, heads: int, head_size: int, args: argp
     gb = nbytes / 1e9
     return ShapeRow(name, layers, heads, head_size, n, nbytes, gb / med["d2h"], gb / med["store"],
                     med["d2h"] / med["store"], gb / med["h2d"], gb / med["retrieve"],
-                    med["h2d"] / med["retrieve"], exact, len(times["d2h"]))
+                    med["h2d"] / med["retrieve"], exact, len(times["d2h"]), profile)
+
+
+def profile_once(fn: Callable[[], object]) -> list[dict]:
+    """The device ops of one call of `fn` (torch.profiler, CUPTI), by device time: where a slow
+    request spends its time (kernels vs DMA vs gaps). Printed, and kept in the JSON row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    top = [{"name": e.key[:80], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+            "host_ms": e.cpu_time_total / 1e3} for e in events[:8]]
+    print(f"  profile: one cold store + retrieve, {wall * 1e3:.1f} ms wall; top device ops:")
+    for row in top:
+        print(f"    {row['device_ms']:8.2f} ms device {row['calls']:5d}x  {row['name']}")
+    return [{"wall_ms": wall * 1e3}, *top]
 
 
 def measure_prefix(args: argparse.Namespace) -> PrefixRow:
@@ -253,6 +294,8 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=8192)
     parser.add_argument("--prefix-reps", type=int, default=5)
     parser.add_argument("--skip-prefix", action="store_true", help="skip the PrefixCacheLM case")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one cold store per shape (torch.profiler, a few seconds)")
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON and PNG")
     parser.add_argument("--name", default="gpu_transfer", help="file stem of the JSON and PNG")
     parser.add_argument("--budget-s", type=float, default=None,
