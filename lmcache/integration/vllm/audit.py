@@ -142,6 +142,7 @@ class Auditor:
         self._reported: dict[tuple[str, str, str], int] = {}
         self.dropped = 0
         self.max_ulps = 0.0  # the largest within-rounding difference seen
+        self.largest_ulps = 0.0  # the largest finite difference seen, mismatches included
         self._queued_bytes = 0
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="lmcache-audit", daemon=True)
@@ -311,6 +312,8 @@ class Auditor:
             self._counts[key] = self._counts.get(key, 0) + 1
             if diff.result == Result.WITHIN_ROUNDING:
                 self.max_ulps = max(self.max_ulps, diff.ulps)
+            if math.isfinite(diff.ulps):
+                self.largest_ulps = max(self.largest_ulps, diff.ulps)
 
     def _mismatch(self, name: str, tier: Any, item: _Item, diff: Difference) -> None:
         if item.state and self.states is not None and diff.layer >= 0:
@@ -360,7 +363,8 @@ class Auditor:
         """For the worker's ``stats`` reply."""
         with self._lock:
             state = {"stopped": self.stopped, "mismatches": self.mismatches, "dropped": self.dropped,
-                     "max_within_rounding_ulps": self.max_ulps, "rounding_ulps": self.tolerance,
+                     "max_within_rounding_ulps": self.max_ulps, "largest_ulps": self.largest_ulps,
+                     "rounding_ulps": self.tolerance,
                      "queued_bytes": self._queued_bytes}
         return {**state, "counts": self.counts()}
 
