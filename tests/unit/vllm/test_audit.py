@@ -3,6 +3,7 @@ chunks compare, and what an audit does with a chunk that differs."""
 
 import itertools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,3 +113,37 @@ def test_chunks_vllms_own_prefix_cache_served_are_not_audited():
     assert auditor.counts() == {"Hot": {"full": {"exact": 1}}}  # chunk [16, 24) only
     auditor.close()
     engine.close()
+
+
+def test_audits_add_up_over_ranks_and_reach_prometheus_by_tier_group_kind_and_result():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, registry=registry, **kwargs)
+        return Bound
+
+    rank0 = LMCacheKVConnectorStats(data={"audits": {"Hot": {"full": {"exact": 2, "mismatch": 1}}}})
+    rank1 = LMCacheKVConnectorStats(data={"audits": {"Hot": {"full": {"exact": 1}},
+                                                     "RemoteBackend": {"sliding": {"within_rounding": 4}}}})
+    total = rank0.aggregate(rank1)
+    assert not total.is_empty()
+    assert total.reduce() == {"audits_exact": 3, "audits_mismatch": 1, "audits_within_rounding": 4}
+    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    prom = LMCachePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+                              {0: ["smol", "0"]})
+    prom.observe(total.data, 0)
+    prom.observe(total.data, 0)  # the same again, as a later interval: counters add
+    labels = {"model_name": "smol", "engine": "0"}
+
+    def sample(tier, kind, result):
+        return registry.get_sample_value("lmcache:audits_total", {**labels, "tier": tier, "group_kind": kind,
+                                                                  "result": result})
+
+    assert sample("Hot", "full", "exact") == 3 + 3 and sample("Hot", "full", "mismatch") == 1 + 1
+    assert sample("RemoteBackend", "sliding", "within_rounding") == 4 + 4
