@@ -131,6 +131,9 @@ class LMCacheWorker:
             lease = str(header["lease"])
             hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=lease, state_ends=ends)
             return {"hit": hit if self.auditor is None else self.auditor.answer(lease, hit)}
+        if cmd == "release":  # the lookup's answer was not used (another rank did not answer)
+            self.engine.release(str(header["lease"]))
+            return {}
         if cmd == "stats":
             audits = {"audits": self.auditor.report()} if self.auditor is not None else {}
             return {**self.engine.stats.report(), "kernels": self.kernels, **audits}
