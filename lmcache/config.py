@@ -96,6 +96,11 @@ class LMCacheEngineConfig:
     - `controller_url`: ``host:port`` of the engine's HTTP controller (None = none);
     - `clear_hot_on_reset`: a serving engine's cache reset (vLLM's connector-cache reset) also
       empties the hot tier;
+    - `verify_rate`, `verify_max_mismatches`, `verify_seed` (vLLM connector): the fraction of
+      lookups audited (answered as a miss; the KV vLLM then computes is compared with what the cache
+      holds, `integration.vllm.audit`; 0 turns audits off), the audit mismatches after which the
+      connector stops serving hits for the model, and where the evenly spread choice of audited
+      lookups starts;
     - `metrics_port`, `metrics_host`: serve the ``lmcache:`` Prometheus metrics there (for
       engines outside vLLM, whose metrics appear in vLLM's own ``/metrics``; port 0 = any).
 
@@ -163,6 +168,9 @@ class LMCacheEngineConfig:
     nixl_backends: list[str] = field(default_factory=lambda: ["UCX"])
     pd_send_timeout: float = 2.0
     cache_server_url: str | None = None
+    verify_rate: float = 0.01
+    verify_max_mismatches: int = 3
+    verify_seed: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -200,6 +208,11 @@ class LMCacheEngineConfig:
         _check(0.25 <= self.cachegen_quality <= 4.0, "cachegen_quality", self.cachegen_quality,
                "must be in [0.25, 4]")
         _check(self.lookup_timeout > 0, "lookup_timeout", self.lookup_timeout, "must be > 0")
+        _check(0.0 <= self.verify_rate <= 1.0, "verify_rate", self.verify_rate,
+               "must be in [0, 1] (the fraction of lookups audited; 0 turns audits off)")
+        _check(self.verify_max_mismatches >= 1, "verify_max_mismatches", self.verify_max_mismatches,
+               "must be >= 1")
+        _check(self.verify_seed >= 0, "verify_seed", self.verify_seed, "must be >= 0")
         if self.lookup_url is not None:
             try:
                 scheme = parse_remote_url(_as_url(self.lookup_url)).scheme

@@ -10,6 +10,7 @@ Every number the engine and its tiers keep becomes a metric (prefix ``lmcache:``
     tier gauges      lmcache:tier_<name>{tier}        bytes_used, chunks, files, puts_pending
     histograms       lmcache:<name>                   store_seconds, retrieve_seconds,
                                                       store_gbps, retrieve_gbps
+    audits (vLLM)    lmcache:audits_total{tier, group_kind, result}   exact, within_rounding, mismatch
 
 Two ways out, same names:
 - inside vLLM the worker ships `EngineStats.interval()` with its connector stats and vLLM records
@@ -68,6 +69,8 @@ DOCS = {
     "retrieve_seconds": "Seconds one retrieve took",
     "store_gbps": "GB/s of one store",
     "retrieve_gbps": "GB/s of one retrieve",
+    "audits": "Audited chunks (or recurrent states) by tier, KV cache group kind and result: exact, "
+              "within_rounding (the dtype's rounding) or mismatch (the chunk was deleted)",
 }
 
 
@@ -96,6 +99,11 @@ def merge_intervals(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         out.setdefault("gauges_by_rank", {})[rank] = gauges
     for name, values in b.get("observations", {}).items():
         out.setdefault("observations", {}).setdefault(name, []).extend(values)
+    for tier, kinds in b.get("audits", {}).items():
+        for kind, results in kinds.items():
+            mine = out.setdefault("audits", {}).setdefault(tier, {}).setdefault(kind, {})
+            for result, n in results.items():
+                mine[result] = mine.get(result, 0) + n
     return out
 
 

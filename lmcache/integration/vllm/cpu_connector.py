@@ -206,3 +206,19 @@ def _permuted_copy(kv: torch.Tensor, lay: PackedLayout, slots: torch.Tensor, row
             packed[:, perm] = decoded.view(len(uniq), -1)
     if not gather:
         flat.index_copy_(0, uniq, packed)
+
+
+def permuted_gather(connector: VLLMCPUPackedConnector, kvcaches: Sequence[torch.Tensor],
+                    slots: torch.Tensor) -> torch.Tensor:
+    """The KV of the tokens at `slots` (``[n]``, or ``[G, n]`` one row per KV cache group; < 0:
+    zeros) as a chunk tensor ``[2, num_layers, n, hidden]``, decoded through the layout's probed
+    permutations only: independent of the copies `connector` stores and loads with (the reference
+    an audit compares them against)."""
+    lay = connector.layout
+    rows = slots.view(connector.num_groups, -1)
+    n = rows.shape[1]
+    out = torch.empty(2, connector.num_layers, n, lay.num_kv_heads * lay.head_size, dtype=kvcaches[0].dtype)
+    for layer, kv in enumerate(kvcaches):
+        _permuted_copy(kv, lay, rows[int(connector.layer_groups[layer])], out[:, layer].view(
+            2, n, lay.num_kv_heads, lay.head_size), gather=True)
+    return out

@@ -18,7 +18,9 @@ class RequestPlan:
     blocks. Save: store tokens ``[save_from, save_to)`` (``save_from`` tokens are known to be cached
     already); `save_state_at` > 0: also keep the recurrent layers' state after that many tokens
     (a chunk boundary this step ends at; hybrid models). A range with equal ends means nothing to
-    do. `block_ids`: all of the request's blocks so far, one list per KV cache group.
+    do. `block_ids`: all of the request's blocks so far, one list per KV cache group. `fresh_from`:
+    the tokens below it came from vLLM's own prefix cache when the request was admitted (an audit
+    compares only KV vLLM computed for the request).
     Send (a prefill instance, `lmcache.pd`): after this step's save, send the KV of the prompt,
     ``token_ids[:send_tokens]``, to the decoder's KV receiver `send_to` ("host:port")."""
 
@@ -35,6 +37,7 @@ class RequestPlan:
     save_state_at: int = 0
     send_to: str | None = None
     send_tokens: int = 0
+    fresh_from: int = 0
 
     @property
     def has_load(self) -> bool:

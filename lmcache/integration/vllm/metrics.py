@@ -7,7 +7,8 @@
   periodic stats, and hands the sum to `LMCachePromMetrics.observe` in the process that serves
   ``/metrics``: counters increase, gauges (summed over ranks) are set, histograms observe. Metric
   names are `lmcache.metrics`'; labels are vLLM's (model name, engine index) plus ``tier`` for the
-  tier metrics. Metrics are created the first time a name is seen; like vLLM's own, they are
+  tier metrics; audits (`integration.vllm.audit`) are ``lmcache:audits_total`` with ``tier``,
+  ``group_kind`` and ``result``. Metrics are created the first time a name is seen; like vLLM's own, they are
   registered anew when another engine starts in the same process.
 """
 
@@ -44,12 +45,16 @@ class LMCacheKVConnectorStats(KVConnectorStats):
         for name, values in self.data.get("observations", {}).items():
             if values:
                 out[f"{name}_median"] = round(statistics.median(values), 4)
+        for kinds in self.data.get("audits", {}).values():
+            for results in kinds.values():
+                for result, n in results.items():
+                    out[f"audits_{result}"] = out.get(f"audits_{result}", 0) + n
         return out
 
     def is_empty(self) -> bool:
         d = self.data
         return not (d.get("counters") or d.get("tier_counters") or d.get("observations")
-                    or d.get("gauges_by_rank"))
+                    or d.get("gauges_by_rank") or d.get("audits"))
 
 
 class LMCachePromMetrics(KVConnectorPromMetrics):
@@ -63,11 +68,12 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = histogram_cls(name=engine_metric(name), documentation=doc(name),
                                                 labelnames=labelnames, buckets=list(buckets))
 
-    def _metric(self, kind: type, full_name: str, documentation: str, tier: bool) -> Any:
+    def _metric(self, kind: type, full_name: str, documentation: str, tier: bool,
+                extra_labels: tuple[str, ...] = ()) -> Any:
         metric = self._metrics.get(full_name)
         if metric is None:
             cls = self._counter_cls if kind is Counter else self._gauge_cls
-            labels = [*self._labelnames, "tier"] if tier else self._labelnames
+            labels = [*self._labelnames, *(["tier"] if tier else []), *extra_labels]
             metric = self._metrics[full_name] = cls(name=full_name, documentation=documentation,
                                                     labelnames=labels)
         return metric
@@ -84,6 +90,12 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             for name, value in gauges.items():
                 metric = self._metric(Gauge, tier_metric(name), doc("tier_" + name), True)
                 metric.labels(*labels, tier).set(value)
+        for tier, kinds in transfer_stats_data.get("audits", {}).items():
+            audits = self._metric(Counter, engine_metric("audits"), doc("audits"), True,
+                                  ("group_kind", "result"))
+            for kind, results in kinds.items():
+                for result, n in results.items():
+                    audits.labels(*labels, tier, kind, result).inc(n)
         for name, values in transfer_stats_data.get("observations", {}).items():
             histogram: Histogram = self._metrics[name]
             for value in values:

@@ -56,6 +56,7 @@ class _Tracked:
     saved: int = 0  # tokens [0, saved) are in LMCache
     state_saved: int = 0  # the last boundary whose recurrent state was saved
     send_to: str | None = None  # the decoder's KV receiver (a prefill instance)
+    fresh_from: int = 0  # vLLM's own prefix-cache hit at admission
 
 
 class LMCacheScheduler:
@@ -102,7 +103,7 @@ class LMCacheScheduler:
             # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there
             saved = cached if cached >= request.num_prompt_tokens else cached - cached % self.chunk_size
             tracked = self._reqs[rid] = _Tracked(request, [], extra_key(request), saved=saved,
-                                                 send_to=self._receiver(request))
+                                                 send_to=self._receiver(request), fresh_from=local)
         tracked.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens > 0:
             tracked.load_from, tracked.load_to = local, local + num_external_tokens
@@ -162,7 +163,8 @@ class LMCacheScheduler:
         compute in this step)."""
         request = tracked.request
         prompt_len = request.num_prompt_tokens
-        plan = RequestPlan(request.request_id, [], tracked.block_ids, tracked.extra_key)
+        plan = RequestPlan(request.request_id, [], tracked.block_ids, tracked.extra_key,
+                           fresh_from=tracked.fresh_from)
         if tracked.load_pending:
             tracked.load_pending = False
             plan.load_from, plan.load_to = tracked.load_from, tracked.load_to

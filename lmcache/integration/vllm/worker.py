@@ -16,6 +16,9 @@
   background).
 - `get_transfer_results`: ends the lookup leases of finished requests; reports the asynchronous
   loads carried out in this step (done, or failed).
+- Audits (`verify_rate` > 0, `audit.Auditor`): the lookup answers 0 for an audited request (and
+  for every request once audits found `verify_max_mismatches` mismatches); its save hands the
+  audited chunks' fresh KV to the auditor instead of storing them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from lmcache.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.audit import Auditor
 from lmcache.integration.vllm.cpu_build import describe
 from lmcache.integration.vllm.cpu_layout import packed_layout
 from lmcache.integration.vllm.engine_setup import (
@@ -63,6 +67,7 @@ class LMCacheWorker:
         self.states: StateCopier | None = None  # a hybrid model's recurrent layers
         self.server: LookupServer | None = None
         self.sender: PDSender | None = None  # a prefill instance's KV channel (`lmcache.pd`)
+        self.auditor: Auditor | None = None  # self-verification (`verify_rate`)
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # asynchronous loads done in this step
         self._failed_loads: set[str] = set()
@@ -103,6 +108,10 @@ class LMCacheWorker:
                 self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
             if self.config.enable_pd and self.config.pd_role == "sender":
                 self.sender = PDSender(self.engine, self.config, self.rank)
+            if self.config.verify_rate > 0:
+                self.auditor = Auditor(self.engine, self.kv, rate=self.config.verify_rate,
+                                       max_mismatches=self.config.verify_max_mismatches,
+                                       seed=self.config.verify_seed, states=self.states)
         address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
         self.server = LookupServer(address, self._answer)
         if self.engine is not None:
@@ -119,14 +128,15 @@ class LMCacheWorker:
             ends: list[int] = []
             if self.states is not None:  # resume before the last token (vLLM computes it), where a state is
                 ids, ends = ids[:-1], self.kv.resume_points(len(ids))
-            hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=str(header["lease"]),
-                                     state_ends=ends)
-            return {"hit": hit}
+            lease = str(header["lease"])
+            hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=lease, state_ends=ends)
+            return {"hit": hit if self.auditor is None else self.auditor.answer(lease, hit)}
         if cmd == "release":  # the lookup's answer was not used (another rank did not answer)
             self.engine.release(str(header["lease"]))
             return {}
         if cmd == "stats":
-            return {**self.engine.stats.report(), "kernels": self.kernels}
+            audits = {"audits": self.auditor.report()} if self.auditor is not None else {}
+            return {**self.engine.stats.report(), "kernels": self.kernels, **audits}
         if cmd == "clear":
             return {"cleared": self.engine.storage_manager.clear(str(header.get("tier")))}
         if cmd == "ping":
@@ -179,6 +189,11 @@ class LMCacheWorker:
         engine's `bugs`)."""
         engine = self.engine
         assert engine is not None
+        if self.auditor is not None:
+            plan = engine.bugs.call(f"auditing request {plan.req_id}'s KV",
+                                    partial(self.auditor.capture, plan, self.kvcaches), plan)
+            if not plan.has_save:
+                return
         first = engine.bugs.call(f"storing request {plan.req_id}'s KV",
                                  partial(save_plan, engine, self.kvcaches, plan, self.kv.token_groups,
                                          self.states),
@@ -209,9 +224,11 @@ class LMCacheWorker:
         if self.engine is None:
             return None
         payload = rank_payload(self.engine.stats, self.rank)
+        if self.auditor is not None and (audits := self.auditor.interval()):
+            payload["audits"] = audits
         gauges = payload["gauges_by_rank"]
-        if not (payload["counters"] or payload["tier_counters"] or payload["observations"]) \
-                and gauges == self._reported_gauges:
+        if not (payload["counters"] or payload["tier_counters"] or payload["observations"]
+                or payload.get("audits")) and gauges == self._reported_gauges:
             return None
         self._reported_gauges = gauges
         return LMCacheKVConnectorStats(data=payload)
@@ -220,6 +237,8 @@ class LMCacheWorker:
         if self.engine is not None:
             for rid in finished_req_ids:
                 self.engine.release(rid)
+        if self.auditor is not None:
+            self.auditor.finished(finished_req_ids)
         results = KVConnectorTransferResults(finished_recving=self._loaded,
                                              failed_recving=self._failed_loads)
         self._loaded, self._failed_loads = set(), set()
@@ -230,6 +249,9 @@ class LMCacheWorker:
         return errors
 
     def close(self) -> None:
+        if self.auditor is not None:
+            self.auditor.close()
+            self.auditor = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None
