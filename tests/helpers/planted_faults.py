@@ -1,7 +1,8 @@
 """Faults planted in a real engine, for tests of LMCache's self-verification (`verify_rate`).
 
-`wrong_layout_env(layer)`: the environment for a new engine process (vLLM and its workers) in
-which LMCache's worker stores layer `layer` of every chunk in a wrong layout: after each store copy
+`wrong_layout_env(layer, trigger=None)`: the environment for a new engine process (vLLM and its
+workers) in which LMCache's worker stores layer `layer` of every chunk in a wrong layout (with a
+`trigger` path: only while that file exists, so one engine can run clean first): after each store copy
 (`BatchedKVConnector.batched_from_gpu`, the engine's connector gathering vLLM's cache into chunk
 objects) K and V of that layer are replaced by the transpose of their ``[tokens, hidden]`` rows
 read back as ``[tokens, hidden]`` (the bytes of a token-major layer written dim-major). Loads are
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 LAYER_ENV = "LMCACHE_PLANTED_WRONG_LAYOUT_LAYER"
+TRIGGER_ENV = "LMCACHE_PLANTED_WRONG_LAYOUT_TRIGGER"
 
 _HOOK = '''\
 """Planted fault (tests/helpers/planted_faults.py): LMCache's store copy writes one layer in a
@@ -35,10 +37,13 @@ import runpy
 import sys
 
 _LAYER = int(os.environ["LMCACHE_PLANTED_WRONG_LAYOUT_LAYER"])
+_TRIGGER = os.environ.get("LMCACHE_PLANTED_WRONG_LAYOUT_TRIGGER", "")
 _TARGET = "lmcache.gpu_connector.batched"
 
 
 def _scramble(objs):
+    if _TRIGGER and not os.path.exists(_TRIGGER):
+        return
     for obj in objs:
         blob = obj.tensor  # [kv_count, layers, tokens, hidden]
         for rows in blob[:, _LAYER]:
@@ -107,11 +112,15 @@ def _hook_dir() -> Path:
     return folder
 
 
-def wrong_layout_env(layer: int) -> dict[str, str]:
+def wrong_layout_env(layer: int, trigger: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """Variables to add to a new engine process's environment so that LMCache's worker stores
-    layer `layer` (an index into the chunk's layers) in a wrong layout (see the module docstring).
-    The current ``PYTHONPATH`` is kept after the hook's folder."""
+    layer `layer` (an index into the chunk's layers) in a wrong layout (see the module docstring),
+    always, or only while the file `trigger` exists. The current ``PYTHONPATH`` is kept after the
+    hook's folder."""
     if layer < 0:
         raise ValueError(f"layer must be >= 0, got {layer}")
     path = os.pathsep.join(p for p in (str(_hook_dir()), os.environ.get("PYTHONPATH", "")) if p)
-    return {LAYER_ENV: str(layer), "PYTHONPATH": path}
+    env = {LAYER_ENV: str(layer), "PYTHONPATH": path}
+    if trigger is not None:
+        env[TRIGGER_ENV] = os.fspath(trigger)
+    return env
