@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import sys
 from dataclasses import asdict, dataclass
@@ -43,7 +44,7 @@ class PromptResult:
     hit_tokens: int | None  # of the request as it is; None: the server does not report it
     reference_hit_tokens: int | None  # of the salted request (should be 0)
     tokens_equal: bool
-    max_logprob_diff: float
+    max_logprob_diff: float | None  # None: a token's logprob was beyond the other answer's top logprobs
     first_difference: int | None
     verdict: str  # EQUAL, TIE, MISMATCH or UNVERIFIED
     note: str
@@ -138,9 +139,9 @@ def _check(client: OpenAIClient, model: str, prompt: Prompt, args: argparse.Name
         verdict = UNVERIFIED
         note = (f"the salted request was served {fresh.cached_tokens} tokens from a cache (a connector "
                 f"that ignores cache_salt?): no fresh reference; {note or j.verdict}")
+    diff = None if math.isinf(j.max_logprob_diff) else j.max_logprob_diff
     return PromptResult(prompt.name, prompt.preview, cached.prompt_tokens, cached.cached_tokens,
-                        fresh.cached_tokens, j.tokens_equal, j.max_logprob_diff, j.first_difference,
-                        verdict, note)
+                        fresh.cached_tokens, j.tokens_equal, diff, j.first_difference, verdict, note)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -148,7 +149,7 @@ def render(report: dict[str, Any]) -> str:
     for r in report["prompts"]:
         rows.append((r["name"], str(r["prompt_tokens"]), _count(r["hit_tokens"]),
                      _count(r["reference_hit_tokens"]), "yes" if r["tokens_equal"] else "no",
-                     f"{r['max_logprob_diff']:.3g}", r["verdict"]))
+                     _diff(r["max_logprob_diff"]), r["verdict"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"lmcache verify: {report['url']} model {report['model']}, {report['max_tokens']} greedy "
              f"tokens per prompt, cached request vs one with a fresh cache_salt",
@@ -165,6 +166,10 @@ def render(report: dict[str, Any]) -> str:
     verdict = {0: "all prompts equal", 1: "MISMATCH", 2: "unverified"}[report["exit_status"]]
     lines.append(f"result: {verdict}")
     return "\n".join(lines)
+
+
+def _diff(x: float | None) -> str:
+    return "beyond top-k" if x is None else f"{x:.3g}"
 
 
 def _count(n: int | None) -> str:

@@ -49,7 +49,9 @@ def test_a_layer_stored_in_a_wrong_layout_exits_1_naming_the_prompts(tmp_path):
     assert check.report["dtype"] == "float32" and check.report["tolerance"] == 1e-4
     for r in check.report["prompts"]:
         assert r["verdict"] == "MISMATCH" and r["hit_tokens"] >= 2 * CHUNK, r
-        assert r["reference_hit_tokens"] == 0 and r["max_logprob_diff"] > 100 * check.report["tolerance"], r
+        assert r["reference_hit_tokens"] == 0, r
+        diff = r["max_logprob_diff"]  # None: a token beyond the other answer's top logprobs
+        assert diff is None or diff > 100 * check.report["tolerance"], r
         assert r["name"] in check.stderr
     assert "MISMATCH beyond float32 rounding (tolerance 0.0001)" in check.stderr
 
