@@ -88,8 +88,12 @@ class OpenAIClient:
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """Empty vLLM's own prefix cache (vLLM refuses while blocks are in use: retried)."""
         for _ in range(attempts):
-            if self._call("POST", "/reset_prefix_cache").get("success", True):
-                return
+            try:
+                if self._call("POST", "/reset_prefix_cache").get("success", True):
+                    return
+            except ServerError as e:
+                raise ServerError(f"{e} (the endpoint needs the server started with "
+                                  "VLLM_SERVER_DEV_MODE=1)") from None
             time.sleep(0.25)
         raise ServerError(f"{self.base_url}/reset_prefix_cache kept answering success=false")
 

@@ -92,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
 def verify(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_tokens < 1 or args.top_logprobs < 1:
         raise ValueError("--max-tokens and --top-logprobs must be >= 1")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise ValueError(f"--tolerance must be >= 0, got {args.tolerance}")
     client = OpenAIClient(args.url, timeout=args.timeout)
     model = args.model or client.model()
     dtype = args.dtype or client.dtype()

@@ -18,18 +18,20 @@ class FakeServer:
     before is "served from the cache": ``cached_tokens`` is all but one token, and its logprobs are
     shifted by `fault`. `ignore_salt`: salted requests are served from the cache too."""
 
-    def __init__(self, fault: float = 0.0, ignore_salt: bool = False, dtype: str | None = "float32") -> None:
-        self.fault, self.ignore_salt, self.dtype = fault, ignore_salt, dtype
+    def __init__(self, fault: float = 0.0, ignore_salt: bool = False, dtype: str = "float32",
+                 dev_mode: bool = True) -> None:
+        """`dev_mode`: serve vLLM's dev-mode endpoints (/server_info with `dtype`, /reset_prefix_cache)."""
+        self.fault, self.ignore_salt = fault, ignore_salt
         self.seen: set[tuple[int, ...]] = set()
         self.resets = 0
         routes: dict[tuple[str, str], Any] = {
             ("GET", "/v1/models"): lambda _: {"data": [{"id": "fake", "max_model_len": 4096}]},
             ("POST", "/tokenize"): lambda b: {"tokens": [ord(c) for c in b["prompt"]]},
             ("POST", "/detokenize"): lambda b: {"prompt": "".join(map(chr, b["tokens"]))},
-            ("POST", "/reset_prefix_cache"): self._reset,
             ("POST", "/v1/completions"): self._complete,
         }
-        if dtype:
+        if dev_mode:
+            routes[("POST", "/reset_prefix_cache")] = self._reset
             info = {"vllm_config": f"model='fake', dtype=torch.{dtype}, max_seq_len=4096"}
             routes[("GET", "/server_info")] = lambda _: info
         self.http = JsonHTTPService(routes, "127.0.0.1", 0, "fake-openai")
@@ -98,7 +100,7 @@ def test_a_cached_answer_beyond_rounding_exits_1_naming_the_prompts(capsys, prom
 
 
 def test_a_fault_within_the_given_tolerance_passes(capsys, prompts_file):
-    server = FakeServer(fault=0.1, dtype=None)
+    server = FakeServer(fault=0.1, dev_mode=False)
     try:
         status, _, _ = run(capsys, "--url", server.url, "--prompts", prompts_file, "--dtype", "bfloat16")
     finally:
@@ -156,13 +158,18 @@ def test_a_bad_prompts_file_exits_2_naming_the_line(capsys, tmp_path, name, cont
     assert status == 2 and message in err
 
 
-def test_a_missing_prompts_file_and_an_unknown_dtype_exit_2(capsys, tmp_path, prompts_file):
-    server = FakeServer(dtype=None)
+def test_a_missing_prompts_file_an_unknown_dtype_and_no_dev_mode_exit_2(capsys, tmp_path, prompts_file):
+    server = FakeServer(dev_mode=False)
     try:
         missing = run(capsys, "--url", server.url, "--prompts", str(tmp_path / "nope.txt"),
                       "--dtype", "float32")
         no_dtype = run(capsys, "--url", server.url, "--prompts", prompts_file)
+        no_reset = run(capsys, "--url", server.url, "--prompts", prompts_file, "--dtype", "float32",
+                       "--reset-prefix-cache")
+        bad_tolerance = run(capsys, "--url", server.url, "--prompts", prompts_file, "--tolerance", "-1")
     finally:
         server.close()
     assert missing[0] == 2 and "cannot read the prompts file" in missing[2]
     assert no_dtype[0] == 2 and "give --dtype or --tolerance" in no_dtype[2]
+    assert no_reset[0] == 2 and "HTTP 404" in no_reset[2] and "VLLM_SERVER_DEV_MODE=1" in no_reset[2]
+    assert bad_tolerance[0] == 2 and "--tolerance must be >= 0" in bad_tolerance[2]
