@@ -14,11 +14,18 @@ Needs a CUDA device; without one it says so and exits 0. Measured in one run, in
 2. `PrefixCacheLM` on a random-weight Llama (`LlamaConfig`: 16 layers, 8 KV heads x 128, hidden
    2048, bf16) and a `--prefix-tokens` prompt: plain forward (a fresh `DynamicCache`) vs the
    first prefill + store into a fresh engine vs the repeat with the prefix loaded. Each timed
-   region starts after ``torch.cuda.synchronize()``; the first prefill is reported twice: until
+   region starts after ``torch.cuda.synchronize()`` and ends once its device work has finished
+   (the plain forward and the repeat: ``torch.cuda.synchronize()``, which issue 36's first run
+   left out); the first prefill is reported twice: until
    the caller's stream is done (what the caller waits for: the store's device-to-host copy runs on
    behind it) and until the store has completed (``drain`` + device synchronisation).
 
     python benchmarks/gpu_transfer.py [--tokens 8192] [--reps 7] [--shapes ...] [--kernel auto]
+                                      [--out DIR] [--name STEM] [--budget-s S]
+
+`--budget-s` bounds the run for a short device lease: once that many seconds have passed, each
+remaining measurement stops after its current repetition (at least one timed one; the JSON's
+``reps_done`` says how many). Writes DIR/STEM.json and .png (default benchmarks/out/gpu_transfer).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class ShapeRow:
     retrieve_gbps: float
     retrieve_ratio: float
     bit_exact: bool
+    reps_done: int
+    profile: list[dict] | None = None  # --profile: the top device ops of one store + retrieve
 
 
 @dataclass
@@ -77,12 +86,22 @@ class PrefixRow:
     first_complete_vs_plain: float
     cached_tokens: int
     kv_bit_exact: bool
+    reps_done: int
+
+
+def out_of_time(args: argparse.Namespace) -> bool:
+    """True once `--budget-s` seconds have passed since the start (never without a budget)."""
+    return args.budget_s is not None and time.monotonic() - args.started > args.budget_s
 
 
 def timed(fn: Callable[[], object]) -> float:
+    """Seconds from an idle device until `fn`'s device work has finished. (Issue 36's first run
+    stopped the clock when `fn` returned: the plain forward and the repeat were timed until their
+    kernels were issued, plus whatever the forward synchronised inside.)"""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -135,6 +154,21 @@ def measure_shape(name: str, layers: int, heads: int, head_size: int, args: argp
         if rep:
             for key, value in zip(times, (d2h, h2d, t_store, t_retrieve), strict=True):
                 times[key].append(value)
+            if out_of_time(args):
+                break
+    def store_and_retrieve() -> None:
+        engine = paged_engine(layers, heads, head_size, nbytes, connector)
+        store(engine)
+        retrieve(engine)
+        assert connector.drain(60)
+        engine.close()
+
+    profile = None
+    if args.profile:
+        try:  # a profiler that fails here must not cost the measured figures
+            profile = profile_once(store_and_retrieve)
+        except Exception as e:  # noqa: BLE001
+            print(f"  profile failed: {type(e).__name__}: {e}")
     slots_dev = slots.to(dev)
     exact = all(torch.equal(s.view(2, -1, hidden)[:, slots_dev], d.view(2, -1, hidden)[:, slots_dev])
                 for s, d in zip(src, dst, strict=True))
@@ -142,7 +176,28 @@ def measure_shape(name: str, layers: int, heads: int, head_size: int, args: argp
     gb = nbytes / 1e9
     return ShapeRow(name, layers, heads, head_size, n, nbytes, gb / med["d2h"], gb / med["store"],
                     med["d2h"] / med["store"], gb / med["h2d"], gb / med["retrieve"],
-                    med["h2d"] / med["retrieve"], exact)
+                    med["h2d"] / med["retrieve"], exact, len(times["d2h"]), profile)
+
+
+def profile_once(fn: Callable[[], object]) -> list[dict]:
+    """The device ops of one call of `fn` (torch.profiler, CUPTI), by device time: where a slow
+    request spends its time (kernels vs DMA vs gaps). Printed, and kept in the JSON row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    top = [{"name": e.key[:80], "calls": e.count, "device_ms": e.self_device_time_total / 1e3,
+            "host_ms": e.cpu_time_total / 1e3} for e in events[:8]]
+    print(f"  profile: one cold store + retrieve, {wall * 1e3:.1f} ms wall; top device ops:")
+    for row in top:
+        print(f"    {row['device_ms']:8.2f} ms device {row['calls']:5d}x  {row['name']}")
+    return [{"wall_ms": wall * 1e3}, *top]
 
 
 def measure_prefix(args: argparse.Namespace) -> PrefixRow:
@@ -197,10 +252,12 @@ def measure_prefix(args: argparse.Namespace) -> PrefixRow:
         if rep:
             for key, value in zip(times, (t_plain, t_first, t_first_complete, t_repeat), strict=True):
                 times[key].append(value)
+            if out_of_time(args):
+                break
     med = {k: statistics.median(v) for k, v in times.items()}
     return PrefixRow(n, kv_bytes, med["plain"], med["first"], med["first_complete"], med["repeat"],
                      med["plain"] / med["repeat"], med["first"] / med["plain"],
-                     med["first_complete"] / med["plain"], cached, exact)
+                     med["first_complete"] / med["plain"], cached, exact, len(times["plain"]))
 
 
 def plot(rows: list[ShapeRow], path: Path) -> None:
@@ -237,7 +294,14 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=8192)
     parser.add_argument("--prefix-reps", type=int, default=5)
     parser.add_argument("--skip-prefix", action="store_true", help="skip the PrefixCacheLM case")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one cold store per shape (torch.profiler, a few seconds)")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON and PNG")
+    parser.add_argument("--name", default="gpu_transfer", help="file stem of the JSON and PNG")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop repeating once this many seconds have passed (see above)")
     args = parser.parse_args()
+    args.started = time.monotonic()
     if not torch.cuda.is_available():
         print("gpu_transfer: no CUDA device here; this benchmark measures CUDA <-> pinned-host transfers "
               "and runs only where CUDA is present. Nothing measured.")
@@ -246,7 +310,7 @@ def main() -> None:
         parser.error("--tokens must be a multiple of 256 and of --block-size")
 
     device = torch.cuda.get_device_name()
-    rows = [measure_shape(name, *SHAPES[name], args) for name in args.shapes.split(",")]
+    rows = [measure_shape(name, *SHAPES[name], args) for name in args.shapes.split(",") if name]
     prefix = None if args.skip_prefix else measure_prefix(args)
     kernel = VLLMPagedMemGPUConnectorV2(8, 1, staged_kernel=args.kernel).staged_copier(
         torch.device("cuda", torch.cuda.current_device())).kernel
@@ -273,13 +337,17 @@ def main() -> None:
         print(f"  repeat, prefix loaded             {p.repeat_s * 1e3:8.1f} ms  "
               f"{p.repeat_speedup:.2f}x faster (goal >= 3.5x); {p.cached_tokens} tokens loaded, "
               f"KV bit-exact: {p.kv_bit_exact}")
-    OUT.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / f"{args.name}.json", args.out / f"{args.name}.png"
     result = {"device": device, "torch": torch.__version__, "kernel": kernel, "machine": platform.machine(),
-              "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": [asdict(r) for r in rows],
+              "date": time.strftime("%Y-%m-%d"),
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "rows": [asdict(r) for r in rows],
               "prefix_cache": asdict(prefix) if prefix else None}
-    (OUT / "gpu_transfer.json").write_text(json.dumps(result, indent=1))
-    plot(rows, OUT / "gpu_transfer.png")
-    print(f"wrote {OUT / 'gpu_transfer.json'} and .png")
+    json_path.write_text(json.dumps(result, indent=1))
+    if rows:
+        plot(rows, png_path)
+    print(f"wrote {json_path} and .png")
 
 
 if __name__ == "__main__":

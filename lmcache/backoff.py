@@ -1,10 +1,10 @@
 """`Backoff`: after a failure, do not try again until a growing delay has passed.
 
-Used by everything that talks to a store that can fail (`failures.FailureDomains`, the lm://
-client's reconnects), so that a dead server costs one failed attempt per delay, not one per
-request. `ready()` says whether an attempt may be made now; `failed()` doubles the delay (from
-`initial` up to `maximum`); `succeeded()` resets it. `clock` (seconds, monotonic) is injectable so
-tests step time instead of sleeping. Thread-safe.
+Used by everything that talks to a store that can fail, through `failures.FailureDomains` (the
+PD proxy keeps one per engine it routes to), so that a dead server costs one failed attempt per
+delay, not one per request. `ready()` says whether an attempt may be made now; `failed()` doubles
+the delay (from `initial` up to `maximum`); `succeeded()` resets it. `clock` (seconds, monotonic)
+is injectable so tests step time instead of sleeping. Thread-safe.
 """
 
 from __future__ import annotations

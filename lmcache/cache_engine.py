@@ -50,7 +50,7 @@ from lmcache.memory_management import (
     release_all,
 )
 from lmcache.metrics import MetricsServer
-from lmcache.observability import EngineStats, IncidentLog
+from lmcache.observability import CapacityLog, EngineStats
 from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan, TokenDatabase
 
@@ -157,7 +157,8 @@ class LMCacheEngine:
                                  * metadata.kv_dtype.itemsize)
         self._copies = CopiesInFlight()
         self._closed = False
-        self._arena_full = IncidentLog(logger, "storing into the CPU arena")
+        self._arena_full = CapacityLog(logger, "stores found the CPU arena full of KV in use and kept "
+                                       "fewer chunks:", "tokens not stored, in store_dropped_tokens")
         self.controller: Controller | None = None
         self.metrics_server: MetricsServer | None = None
         try:
@@ -213,12 +214,11 @@ class LMCacheEngine:
         objs = sm.allocate_many(shapes, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
         todo = [ChunkCopy(chunk, obj) for chunk, obj in zip(new, objs, strict=False)]
         try:
-            if len(todo) < len(new):
-                self.stats.add("store_dropped_tokens", sum(c.num_tokens for c in new[len(todo):]))
+            if len(todo) < len(new):  # capacity, not a failure: counted and summarized
+                dropped = sum(c.num_tokens for c in new[len(todo):])
+                self.stats.add("store_dropped_tokens", dropped)
                 if self.memory_allocator.available:  # else its own outage, logged where it is seen
-                    self._arena_full.fail("the arena is full of KV in use; storing fewer chunks")
-            else:
-                self._arena_full.recover()
+                    self._arena_full.note(dropped)
             if not todo:
                 return 0
             done = self._copies.start([c.chunk.key for c in todo], partial(self._finish_store, todo))

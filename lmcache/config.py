@@ -6,6 +6,8 @@ Sources, lowest to highest precedence: defaults < YAML file named by ``LMCACHE_C
 ``kv_connector_extra_config``); `LMCacheEngineConfig.load` applies them in that order.
 Sizes in GB mean 2**30 bytes. `LMCacheEngineConfig.from_legacy` (seed 002's and upstream's legacy
 names) is implemented in the compat edge, `lmcache.compat.legacy_config`, loaded on first call.
+`ENV_VARS` is the table of every other environment variable the package reads; an ``LMCACHE_*``
+variable that is neither a field's nor in it is warned about.
 """
 
 from __future__ import annotations
@@ -31,11 +33,44 @@ logger = logging.getLogger(__name__)
 
 GB = 1 << 30
 ENV_PREFIX = "LMCACHE_"
-# LMCACHE_* variables that are not config fields but are read elsewhere; never warned about.
-KNOWN_NON_FIELD_ENV = frozenset(
-    {"LMCACHE_CONFIG_FILE", "LMCACHE_LOG_LEVEL", "LMCACHE_AUTH_TOKEN", "LMCACHE_MODEL_DIR",
-     "LMCACHE_NATIVE", "LMCACHE_NATIVE_CACHE_DIR", "LMCACHE_USE_EXPERIMENTAL", "LMCACHE_STAGED_COPY",
-     "LMCACHE_COPY_ISA", "LMCACHE_MALLOC_TUNING"}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """An environment variable the package reads besides the ``LMCACHE_<FIELD>`` config fields:
+    its `name`, its `default` (in words) and what it does (`doc`). `read` is False for a name that
+    is only accepted (not warned about) and has no effect."""
+
+    name: str
+    default: str
+    doc: str
+    read: bool = True
+
+
+# Every environment variable the package reads, other than ``LMCACHE_<FIELD>`` (one per config
+# field). The README's table shows it; tests/unit/core/test_env_vars.py checks it against the
+# code. ``LMCACHE_*`` names here are not warned about as unknown.
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("LMCACHE_CONFIG_FILE", "unset", "YAML file of config fields (below `LMCACHE_<FIELD>` variables)"),
+    EnvVar("LMCACHE_LOG_LEVEL", "unset (the `lmcache` CLI: INFO)", "level of the `lmcache` loggers"),
+    EnvVar("LMCACHE_AUTH_TOKEN", "unset", "shared secret of `lmcache server`, of `lm://` remote URLs "
+           "without `?auth_token=` and of the peer servers"),
+    EnvVar("LMCACHE_MODEL_DIR", "`~/.cache/lmcache/models`", "where the local SmolLM2 model folder is kept"),
+    EnvVar("LMCACHE_NATIVE", "1", "0 turns the compiled kernels off (the Python paths give the same "
+           "results)"),
+    EnvVar("LMCACHE_NATIVE_CACHE_DIR", "`~/.cache/lmcache/native`", "where compiled kernels are cached"),
+    EnvVar("LMCACHE_COPY_ISA", "unset (the widest the CPU has)", "`sse2`, `avx2` or `avx512`: caps the "
+           "vector path of the native copies and CacheGen kernels"),
+    EnvVar("LMCACHE_MALLOC_TUNING", "1", "0 leaves glibc's malloc thresholds alone (`native.tune_malloc`)"),
+    EnvVar("LMCACHE_STAGED_COPY", "0", "1 forces the connectors' staged copy path for CPU caches too"),
+    EnvVar("LMCACHE_TORCH_CPU_PROBES", "unset", "torch CPU feature probes that answer False in a vLLM "
+           "process, so it loads another vLLM-CPU kernel build (set by `cpu_build.forced_build_env`)"),
+    EnvVar("LMCACHE_USE_EXPERIMENTAL", "unset", "upstream LMCache's switch to its experimental engine: "
+           "accepted, no effect (this package has one engine)", read=False),
+    EnvVar("CC", "`cc`, else `gcc`", "the C compiler that builds the native kernels"),
+    EnvVar("XDG_CACHE_HOME", "`~/.cache`", "base of a legacy `local_disk` backend's default directory"),
+    EnvVar("PYTHONPATH", "inherited", "extended, not replaced, for vLLM processes by "
+           "`cpu_build.forced_build_env`"),
 )
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -406,6 +441,9 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     raise TypeError(f"unsupported config field type {typ!r} for {name}")
 
 
+_KNOWN_ENV = frozenset(v.name for v in ENV_VARS)
+
+
 def _env_values() -> dict[str, Any]:
     values: dict[str, Any] = {}
     fields = _field_types()
@@ -415,7 +453,7 @@ def _env_values() -> dict[str, Any]:
         name = var[len(ENV_PREFIX) :].lower()
         if name in fields:
             values[name] = raw
-        elif var not in KNOWN_NON_FIELD_ENV:
+        elif var not in _KNOWN_ENV:
             logger.warning("ignoring unknown environment variable %s (no config field %r)", var, name)
     return values
 

@@ -3,20 +3,30 @@
 Every fault is one of three kinds, and each kind is caught in exactly one place:
 
 1. **A store that fails** — a disk that errors, a remote server or cluster node that is down, a
-   peer that does not answer, the peer lookup service unreachable. `FailureDomains.call` (here)
-   is the only code that turns it into a miss. A failure domain is what fails together: a tier,
-   a cluster node, a peer, the lookup service. While a domain is failing it is backed off from
-   (`backoff.Backoff`: calls answer the miss at once, counted in ``skipped``); each failure is
-   counted (``failures``), the first of an incident is one warning naming the domain, repeats
-   are debug lines, and the first success logs "works again" (`observability.IncidentLog`).
-   It is used by the `StorageManager` around every call into a tier that `may_fail` (one domain
-   per tier: faults the tier itself does not absorb), by `RemoteBackend` per cluster node, by
-   `PeerBackend` per peer, by `AsyncPutQueue` for a lower tier's background writes and by the
-   peer `LookupService` for its store. Connectors (the wire to a store:
-   `storage_backend/connectors`, the lm:// client, `disk_file`) and tiers raise: they never catch
-   an error to answer a miss. Exceptions a domain lists in `passthrough` (the store answered,
-   with a bad value: `CorruptBlobError`) reach the tier that reads them, which deletes the value
-   and counts it.
+   peer that does not answer, the peer lookup service unreachable. Connectors (the wire to a
+   store: `storage_backend/connectors`, the lm:// client, `disk_file`) raise; none keeps a
+   backoff or answers a miss of its own. The fault is caught, counted and logged once, by
+   `FailureDomains.run` / `.call` (here) of the failure domain it happened in: what fails
+   together (a tier, a cluster node, a peer, the lookup service). While a domain is failing it is
+   backed off from (`backoff.Backoff`: calls are not made, counted in ``skipped``); each failure
+   is counted (``failures``); the first of an incident is one warning naming the domain, repeats
+   are debug lines, and an incident that flaps (fails, works, fails ...) warns at most once per
+   `observability.LOG_INTERVAL`, saying how many incidents it did not log
+   (`observability.IncidentLog`). `call` answers the miss; `run` raises `DomainFault` (naming the
+   domain) instead, and every guard outside passes a `DomainFault` on without counting or logging
+   it again. The guards:
+   - the `StorageManager`, around every call into a tier that `may_fail` (one domain per tier);
+   - a lower tier's `AsyncPutQueue`, around its background writes (one domain per queue): a put
+     that failed is counted in ``puts_failed``, one not attempted in ``puts_dropped``, and only a
+     put that was written in ``puts_written`` / ``bytes_written``;
+   - inside a tier whose one batch spans several domains, so that a dead one costs only its
+     share: `RemoteBackend` per node of the store (a read answers that node's keys as misses, a
+     write raises the `DomainFault` to its put queue), `PeerBackend` per peer (a peer backing off
+     is routed around, counted as skipped) and the peer `LookupService` for its store.
+   A tier's ``failures`` / ``skipped`` in its stats are the sum over the guards that cover it
+   (`observability.add_counts`: merged, never replaced). Exceptions a domain lists in
+   `passthrough` (the store answered, with a bad value: `CorruptBlobError`) reach the tier that
+   reads them, which deletes the value and counts it.
 2. **A bug** — anything else raised while serving a request (a copy into the serving engine that
    fails, a broken invariant). With ``error_handling=True``, `BugsAsMisses.call` (here) makes it a
    miss for that request: counted in the engine's ``errors``, logged once per incident with the
@@ -31,7 +41,10 @@ Servers (the lm:// server, the controller, the vLLM lookup channel, the peer ser
 or failing request with an error reply and keep serving; a client whose server does not answer
 counts a miss (the vLLM lookup channel asks again on the next scheduler step, without backoff).
 Something that does not change while the process runs (a setting, a missing device) is logged
-once per process with `observability.log_once`; every other repeated warning is an incident.
+once per process with `observability.log_once`; running out of room (a CPU arena full of KV in
+use: stores keep fewer chunks) is capacity, not a failure: counted (``store_dropped_tokens``) and
+summarized at most once per interval (`observability.CapacityLog`, info level); every other
+repeated warning is an incident.
 """
 
 from __future__ import annotations
@@ -49,17 +62,30 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class DomainFault(Exception):
+    """A call into failure domain `domain` (its label) was not made (`skipped`: backing off) or
+    failed (the cause is ``__cause__``). It has been counted and logged by that domain already:
+    whoever catches it answers its miss without counting or logging it again."""
+
+    def __init__(self, domain: str, skipped: bool) -> None:
+        super().__init__(f"{domain}: {'backing off, not tried' if skipped else 'failed'}")
+        self.domain = domain
+        self.skipped = skipped
+
+
 class _Domain:
     def __init__(self, label: str, initial: float, maximum: float, clock: Clock, consequence: str) -> None:
+        self.label = label
         self.backoff = Backoff(initial, maximum, clock)
-        self.incidents = IncidentLog(logger, label, consequence=consequence)
+        self.incidents = IncidentLog(logger, label, consequence=consequence, clock=clock)
 
 
 class FailureDomains:
     """`call(name, fn, default)` runs `fn()` against domain `name`: while the domain is backing
     off it answers `default` at once (counted in ``skipped``); an exception is a failure
     (`default`, counted in ``failures``, backoff doubled, a warning on the first failure of an
-    incident); a success ends the incident. Domains are created on first use."""
+    incident); a success ends the incident. `run(name, fn)` is the same but raises `DomainFault`
+    where `call` answers `default`. Domains are created on first use."""
 
     def __init__(self, label: Callable[[str], str], initial: float = 0.5, maximum: float = 30.0,
                  passthrough: tuple[type[BaseException], ...] = (), clock: Clock = time.monotonic,
@@ -69,7 +95,7 @@ class FailureDomains:
         self._label = label
         self._range = (initial, maximum)
         self._clock = clock
-        self._passthrough = passthrough
+        self._passthrough: tuple[type[BaseException], ...] = (DomainFault, *passthrough)
         self._consequence = consequence
         self._lock = threading.Lock()
         self._domains: dict[str, _Domain] = {}
@@ -84,24 +110,36 @@ class FailureDomains:
                 self._counts[name] = Counters()
             return domain
 
-    def call(self, name: str, fn: Callable[[], T], default: T) -> T:
+    def run(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` against domain `name`; raises `DomainFault` if the domain is backing off (the call
+        is not made: counted in ``skipped``) or `fn` fails (counted in ``failures``, backoff
+        doubled, a warning on the first failure of an incident). A `DomainFault` that `fn` raises
+        (from a domain inside it) and the `passthrough` exceptions propagate untouched."""
         domain = self._get(name)
         if not domain.backoff.ready():
             self._counts[name].add("skipped")
-            return default
+            raise DomainFault(domain.label, skipped=True)
         try:
             result = fn()
         except self._passthrough:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of the store is a miss
+        except Exception as e:  # any failure of the store is a fault of the domain
             self._counts[name].add("failures")
             domain.backoff.failed()
             domain.incidents.fail(e)
-            return default
+            raise DomainFault(domain.label, skipped=False) from e
         if domain.backoff.failing:
             domain.backoff.succeeded()
             domain.incidents.recover()
         return result
+
+    def call(self, name: str, fn: Callable[[], T], default: T) -> T:
+        """`run(name, fn)`, with `default` (the miss) for a `DomainFault`, this domain's or one
+        raised inside `fn` (already counted and logged where it was raised: not again here)."""
+        try:
+            return self.run(name, fn)
+        except DomainFault:
+            return default
 
     def counts(self, name: str | None = None) -> dict[str, float]:
         """``failures`` and ``skipped`` calls of domain `name` (summed over every domain, for
@@ -124,6 +162,15 @@ class FailureDomains:
         with self._lock:
             domain = self._domains.get(name)
         return domain is None or domain.backoff.ready()
+
+    def admit(self, name: str) -> bool:
+        """`ready(name)`, counting a call not made (``skipped``) if it is not: for a caller that
+        routes around a domain that is backing off instead of calling into it."""
+        if self.ready(name):
+            return True
+        self._get(name)
+        self._counts[name].add("skipped")
+        return False
 
     def failing(self, name: str | None = None) -> bool:
         """Whether domain `name` (any domain, for None) is failing (being backed off from)."""

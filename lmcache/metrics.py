@@ -5,7 +5,8 @@ Every number the engine and its tiers keep becomes a metric (prefix ``lmcache:``
     engine counters  lmcache:<name>_total             lookup_requests, lookup_hit_tokens,
                                                       stored_tokens, retrieve_hit_tokens, errors, ...
     tier counters    lmcache:tier_<name>_total{tier}  hits, bytes_read, bytes_written, evicted,
-                                                      failures, corrupt, puts_dropped, ...
+                                                      failures, skipped, corrupt, puts_written,
+                                                      puts_failed, puts_dropped, ...
     tier gauges      lmcache:tier_<name>{tier}        bytes_used, chunks, files, puts_pending
     histograms       lmcache:<name>                   store_seconds, retrieve_seconds,
                                                       store_gbps, retrieve_gbps
@@ -57,6 +58,10 @@ DOCS = {
     "tier_bytes_written": "Bytes of KV written to a tier",
     "tier_evicted": "Chunks a tier evicted",
     "tier_failures": "Calls into a tier that failed (each was a miss)",
+    "tier_skipped": "Calls into a tier not made because the failing part was backed off from (misses)",
+    "tier_puts_written": "Chunks written to a tier",
+    "tier_puts_failed": "Chunk writes to a tier that failed",
+    "tier_puts_dropped": "Chunk writes to a tier not attempted (queue full or backing off)",
     "tier_corrupt": "Corrupt or unverifiable values a tier detected (each was a miss)",
     "tier_bytes_used": "Bytes a tier holds",
     "store_seconds": "Seconds one store took",

@@ -9,10 +9,14 @@
   the previous call (counter increments, current gauges, new observations) as plain JSON-able
   data; `metrics.py` turns either view into Prometheus metrics.
 - `IncidentLog`: a failure is logged once per incident (a warning, with the traceback if there is
-  one), then at debug level until the component works again.
+  one), then at debug level until the component works again; an incident that flaps warns at most
+  once per `LOG_INTERVAL`, the next warning saying how many incidents went unlogged.
+- `CapacityLog`: running out of room (a CPU arena full of KV in use) is capacity, not a failure:
+  counted, and summarized at most once per `LOG_INTERVAL` (info level).
+- `add_counts`: tier counters from several owners, added up (merged, never replaced).
 - `log_once`: a notice about something that does not change while the process runs (a setting, a
   missing device, a kind of bad input) is logged once per process. Every "warn once" in the
-  package goes through one of these two.
+  package goes through one of these.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 # seconds, and GB/s, of one store or retrieve
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 THROUGHPUT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+LOG_INTERVAL = 60.0  # seconds: the most often an incident (or a capacity summary) is logged
 HISTOGRAMS = {"store_seconds": LATENCY_BUCKETS, "retrieve_seconds": LATENCY_BUCKETS,
               "store_gbps": THROUGHPUT_BUCKETS, "retrieve_gbps": THROUGHPUT_BUCKETS}
 
@@ -78,6 +84,15 @@ class Histogram:
             running += c
             out.append(running)
         return out, total
+
+
+def add_counts(*counts: Mapping[str, float]) -> dict[str, float]:
+    """The counters of `counts` added up, name by name (a counter two owners keep is summed)."""
+    out: dict[str, float] = {}
+    for c in counts:
+        for name, value in c.items():
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 @dataclass
@@ -171,33 +186,90 @@ def forget_logged_once() -> None:
 class IncidentLog:
     """Logs a failure once per incident: the first `fail` after a `recover` (or the start) warns
     (with the traceback if `with_traceback`: for failures that are bugs, not outages), repeats are
-    debug-level until the component works again. `consequence` says what the failure means for the
-    caller ("treated as a cache miss" unless told otherwise)."""
+    debug-level until the component works again. An incident that flaps (fails, works, fails ...)
+    warns at most once per `interval` seconds: the incidents in between are debug lines, and the
+    next warning says how many there were. `consequence` says what the failure means for the caller
+    ("treated as a cache miss" unless told otherwise)."""
 
     def __init__(self, logger: logging.Logger, what: str, *, with_traceback: bool = False,
-                 consequence: str = "treated as a cache miss") -> None:
+                 consequence: str = "treated as a cache miss", interval: float = LOG_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._logger = logger
         self._what = what
         self._consequence = consequence
         self._with_traceback = with_traceback
+        self._interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
         self._failing = False
+        self._warned = False  # whether the current incident was announced
+        self._warned_at: float | None = None
+        self._suppressed = 0  # incidents since the last warning that were not announced
         self.incidents = 0
 
     def fail(self, error: BaseException | str) -> None:
-        if not self._failing:
+        warn, suppressed = False, 0
+        with self._lock:
+            new = not self._failing
             self._failing = True
-            self.incidents += 1
+            if new:
+                self.incidents += 1
+                now = self._clock()
+                warn = self._warned = self._warned_at is None or now - self._warned_at >= self._interval
+                if warn:
+                    self._warned_at, suppressed, self._suppressed = now, self._suppressed, 0
+                else:
+                    self._suppressed += 1
+        if warn:
             trace = error if self._with_traceback and isinstance(error, BaseException) else None
-            self._logger.warning("%s failed (%s): %s", self._what, self._consequence, error,
+            more = (f" ({suppressed} more incidents in the last {self._interval:g} s were not logged)"
+                    if suppressed else "")
+            self._logger.warning("%s failed (%s): %s%s", self._what, self._consequence, error, more,
                                  exc_info=trace)
         else:
-            self._logger.debug("%s still failing: %s", self._what, error)
+            self._logger.debug("%s %s: %s", self._what, "failed" if new else "still failing", error)
 
     @property
     def failing(self) -> bool:
         return self._failing
 
     def recover(self) -> None:
-        if self._failing:
+        with self._lock:
+            if not self._failing:
+                return
             self._failing = False
-            self._logger.info("%s works again", self._what)
+            announced = self._warned
+        self._logger.log(logging.INFO if announced else logging.DEBUG, "%s works again", self._what)
+
+
+class CapacityLog:
+    """Something that runs out of room (not a failure): `note(amount)` counts one occurrence and
+    logs at most one line per `interval` seconds (info level): the first occurrence at once, then a
+    summary of how many occurrences (and how much `amount`) since the previous line."""
+
+    def __init__(self, logger: logging.Logger, what: str, unit: str, *, interval: float = LOG_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._what = what
+        self._unit = unit
+        self._interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._logged_at: float | None = None
+        self._times = 0
+        self._amount = 0.0
+        self.total = 0
+
+    def note(self, amount: float) -> None:
+        with self._lock:
+            self.total += 1
+            self._times += 1
+            self._amount += amount
+            now = self._clock()
+            if self._logged_at is not None and now - self._logged_at < self._interval:
+                return
+            since = "" if self._logged_at is None else f" in the last {now - self._logged_at:.0f} s"
+            times, amount = self._times, self._amount
+            self._logged_at, self._times, self._amount = now, 0, 0.0
+        self._logger.info("%s %d time(s)%s (%g %s; summarized at most once per %g s)", self._what,
+                          times, since, amount, self._unit, self._interval)

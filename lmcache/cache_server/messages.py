@@ -14,7 +14,8 @@ Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fie
   out of so far; an engine maps their pages ahead of its first copy);
 - ``contains`` {keys} -> {hits}: which keys a tier of the server holds;
 - ``lease`` {lease, keys, ttl} -> {hits}: pin the cached prefix of `keys` and start loading its
-  lower-tier chunks into L1; ``unlease`` {lease};
+  lower-tier chunks into L1 (where the engine's last ``contains`` found them, when it asked about
+  these keys: a leased lookup asks the tiers once); ``unlease`` {lease};
 - ``reserve`` {shapes, dtype} -> {slots: [[slot, offset], ...]}: slots of the arena the engine
   writes chunks into, for the leading shapes that fit (fewer: L1 is full); ``commit`` {slots,
   keys} makes them those keys' chunks, ``abort`` {slots} gives them back;

@@ -17,6 +17,10 @@ copies the chunk into the arena at the slot's offset, and `commit` makes it visi
 key; until then nobody can read it. A `get` hands out offsets of chunks held for that engine until
 it `release`s them: the server never evicts or reuses memory an engine may still be reading.
 
+The operations endpoint (`ops`, its own threads) takes a snapshot of the models under the lock
+and waits on their tiers without it: an operator's lookup, clear or stats call against a slow
+remote store never holds up an engine's request.
+
 Engines are watched two ways. Each sends a heartbeat every `heartbeat` seconds. The server also
 watches the engine's process (a pidfd, when the engine's pid is visible from here): when it exits,
 its slots, reads and leases are given back at once. An engine silent for `MISSED_HEARTBEATS`
@@ -45,7 +49,7 @@ from typing import Any
 import torch
 import zmq
 
-from lmcache.cache_key import dtype_tag
+from lmcache.cache_key import CacheEngineKey, dtype_tag
 from lmcache.cache_server import messages as m
 from lmcache.cache_server.messages import BadMessage
 from lmcache.cache_server.shm import SharedArena, process_alive, remove_stale
@@ -59,8 +63,9 @@ from lmcache.memory_management import (
 )
 from lmcache.memory_management.allocators import GROW_BYTES
 from lmcache.observability import Counters, TierStats
+from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.evictor import EvictionDomain
-from lmcache.storage_backend.storage_manager import StorageManager
+from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan
 
 logger = logging.getLogger(__name__)
@@ -82,6 +87,14 @@ class Model:
 
 
 @dataclass
+class Located:
+    """The answer of an engine's `contains`: the tier holding each of `keys` (None: none does)."""
+
+    keys: list[CacheEngineKey]
+    holders: list[StorageBackendInterface | None]
+
+
+@dataclass
 class Engine:
     """One attached engine and everything the server holds for it."""
 
@@ -97,6 +110,7 @@ class Engine:
     leases: set[str] = field(default_factory=set)
     counts: Counters = field(default_factory=Counters)
     silent: bool = False
+    located: Located | None = None  # its last `contains` (the `lease` of a leased lookup follows it)
 
     def lease_id(self, lease: str) -> str:
         return f"{self.engine_id}/{lease}"
@@ -356,12 +370,14 @@ class CacheServer:
     # ---- requests -------------------------------------------------------------------------------
 
     def _contains(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"hits": [t is not None for t in engine.model.storage.locate(m.keys_field(msg))]}
+        keys = m.keys_field(msg)
+        located = engine.located = Located(keys, engine.model.storage.locate(keys))
+        return {"hits": [t is not None for t in located.holders]}
 
     def _lease(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
         keys, lease, ttl = m.keys_field(msg), m.str_field(msg, "lease"), m.seconds_field(msg, "ttl")
         sm = engine.model.storage
-        lookup = sm.contains_prefix(keys)
+        lookup = _leased_prefix(engine, keys)
         with self.lock:
             if self.engines.get(engine.engine_id) is not engine:
                 raise BadMessage("the engine was reaped meanwhile: attach again", "engine")
@@ -450,9 +466,13 @@ class CacheServer:
 
     # ---- operations -----------------------------------------------------------------------------
 
-    def health(self) -> dict[str, Any]:
+    def _models(self) -> list[Model]:
+        """The models served so far: operations wait on their tiers without the lock."""
         with self.lock:
-            tiers = {label: model.storage.health() for label, model in self.models.items()}
+            return list(self.models.values())
+
+    def health(self) -> dict[str, Any]:
+        tiers = {model.label: model.storage.health() for model in self._models()}
         ok = all(all(t.values()) for t in tiers.values())
         return {"status": "ok" if ok else "degraded", "session": self.session, "tiers": tiers}
 
@@ -465,8 +485,8 @@ class CacheServer:
                 "seconds_since_heard": round(now - e.last_seen, 3), "slots_reserved": len(e.reserved),
                 "reads_held": len(e.reads), "leases": len(e.leases), **e.counts.snapshot()}
                 for e in self.engines.values()}
-            models = {label: {tier: {**s.counters, **s.gauges} for tier, s in model.storage.stats().items()}
-                      for label, model in self.models.items()}
+        models = {label: {tier: {**s.counters, **s.gauges} for tier, s in tiers.items()}
+                  for label, tiers in self.tier_stats().items()}
         arena = {"name": self.arena.name, "bytes": self.arena.size, "grown_bytes": alloc.grown,
                  "resident_bytes": self.arena.resident_bytes(), "used_bytes": alloc.used_bytes}
         return {"session": self.session, "uptime_s": round(time.time() - self.started, 1), "url": self.url,
@@ -475,26 +495,21 @@ class CacheServer:
 
     def tier_stats(self) -> dict[str, dict[str, TierStats]]:
         """Each model's tiers' counters and gauges."""
-        with self.lock:
-            return {label: model.storage.stats() for label, model in self.models.items()}
+        return {model.label: model.storage.stats() for model in self._models()}
 
     def lookup(self, tokens: torch.Tensor, extra_key: str | None = None) -> dict[str, Any]:
         """For each model: how many prefix tokens of `tokens` are cached, in any tier and per tier."""
-        with self.lock:
-            return {label: _cached(model, tokens, extra_key) for label, model in self.models.items()}
+        return {model.label: _cached(model, tokens, extra_key) for model in self._models()}
 
     def clear(self, which: str) -> dict[str, dict[str, int]]:
-        with self.lock:
-            return {label: model.storage.clear(which) for label, model in self.models.items()}
+        return {model.label: model.storage.clear(which) for model in self._models()}
 
     def pin(self, tokens: torch.Tensor, extra_key: str | None, lease: str, ttl: float) -> dict[str, int]:
         """For each model: keep the cached prefix of `tokens` cached (in whichever tier holds it;
         lower-tier chunks are brought into L1) until `unpin(lease)` or `ttl` seconds; how many
         tokens that is. Pinning the same lease again replaces what it pins."""
-        with self.lock:
-            models = list(self.models.values())
         pinned = {}
-        for model in models:  # without the lock: a lookup may wait on a lower tier
+        for model in self._models():
             chunks = _chunks(model, tokens, extra_key)
             keys = [c.key for c in chunks]
             lookup = model.storage.contains_prefix(keys)
@@ -504,9 +519,8 @@ class CacheServer:
         return pinned
 
     def unpin(self, lease: str) -> None:
-        with self.lock:
-            for model in self.models.values():
-                model.storage.release_lease(OPS_LEASE + lease)
+        for model in self._models():
+            model.storage.release_lease(OPS_LEASE + lease)
 
     def close(self) -> None:
         """Give back everything, close the tiers, the socket and the arena (removed)."""
@@ -537,6 +551,21 @@ def _chunks(model: Model, tokens: torch.Tensor, extra_key: str | None) -> list[C
 def _prefix_tokens(chunks: list[ChunkSpan], hits: int) -> int:
     """How many tokens the first `hits` of `chunks` cover."""
     return chunks[hits - 1].end if hits else 0
+
+
+def _leased_prefix(engine: Engine, keys: list[CacheEngineKey]) -> PrefixLookup:
+    """The cached prefix `keys` are (a lease names the prefix the engine counted): where the
+    engine's last `contains` found them when it asked about them (an engine's leased lookup is a
+    `contains` and then a `lease` of the prefix it counted), else asked of the tiers."""
+    located, engine.located = engine.located, None
+    if located is None or located.keys[: len(keys)] != keys:
+        return engine.model.storage.contains_prefix(keys)
+    lookup = PrefixLookup(keys)
+    for holder in located.holders[: len(keys)]:
+        if holder is None:
+            break
+        lookup.tiers.append(holder)
+    return lookup
 
 
 def _cached(model: Model, tokens: torch.Tensor, extra_key: str | None) -> dict[str, Any]:

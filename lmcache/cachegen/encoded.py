@@ -18,7 +18,9 @@ and extra fields: `channel_means` (bf16 ``[2, nlayers, hidden]``), `channel_clas
 ``[2, nlayers, hidden]``), `symbol_ranges` (int32 ``[ngroups, 2]``), `key_bins` / `value_bins`
 (the bins used, int32 ``[nlayers]``), `anchor_refinements` (uint8 ``[nblocks, 2 * nlayers,
 hidden]``: the 3 extra bits of each block's first token, `quant`), `coder` (which entropy coder
-wrote the data: `format.CODER_RANS` or `CODER_NVCOMP`; nvCOMP streams have no classes or tables).
+wrote the data: `format.CODER_RANS` or `CODER_NVCOMP`; nvCOMP streams have no classes or tables),
+`symbol_checksum` (nvCOMP streams: `gpu.symbol_checksum` of the symbols the payload must decode
+to, as an unsigned 64-bit int; 0 for rANS streams).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class CacheGenGPUEncoderOutput:
     value_bins: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     coder: int = fmt.CODER_RANS
     anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    symbol_checksum: int = 0
 
     @property
     def ntokens(self) -> int:
@@ -71,7 +74,7 @@ class CacheGenGPUEncoderOutput:
             self.num_heads, self.head_size, self.channel_means, self.channel_classes,
             self.symbol_ranges, self.key_bins, self.value_bins,
             block_tokens=torch.tensor([c.ntokens for c in self.data_chunks]), coder=self.coder,
-            anchor_refinements=self.anchor_refinements)
+            anchor_refinements=self.anchor_refinements, symbol_checksum=self.symbol_checksum)
 
     def to_bytes(self) -> bytes:
         return self.to_flat().to_bytes()
@@ -101,6 +104,7 @@ class CacheGenEncoderOutput:
     block_tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     coder: int = fmt.CODER_RANS
     anchor_refinements: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    symbol_checksum: int = 0
 
     def to_gpu_output(self) -> CacheGenGPUEncoderOutput:
         data = torch.frombuffer(bytearray(self.bytestream), dtype=torch.uint8) \
@@ -113,12 +117,12 @@ class CacheGenEncoderOutput:
         return CacheGenGPUEncoderOutput(
             chunks, self.cdf, self.max_tensors_key, self.max_tensors_value, self.num_heads,
             self.head_size, self.channel_means, self.channel_classes, self.symbol_ranges,
-            self.key_bins, self.value_bins, self.coder, self.anchor_refinements)
+            self.key_bins, self.value_bins, self.coder, self.anchor_refinements, self.symbol_checksum)
 
     def to_bytes(self) -> bytes:
         return fmt.pack(self)
 
-    def to_parts(self) -> list[bytes]:
+    def to_parts(self) -> list[bytes | memoryview]:
         """`to_bytes` as [the stream's header and tables, the substreams] (not joined)."""
         return fmt.pack_parts(self)
 

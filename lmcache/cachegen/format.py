@@ -7,13 +7,14 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     magic            4 bytes  b"CGEN"
     version          u8 (2)
     coder            u8       which entropy coder wrote the payload: 1 rANS (CPU kernels,
-                              `rans`), 2 nvCOMP ANS (CUDA, `gpu`)
+                              `rans`), 3 nvCOMP ANS with a symbol checksum (CUDA, `gpu`);
+                              2 (nvCOMP before the checksum) is stale
     nlayers          u16      L
     num_heads        u16
     head_size        u16
     ntokens          u32      T
     nblocks          u32      B
-    ngroups          u32      N (0 for coder 2)
+    ngroups          u32      N (0 for coder 3)
     key_bins         u16[L]   bins per layer (informational; decoding uses the step exponents)
     value_bins       u16[L]
     block_tokens     u32[B]   tokens per block (sum = T)
@@ -30,7 +31,9 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     frequencies      u16[sum n]           each group's table, summing to 2**12 (rans)
     stream_lengths   u32[B*G]             byte length of substream (block b, pair g)
     payload          bytes                the substreams, block-major, then pair order
-  coder 2 (nvCOMP):
+  coder 3 (nvCOMP):
+    symbol_checksum  u64                  `gpu.symbol_checksum` of the symbols the payload must
+                                          decode to (nvCOMP does not check its container's sizes)
     payload          bytes                nvCOMP's ANS container of the symbols (gpu)
 
 Groups are implied by the classes (`layout`; `N` must match). `unpack` checks every size
@@ -52,7 +55,8 @@ from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeEr
 MAGIC = b"CGEN"
 VERSION = 2
 CODER_RANS = 1
-CODER_NVCOMP = 2
+CODER_NVCOMP = 3
+CODER_NVCOMP_UNCHECKED = 2  # issue 36's first device run only: no symbol checksum (stale)
 CODERS = {CODER_RANS: "rANS (CPU)", CODER_NVCOMP: "nvCOMP ANS (CUDA)"}
 MAX_ALPHABET = 4095
 _HEAD = struct.Struct("<4sBBHHHIII")
@@ -83,7 +87,7 @@ class RansTables(NamedTuple):
     lengths: np.ndarray  # [B * G] bytes of each substream
 
 
-def pack_parts(out: Any) -> list[bytes]:
+def pack_parts(out: Any) -> list[bytes | memoryview]:
     """`pack`'s bytes as [everything before the substreams, the substreams] (the encoder's
     payload is not copied)."""
     nlayers, ntokens = out.max_tensors_key.shape
@@ -96,7 +100,7 @@ def pack_parts(out: Any) -> list[bytes]:
     return pack_fields(out.coder, out.num_heads, out.head_size, _np(out.key_bins),
                        _np(out.value_bins), _np(out.block_tokens),
                        _np(out.channel_means.to(torch.bfloat16).view(torch.int16)), _np(exps),
-                       tables, out.bytestream)
+                       tables, out.bytestream, getattr(out, "symbol_checksum", 0))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -105,9 +109,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def pack_fields(coder: int, num_heads: int, head_size: int, key_bins: np.ndarray,
                 value_bins: np.ndarray, block_tokens: np.ndarray, means: np.ndarray,
-                exps: np.ndarray, tables: RansTables | None, payload: bytes) -> list[bytes]:
+                exps: np.ndarray, tables: RansTables | None, payload: bytes | memoryview,
+                symbol_checksum: int = 0) -> list[bytes | memoryview]:
     """`pack_parts` from numpy fields: means [G, C] as bf16 bit patterns (int16 / uint16), exps
-    [G, T] step exponents, `tables` for coder 1 (None for coder 2), payload: the coded bytes."""
+    [G, T] step exponents, `tables` for coder 1 (None for coder 3), payload: the coded bytes,
+    symbol_checksum: coder 3's (unsigned 64-bit)."""
     nlayers, ntokens = len(key_bins), exps.shape[1]
     if max(nlayers, num_heads, head_size) > 0xFFFF or ntokens > 0xFFFFFFFF:
         raise ValueError(f"KV too large for the cachegen format: L={nlayers}, "
@@ -129,6 +135,8 @@ def pack_fields(coder: int, num_heads: int, head_size: int, key_bins: np.ndarray
         parts += [_pack3(tables.refine.reshape(-1)), (classes[0::2] | (classes[1::2] << 4)).tobytes(),
                   _arr(tables.low, np.int16), _arr(tables.size, np.uint16),
                   _arr(tables.freqs, np.uint16), _arr(tables.lengths, np.uint32)]
+    elif coder == CODER_NVCOMP:
+        parts.append(struct.pack("<Q", symbol_checksum))
     return [b"".join(parts), payload]
 
 
@@ -187,6 +195,9 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     if len(bs) < _HEAD.size:
         raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
     _, _, coder, nlayers, heads, head_size, ntokens, nblocks, ngroups = _HEAD.unpack_from(bs)
+    if coder == CODER_NVCOMP_UNCHECKED:
+        raise StaleStreamError("nvCOMP-coded cachegen stream without a symbol checksum (written "
+                               "before issue 36's fix); this release does not decode it")
     if coder not in CODERS:
         raise CorruptBlobError(f"unknown cachegen coder id {coder}")
     if min(nlayers, heads, head_size, ntokens, nblocks) < 1 or nblocks > ntokens:
@@ -215,7 +226,9 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
     if coder == CODER_NVCOMP:
         if ngroups:
             raise CorruptBlobError(f"an nvCOMP-coded stream has no symbol groups, header says {ngroups}")
-        fields.update(bytestream=bytes(r.buf[r.pos:]),
+        (checksum,) = r.take(1, np.uint64, "symbol_checksum")
+        # a view, not a copy: the payload goes straight to pinned memory and the device
+        fields.update(bytestream=r.buf[r.pos:], symbol_checksum=int(checksum),
                       start_indices=torch.tensor([[0, len(r.buf) - r.pos]], dtype=torch.int64),
                       cdf=torch.empty(0, dtype=torch.int32),
                       channel_classes=torch.empty(0, dtype=torch.uint8),

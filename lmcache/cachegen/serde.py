@@ -83,10 +83,14 @@ class CacheGenSerializer(Serializer):
             raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
                              f"; got {tuple(tensor.shape)}")
         check_kv(tensor, self.cachegen_config.nlayers, 1)
-        if gpu.available():
-            out = gpu.encode(tensor, self.key_bins, self.value_bins).to_flat()
-            out.num_heads, out.head_size = self.num_heads, self.head_size
-            parts: list[bytes | memoryview] = list(out.to_parts())
+        if gpu.available():  # packed straight from the encoder's pinned payload (no copy)
+            enc = gpu.encode(tensor, self.key_bins, self.value_bins)
+            exps = torch.stack([enc.max_tensors_key, enc.max_tensors_value]).flatten(0, 1)
+            parts = list(fmt.pack_fields(
+                fmt.CODER_NVCOMP, self.num_heads, self.head_size, self.key_bins.numpy(),
+                self.value_bins.numpy(), np.array([tensor.shape[2]]),
+                enc.channel_means.reshape(exps.shape[0], -1).view(torch.int16).numpy(), exps.numpy(),
+                None, enc.data_chunks[0].bytestream.numpy().data, enc.symbol_checksum))
         else:  # packed straight from the coder's arrays (no encoder output tensors)
             code = code_blocks(tensor, self.key_bins, self.value_bins, [tensor.shape[2]], self.coder)
             tables = fmt.RansTables(code.refine, code.classes, code.low, code.size, code.freqs,

@@ -58,7 +58,11 @@ class KVSources:
 
     def element_offsets(self) -> torch.Tensor | None:
         """``[num_sources]`` int64: each source's address minus the first's, in elements (None if a
-        difference is not a whole number of elements)."""
+        difference is not a whole number of elements). Computed once per object (read-only)."""
+        return self._element_offsets
+
+    @cached_property
+    def _element_offsets(self) -> torch.Tensor | None:
         base, size = self.tensors[0].data_ptr(), self.tensors[0].element_size()
         diffs = [t.data_ptr() - base for t in self.tensors]
         if any(d % size for d in diffs):

@@ -69,7 +69,7 @@ class StagedCopier:
             kernel == "auto" and self.device.type == "cuda") else None
         if kernel == "triton" and self._triton is None:
             raise ValueError("staged copy kernel 'triton' requested but Triton is not importable")
-        self._triton_ran: set[tuple[bool, int]] = set()  # (gather, hidden) launched successfully
+        self._triton_ran: set[tuple[bool, int, int]] = set()  # (gather, hidden, vec) launched fine
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._capacity = 0
@@ -96,8 +96,9 @@ class StagedCopier:
         pieces = plan_pieces(request.objs, request.blobs, request.bounds, max(self.piece_bytes, largest))
         use_triton = self._triton is not None and self._triton.supports(sources)
         tables = self._tables(request, pieces, sources, use_triton)
+        vec = self._triton.vector_width(sources, tables) if use_triton and self._triton else 1
         with self._lock:
-            done = self._issue(sources, request, pieces, tables, use_triton)
+            done = self._issue(sources, request, pieces, tables, use_triton, vec)
         self._order.complete(done, on_done)
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -105,7 +106,7 @@ class StagedCopier:
         return self._order.drain(timeout)
 
     def _issue(self, sources: KVSources, request: CopyRequest, pieces: list[Piece], tables: torch.Tensor,
-               use_triton: bool) -> Any:
+               use_triton: bool, vec: int = 1) -> Any:
         """Issue every piece; returns the event that completes with the request's last DMA."""
         order, compute, dma = self._order, self._compute, self._dma
         caller = order.current()
@@ -122,7 +123,7 @@ class StagedCopier:
                 if request.gather:
                     order.wait(compute, slot.free)
                     with order.use(compute):
-                        self._kernel(True, sources, piece, slot.buffer, request, device_tables, offsets)
+                        self._kernel(True, sources, piece, slot.buffer, request, device_tables, offsets, vec)
                     last = order.record(compute)
                     order.wait(dma, last)
                     with order.use(dma):
@@ -134,7 +135,7 @@ class StagedCopier:
                         staged.copy_(piece.memory, non_blocking=True)
                     order.wait(compute, order.record(dma))
                     with order.use(compute):
-                        self._kernel(False, sources, piece, slot.buffer, request, device_tables, offsets)
+                        self._kernel(False, sources, piece, slot.buffer, request, device_tables, offsets, vec)
                     last = slot.free = order.record(compute)
             order.wait(caller, last)
             return order.record(dma)
@@ -144,14 +145,15 @@ class StagedCopier:
             raise
 
     def _kernel(self, gather: bool, sources: KVSources, piece: Piece, buffer: torch.Tensor,
-                request: CopyRequest, device_tables: torch.Tensor, offsets: torch.Tensor | None) -> None:
+                request: CopyRequest, device_tables: torch.Tensor, offsets: torch.Tensor | None,
+                vec: int = 1) -> None:
         if offsets is not None and self._triton is not None:
-            if (gather, sources.hidden) in self._triton_ran:
-                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets)
+            if (gather, sources.hidden, vec) in self._triton_ran:
+                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets, vec)
                 return
             try:  # a kernel that cannot compile or launch here costs speed, never the copy
-                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets)
-                self._triton_ran.add((gather, sources.hidden))
+                self._triton.copy_piece_triton(gather, sources, piece, buffer, device_tables, offsets, vec)
+                self._triton_ran.add((gather, sources.hidden, vec))
                 return
             except Exception:
                 logger.exception("the Triton row kernel failed to compile or launch; staged KV copies "

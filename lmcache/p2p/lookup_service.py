@@ -15,7 +15,8 @@ dead instance's entries disappear by themselves `ttl` seconds after its last hea
 - `holders(keys)` answers, per key, the live instances other than this one that registered it:
   one pipelined round trip (plus one for the instance list, cached for `ttl / 3` seconds).
 The store is one failure domain (`lmcache.failures`): while it fails, `holders` answers nobody (a
-miss), registrations wait for the next batch, and it is logged once per incident.
+miss), registrations wait for the next batch, and it is logged once per incident; `fault_counts()`
+says how many calls failed or were skipped.
 """
 
 from __future__ import annotations
@@ -196,6 +197,10 @@ class LookupService:
     @property
     def healthy(self) -> bool:
         return not self._store.failing()
+
+    def fault_counts(self) -> dict[str, float]:
+        """``failures`` and ``skipped`` calls to the store."""
+        return self._store.counts(STORE)
 
     def close(self) -> None:
         """Stop the heartbeat and withdraw this instance's registrations (best effort)."""

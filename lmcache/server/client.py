@@ -1,8 +1,8 @@
 """`LMCacheClient`: blocking client of the lm:// server, safe to share between threads.
 
 It keeps a few idle connections (each call borrows one, so concurrent callers never interleave
-frames). Reconnects use a `Backoff`: after a failed connect, calls fail fast with ConnectionError
-until the delay has passed, then one call tries again. A call that fails on a reused connection
+frames). It has no backoff of its own: a call whose server does not answer raises, and backing
+off is the caller's failure domain's (`lmcache.failures`). A call that fails on a reused connection
 (e.g. the server restarted since) is retried once on a fresh one. Errors: ConnectionError /
 TimeoutError (transport), PermissionError (bad auth token), `LMServerError` (the server refused
 the request), ValueError (bad arguments, e.g. an oversize key).
@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from lmcache.backoff import Backoff
 from lmcache.server import protocol
 from lmcache.server.protocol import Op, Status
 
@@ -31,13 +30,12 @@ class LMServerError(RuntimeError):
 
 class LMCacheClient:
     def __init__(self, host: str, port: int, *, timeout: float = 5.0, auth_token: str | None = None,
-                 max_idle: int = 8, backoff: Backoff | None = None) -> None:
+                 max_idle: int = 8) -> None:
         self.host = host
         self.port = port
         self.timeout = timeout
         self.auth_token = auth_token.encode() if auth_token else None
         self.max_idle = max_idle
-        self.backoff = backoff or Backoff()
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
@@ -178,13 +176,7 @@ class LMCacheClient:
         sock.close()
 
     def _connect(self) -> socket.socket:
-        if not self.backoff.ready():
-            raise ConnectionError(f"lm://{self.host}:{self.port} is unreachable; waiting before reconnecting")
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError:
-            self.backoff.failed()
-            raise
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.auth_token is not None:
             try:
@@ -193,7 +185,6 @@ class LMCacheClient:
             except BaseException:
                 sock.close()
                 raise
-        self.backoff.succeeded()
         return sock
 
 

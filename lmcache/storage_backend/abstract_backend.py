@@ -19,13 +19,17 @@ Primitives and when they are called (by the `StorageManager`):
   tier is one round trip per failure domain; of the disk tier, concurrent reads.
 - `remove(key)`: drop `key`; True if it was there.
 - `clear()`: drop everything this tier holds (local tiers; an operator's request); the count.
+- `take_events()`: what the tier stored, removed (evicted, deleted, corrupt, handed over) or
+  cleared since the last call (`events.TierEvent`s, oldest first); the manager takes them after
+  every call into the tiers. A tier reports through its own `events` buffer and never calls up.
+  Default: none.
 - `healthy()`: False while the tier is failing (e.g. its store is unreachable).
 - `stats()`: the tier's counters and gauges (`TierStats`, for operators and metrics).
 - `promote_hits`: whether what a read returns enters the hot tier (the manager's promotion and
   prefetch); False for a tier whose objects are handed over, not shared (default True).
 - `local_keys_changed(added, removed)`: the local tiers now hold `added` and no longer hold
   `removed`; called only on tiers with `publishes_local_keys` (e.g. the peer tier, which tells
-  other instances). Default: nothing.
+  other instances), by the manager as it takes the local tiers' events. Default: nothing.
 - `lease(lease_id, keys, ttl)` / `end_lease(lease_id)`: a lookup lease on `keys` starts / ends
   (the manager's own `PinTable` protects chunks held in this process; a tier whose chunks live in
   another process, the cache server, pins them there). Default: nothing.
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats
+from lmcache.storage_backend.events import TierEvent, TierEvents
 
 if TYPE_CHECKING:
     from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
@@ -54,10 +59,6 @@ if TYPE_CHECKING:
     from lmcache.storage_backend.serde.serde import AllocateFn
 
 
-def _nothing(keys: list[CacheEngineKey]) -> None:
-    pass
-
-
 def _no_read(key: CacheEngineKey) -> MemoryObj | None:
     return None
 
@@ -65,17 +66,17 @@ def _no_read(key: CacheEngineKey) -> MemoryObj | None:
 @dataclass(frozen=True)
 class TierContext:
     """What a tier is built from. `allocate(shape, dtype, fmt)` hands out arena buffers, evicting
-    from the hot tier; `pins` says which keys a lookup lease protects from eviction. A tier that
-    drops keys calls `on_removed(keys)`; `read_local(key)` reads a chunk from the local tiers (one
-    reference for the caller; None if none holds it) and `has_local(key)` says whether one holds
-    it. `eviction`: the eviction order the hot tier shares with others on the same arena."""
+    from the hot tier; `pins` says which keys a lookup lease protects from eviction;
+    `read_local(key)` reads a chunk from the local tiers (one reference for the caller; None if
+    none holds it) and `has_local(key)` says whether one holds it (the peer server's and the PD
+    receiver's questions). `eviction`: the eviction order the hot tier shares with others on the
+    same arena. Nothing here reports to the manager: tiers report through `events`."""
 
     config: LMCacheEngineConfig
     metadata: LMCacheEngineMetadata
     allocator: MemoryAllocatorInterface
     allocate: AllocateFn
     pins: PinTable
-    on_removed: Callable[[list[CacheEngineKey]], None] = _nothing
     read_local: Callable[[CacheEngineKey], MemoryObj | None] = _no_read
     has_local: Callable[[CacheEngineKey], bool] = lambda key: False
     eviction: EvictionDomain[Any] | None = None
@@ -91,6 +92,7 @@ class StorageBackendInterface(abc.ABC):
     # `local_keys_changed` whenever the local tiers gain or lose keys
     publishes_local_keys: ClassVar[bool] = False
     promote_hits: bool = True
+    events: TierEvents | None = None  # set by a tier that reports what it stores and drops
 
     @classmethod
     def create(cls, ctx: TierContext) -> StorageBackendInterface | None:
@@ -127,6 +129,9 @@ class StorageBackendInterface(abc.ABC):
 
     def clear(self) -> int:
         raise NotImplementedError(f"the {self.name} tier cannot be cleared from here")
+
+    def take_events(self) -> list[TierEvent]:
+        return self.events.take() if self.events is not None else []
 
     def healthy(self) -> bool:
         return True

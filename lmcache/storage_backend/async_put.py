@@ -5,14 +5,19 @@
   so the hot tier cannot recycle the buffer under a write.
 - A key already in flight is not queued twice: `submit` returns the existing Future.
 - At most `max_pending` writes are in flight; beyond that `submit` drops the put (returns None,
-  counts it in `num_dropped`) instead of blocking the engine.
+  counts it in `num_dropped`) instead of blocking the engine: capacity, not a failure, summarized
+  at most once per interval (`observability.CapacityLog`).
 - `get_pending(key)` hands out the in-flight object (with a reference for the caller), so a read
   that races a write is served from memory.
 - `flush(timeout)` waits for everything in flight; `close(timeout)` stops accepting, flushes with
   that bounded wait, then cancels what is still queued.
-A write is a call into the queue's failure domain (`lmcache.failures`): one that raises is counted
-in `num_failed` and logged once per incident, and while the domain backs off, writes are not
-attempted (counted in `num_dropped`).
+A write is a call into the queue's failure domain (`lmcache.failures`, named after the queue): a
+write that raises is a fault of that domain (counted in its ``failures``, logged once per
+incident), and while it backs off, writes are not attempted (its ``skipped``); `fault_counts()`
+reports both. A write may raise `DomainFault` instead: a failure domain inside the tier (a node of
+a cluster) caught, counted and logged the fault, so the queue only accounts for the put. Either
+way a put that failed is counted in `num_failed`, one not attempted in `num_dropped`, and only a
+put that was written in `num_written` / `num_bytes_written`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from lmcache.cache_key import CacheEngineKey
-from lmcache.failures import FailureDomains
+from lmcache.failures import DomainFault, FailureDomains
 from lmcache.memory_management import MemoryObj
-from lmcache.observability import IncidentLog
+from lmcache.observability import CapacityLog
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,8 @@ class AsyncPutQueue:
         self._pending: dict[CacheEngineKey, tuple[Future, MemoryObj]] = {}
         self._closed = False
         self._faults = faults or FailureDomains(lambda domain: f"asynchronous writes to {domain}")
-        self._full = IncidentLog(logger, f"queueing writes to {name}")  # puts dropped, not failed
+        self._full = CapacityLog(logger, f"{name}: the write queue was full ({max_pending} in flight)",
+                                 "puts dropped, in num_dropped")  # capacity, not a failure
         self.num_written = 0
         self.num_bytes_written = 0
         self.num_failed = 0
@@ -68,11 +74,11 @@ class AsyncPutQueue:
                 return pending[0]
             if self._closed or len(self._pending) >= self.max_pending:
                 self.num_dropped += 1
-                self._full.fail("the queue is closed" if self._closed else
-                                f"the queue is full ({self.max_pending} in flight); dropping puts (counted "
-                                "in num_dropped)")
+                if self._closed:
+                    logger.debug("%s: a put after close is dropped", self.name)
+                else:
+                    self._full.note(1)
                 return None
-            self._full.recover()
             obj.ref_count_up()
             future = self._executor.submit(self._attempt, key, obj)
             self._pending[key] = (future, obj)
@@ -81,14 +87,15 @@ class AsyncPutQueue:
 
     def _attempt(self, key: CacheEngineKey, obj: MemoryObj) -> str:
         """Write through the failure domain: "written", "failed" or "skipped" (backing off)."""
-        if not self._faults.ready(self.name):
-            return "skipped"
+        try:
+            self._faults.run(self.name, partial(self._write, key, obj))
+        except DomainFault as fault:
+            return "skipped" if fault.skipped else "failed"
+        return "written"
 
-        def write() -> str:
-            self._write(key, obj)
-            return "written"
-
-        return self._faults.call(self.name, write, "failed")
+    def fault_counts(self) -> dict[str, float]:
+        """``failures`` and ``skipped`` of the queue's own failure domain."""
+        return self._faults.counts(self.name)
 
     def _finish(self, key: CacheEngineKey, obj: MemoryObj, future: Future) -> None:
         outcome = "skipped" if future.cancelled() else future.result()

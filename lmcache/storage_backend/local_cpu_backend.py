@@ -6,13 +6,12 @@ allocation fits, skipping objects somebody else still holds (ref count > 1) or t
 lease pins (`PinTable`), and returns None when nothing more can be freed. Hot tiers that share an
 arena (the cache server's models) share an `EvictionDomain`: one order and one lock, so a full
 arena evicts whichever tier's chunks come first, not only the asking tier's. Puts are synchronous.
-Removals are reported (`on_removed`) after the tier's lock is released, never under it: the
-receiver may call back into any tier.
+What it stores, evicts, removes and clears it reports as events (`events`, taken by the storage
+manager after the call); it never calls up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -21,6 +20,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj
 from lmcache.observability import TierStats
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.events import RemovalReason, TierEvents
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.registry import register_tier
@@ -36,12 +36,11 @@ class LocalCPUBackend(StorageBackendInterface):
 
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",
                  pins: PinTable | None = None,
-                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None,
                  domain: EvictionDomain[tuple[LocalCPUBackend, CacheEngineKey]] | None = None) -> None:
         """`domain`: the eviction order shared with other hot tiers on the same arena (its policy
         then rules, not `policy`); by default one of its own."""
         self.allocator = allocator
-        self.on_removed = on_removed
+        self.events: TierEvents = TierEvents(self.name)
         self.domain: EvictionDomain[tuple[LocalCPUBackend, CacheEngineKey]] = (
             domain if domain is not None else EvictionDomain(policy))
         self.pins = pins if pins is not None else PinTable()
@@ -54,7 +53,7 @@ class LocalCPUBackend(StorageBackendInterface):
     def create(cls, ctx: TierContext) -> LocalCPUBackend | None:
         if not ctx.config.local_cpu or ctx.config.cache_server_url is not None:
             return None  # an engine on a cache server: the server's L1 is its hot tier
-        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.on_removed, ctx.eviction)
+        return cls(ctx.allocator, ctx.config.cache_policy, ctx.pins, ctx.eviction)
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -73,6 +72,7 @@ class LocalCPUBackend(StorageBackendInterface):
             self._objs[key] = memory_obj
             self._bytes_used += memory_obj.metadata.phy_size
             self.domain.policy.on_insert((self, key))
+        self.events.stored([key])
         return None
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -92,12 +92,13 @@ class LocalCPUBackend(StorageBackendInterface):
     def remove(self, key: CacheEngineKey) -> bool:
         with self.lock:
             removed = self._drop_locked(key)
-        self._report([key] if removed else [])
+        if removed:
+            self.events.removed([key], RemovalReason.DELETED)
         return removed
 
     def _drop_locked(self, key: CacheEngineKey) -> bool:
         """Forget `key` and release the tier's reference (the memory goes back to the allocator, a
-        lower layer, if nobody else holds it). Lock held; the caller reports it after release."""
+        lower layer, if nobody else holds it). Lock held; the caller reports it."""
         obj = self._objs.pop(key, None)
         if obj is None:
             return False
@@ -105,10 +106,6 @@ class LocalCPUBackend(StorageBackendInterface):
         self.domain.policy.on_remove((self, key))
         obj.ref_count_down()
         return True
-
-    def _report(self, keys: list[CacheEngineKey]) -> None:
-        if keys and self.on_removed is not None:
-            self.on_removed(keys)
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
@@ -131,7 +128,7 @@ class LocalCPUBackend(StorageBackendInterface):
             return None
         finally:
             for tier, keys in evicted.items():
-                tier._report(keys)
+                tier.events.removed(keys, RemovalReason.EVICTED)
 
     def check_integrity(self, at_rest: bool = False) -> None:
         """Raise AssertionError unless every object held is live (`at_rest`: and held by this tier
@@ -155,8 +152,9 @@ class LocalCPUBackend(StorageBackendInterface):
         """Drop every object (pinned ones too); returns how many there were."""
         with self.lock:
             keys = list(self._objs)
-        for key in keys:
-            self.remove(key)
+            for key in keys:
+                self._drop_locked(key)
+        self.events.cleared(keys)
         return len(keys)
 
     def close(self) -> None:

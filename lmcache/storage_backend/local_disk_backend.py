@@ -16,6 +16,9 @@ verified read are in `disk_file`. This module keeps the index:
 - Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
   counted (`num_corrupt`) and the read is a miss. With a raw serde (`naive`, `fast`) the payload is
   read straight into the buffer from `allocate`, with no intermediate copy.
+- What it writes and drops (evicted, removed, corrupt, found gone, cleared) it reports as events
+  (`events`) for the keys this process knows, also from the put workers; the storage manager
+  takes them on its next call.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -32,10 +35,11 @@ import xxhash
 from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryObj
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend import disk_file
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX, unlink_quietly
+from lmcache.storage_backend.events import RemovalReason, TierEvents
 from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools, gather_all
 from lmcache.storage_backend.registry import register_tier
@@ -55,8 +59,7 @@ class LocalDiskBackend(LowerTierBackend):
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  allocate: AllocateFn, pools: TierPools | None = None,
-                 pins: PinTable | None = None,
-                 on_removed: Callable[[list[CacheEngineKey]], None] | None = None) -> None:
+                 pins: PinTable | None = None) -> None:
         if config.local_disk is None:
             raise ValueError("LocalDiskBackend needs config.local_disk (a directory)")
         if config.max_local_disk_bytes <= 0:
@@ -69,7 +72,7 @@ class LocalDiskBackend(LowerTierBackend):
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
         self.pins = pins if pins is not None else PinTable()
-        self.on_removed = on_removed
+        self.events: TierEvents = TierEvents(self.name)
         pools = pools or TierPools()
         super().__init__(allocate, pools)
         self._loads = ThreadPoolExecutor(pools.load_workers, thread_name_prefix=f"lmcache-{self.name}-load")
@@ -87,7 +90,7 @@ class LocalDiskBackend(LowerTierBackend):
     def create(cls, ctx: TierContext) -> LocalDiskBackend | None:
         if ctx.config.local_disk is None:
             return None
-        return cls(ctx.config, ctx.metadata, ctx.allocate, pins=ctx.pins, on_removed=ctx.on_removed)
+        return cls(ctx.config, ctx.metadata, ctx.allocate, pins=ctx.pins)
 
     # ---- naming ---------------------------------------------------------------------------------
 
@@ -104,10 +107,13 @@ class LocalDiskBackend(LowerTierBackend):
         self._keys[stem] = key
         return stem
 
-    def _dropped(self, stems: list[str]) -> None:
+    def _dropped(self, stems: list[str], reason: RemovalReason | None) -> None:
+        """Report the files of `stems` gone (`reason` None: cleared), for the keys this process saw."""
         keys = [k for k in (self._keys.pop(s, None) for s in stems) if k is not None]
-        if keys and self.on_removed is not None:
-            self.on_removed(keys)
+        if reason is None:
+            self.events.cleared(keys)
+        else:
+            self.events.removed(keys, reason)
 
     # ---- index ----------------------------------------------------------------------------------
 
@@ -128,17 +134,17 @@ class LocalDiskBackend(LowerTierBackend):
             self.used_bytes += size - self._index.pop(stem, 0)
             self._index[stem] = size
             victims = self._take_victims(0, keep=stem)
-        self._unlink_all(victims)
+        self._unlink_all(victims, RemovalReason.EVICTED)
 
     def _touch(self, stem: str) -> None:
         with self._index_lock:
             if stem in self._index:
                 self._index.move_to_end(stem)
 
-    def _forget(self, stem: str) -> None:
+    def _forget(self, stem: str, reason: RemovalReason) -> None:
         with self._index_lock:
             self.used_bytes -= self._index.pop(stem, 0)
-        self._dropped([stem])
+        self._dropped([stem], reason)
 
     def _take_victims(self, incoming: int, keep: str | None = None) -> list[str]:
         """Under the index lock: drop LRU entries (never `keep` or a pinned key's) until
@@ -157,19 +163,19 @@ class LocalDiskBackend(LowerTierBackend):
         self.num_evicted += len(victims)
         return victims
 
-    def _unlink_all(self, stems: list[str]) -> None:
+    def _unlink_all(self, stems: list[str], reason: RemovalReason | None) -> None:
         for stem in stems:
             try:
                 os.unlink(os.path.join(self.path, stem + SUFFIX))
             except FileNotFoundError:
                 pass
-        self._dropped(stems)
+        self._dropped(stems, reason)
 
     def stats(self) -> TierStats:
         base = super().stats()
         with self._index_lock:
-            return TierStats({**base.counters, "evicted": self.num_evicted, "corrupt": self.num_corrupt,
-                              "too_large": self.num_too_large},
+            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "too_large": self.num_too_large}
+            return TierStats(add_counts(base.counters, own),
                              {**base.gauges, "files": len(self._index), "bytes_used": self.used_bytes})
 
     def clear(self) -> int:
@@ -179,12 +185,12 @@ class LocalDiskBackend(LowerTierBackend):
             stems = list(self._index)
             self._index.clear()
             self.used_bytes = 0
-        self._unlink_all(stems)
+        self._unlink_all(stems, None)
         return len(stems)
 
     def remove(self, key: CacheEngineKey) -> bool:
         stem = self._seen(key)
-        self._forget(stem)
+        self._forget(stem, RemovalReason.DELETED)
         try:
             os.unlink(os.path.join(self.path, stem + SUFFIX))
         except FileNotFoundError:
@@ -214,7 +220,7 @@ class LocalDiskBackend(LowerTierBackend):
                 self.used_bytes += size - self._index.pop(stem, 0)
                 self._index[stem] = size
             victims = self._take_victims(0)
-        self._unlink_all(victims)
+        self._unlink_all(victims, RemovalReason.EVICTED)
         return len(self._index)
 
     # ---- writes ---------------------------------------------------------------------------------
@@ -242,6 +248,7 @@ class LocalDiskBackend(LowerTierBackend):
             with self._index_lock:
                 self._reserved_bytes -= size
         self._insert_stem(stem, size)
+        self.events.stored([key])
 
     def _reserve(self, size: int) -> bool:
         with self._index_lock:
@@ -250,7 +257,7 @@ class LocalDiskBackend(LowerTierBackend):
                 return False
             victims = self._take_victims(size)
             self._reserved_bytes += size
-        self._unlink_all(victims)
+        self._unlink_all(victims, RemovalReason.EVICTED)
         return True
 
     # ---- reads ----------------------------------------------------------------------------------
@@ -274,7 +281,7 @@ class LocalDiskBackend(LowerTierBackend):
         try:
             f = open(path, "rb", buffering=0)
         except FileNotFoundError:
-            self._forget(stem)
+            self._forget(stem, RemovalReason.DELETED)
             return None
         try:
             with f:
@@ -286,7 +293,7 @@ class LocalDiskBackend(LowerTierBackend):
             logger.warning("removing corrupt disk cache file %s: %s", path, e)
             with self._index_lock:
                 self.num_corrupt += 1
-            self._forget(stem)
+            self._forget(stem, RemovalReason.CORRUPT)
             unlink_quietly(path)
             return None
         if obj is not None:

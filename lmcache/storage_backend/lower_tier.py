@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj, release_all
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.async_put import AsyncPutQueue
 from lmcache.storage_backend.serde.serde import AllocateFn
@@ -120,9 +120,12 @@ class LowerTierBackend(StorageBackendInterface):
         return out
 
     def stats(self) -> TierStats:
+        """The put queue's numbers, with the faults its failure domain caught (``failures``,
+        ``skipped``); a subclass adds its own counters with `add_counts`."""
         q = self.puts
-        return TierStats({"puts_written": q.num_written, "bytes_written": q.num_bytes_written,
-                          "puts_failed": q.num_failed, "puts_dropped": q.num_dropped},
+        return TierStats(add_counts({"puts_written": q.num_written, "bytes_written": q.num_bytes_written,
+                                     "puts_failed": q.num_failed, "puts_dropped": q.num_dropped},
+                                    q.fault_counts()),
                          {"puts_pending": len(q)})
 
     def close(self) -> None:

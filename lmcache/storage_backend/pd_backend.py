@@ -12,6 +12,8 @@ the engine's arena and kept there as cached KV (`promote_hits`); without it, the
 own object is handed out and freed when the load is done. Room is made by dropping chunks nobody
 claimed for `UNCLAIMED_TTL` seconds (oldest first; chunks a lookup pinned never); when none can
 go, `reserve` answers "no room" and the sender waits, then skips (the decoder computes the rest).
+Chunks received, dropped to make room, handed over and removed are reported as events (`events`;
+the receiver's threads' too: the storage manager takes them on its next call).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lmcache.observability import Counters, TierStats
 from lmcache.pd.receiver import ReceiverServer
 from lmcache.pd.wire import FOREIGN, HAVE, Chunk
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.events import RemovalReason, TierEvents
 from lmcache.storage_backend.registry import register_tier
 
 UNCLAIMED_TTL = 60.0  # seconds received KV is kept for its request before it may make room
@@ -47,6 +50,7 @@ class PDBackend(StorageBackendInterface):
     def __init__(self, ctx: TierContext, clock: Callable[[], float] = time.monotonic) -> None:
         config, md = ctx.config, ctx.metadata
         self.ctx = ctx
+        self.events: TierEvents = TierEvents(self.name)
         self.promote_hits = config.local_cpu
         self.allocator = HostMemoryAllocator(config.pd_buffer_size)
         self._clock = clock
@@ -135,7 +139,7 @@ class PDBackend(StorageBackendInterface):
             return False
         victim[1].ref_count_down()
         self.counts.add("expired")
-        self.ctx.on_removed([victim[0]])
+        self.events.removed([victim[0]], RemovalReason.EVICTED)
         return True
 
     def commit(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> int:
@@ -147,6 +151,7 @@ class PDBackend(StorageBackendInterface):
                 self._objs[chunk.key] = (obj, now)
                 self.counts.add("received_chunks")
                 self.counts.add("received_bytes", chunk.nbytes)
+        self.events.stored([chunk.key for chunk in chunks])
         return len(objs)
 
     def abort(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> None:
@@ -179,6 +184,7 @@ class PDBackend(StorageBackendInterface):
             else:
                 del self._objs[key]
         obj: MemoryObj | None = held[0]
+        left = True  # whether the chunk left this tier now (not dropped by another thread meanwhile)
         if self.promote_hits:
             try:
                 obj = self._copy_to_arena(held[0])
@@ -186,9 +192,9 @@ class PDBackend(StorageBackendInterface):
                 held[0].ref_count_down()
             if obj is None:
                 return None
-            self.remove(key)
-        else:
-            self.ctx.on_removed([key])
+            left = self._drop(key)
+        if left:
+            self.events.removed([key], RemovalReason.HANDED_OVER)
         self.counts.add("handed_over")
         return obj
 
@@ -203,18 +209,26 @@ class PDBackend(StorageBackendInterface):
         return copy
 
     def remove(self, key: CacheEngineKey) -> bool:
+        if not self._drop(key):
+            return False
+        self.events.removed([key], RemovalReason.DELETED)
+        return True
+
+    def _drop(self, key: CacheEngineKey) -> bool:
+        """Forget `key` and free its room; the caller reports it."""
         with self._lock:
             held = self._objs.pop(key, None)
         if held is None:
             return False
         held[0].ref_count_down()
-        self.ctx.on_removed([key])
         return True
 
     def clear(self) -> int:
         with self._lock:
             keys = list(self._objs)
-        return sum(self.remove(k) for k in keys)
+        dropped = [k for k in keys if self._drop(k)]
+        self.events.cleared(dropped)
+        return len(dropped)
 
     def stats(self) -> TierStats:
         with self._lock:

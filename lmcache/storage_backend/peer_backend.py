@@ -14,8 +14,10 @@ round trip); `batched_get` pulls the keys in one pipelined batch per peer (peers
 each key from the peer holding most of the batch, a second round from other holders for what
 failed). Every value is a keyed blob: a value for a key that was not asked for (a confused or
 lying peer) or that does not verify makes the whole batch from that peer a miss. A dead, slow or
-lying peer is a miss within `remote_timeout`, logged once per incident and then left alone for a
-backoff delay; requests never fail because of a peer. Nothing is written to peers
+lying peer is a miss within `remote_timeout`, caught by that peer's failure domain (the tier's
+``failures``; logged once per incident) and then left alone for a backoff delay (a batch routed
+around it counts one ``skipped``); the lookup service's faults are its own domain, counted in the
+tier's numbers too. Requests never fail because of a peer. Nothing is written to peers
 (`submit_put_task` does nothing: they pull what they need).
 """
 
@@ -28,12 +30,11 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from lmcache.backoff import Backoff
 from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.p2p.lookup_service import LookupService
 from lmcache.p2p.peer_server import PeerServer
 from lmcache.server.client import LMCacheClient
@@ -116,7 +117,9 @@ class PeerBackend(StorageBackendInterface):
     # ---- reads ------------------------------------------------------------------------------------
 
     def _usable(self, holders: list[list[str]]) -> list[list[str]]:
-        return [[p for p in h if self._peers.ready(p)] for h in holders]
+        """`holders` without the peers being backed off from (each counted once as skipped)."""
+        ready = {peer: self._peers.admit(peer) for peer in {p for h in holders for p in h}}
+        return [[p for p in h if ready[p]] for h in holders]
 
     def contains(self, key: CacheEngineKey) -> bool:
         return self.batched_contains([key])[0]
@@ -183,9 +186,8 @@ class PeerBackend(StorageBackendInterface):
             client = self._clients.get(peer)
             if client is None:
                 host, _, port = peer.rpartition(":")
-                client = self._clients[peer] = LMCacheClient(
-                    host, int(port), timeout=self.timeout, auth_token=self._token,
-                    backoff=Backoff(initial=0.05, maximum=1.0))
+                client = self._clients[peer] = LMCacheClient(host, int(port), timeout=self.timeout,
+                                                             auth_token=self._token)
             return client
 
     def healthy(self) -> bool:
@@ -194,8 +196,8 @@ class PeerBackend(StorageBackendInterface):
     def stats(self) -> TierStats:
         with self._lock:
             rejected = self.num_rejected
-        return TierStats({"corrupt": rejected, "skipped": self._peers.num_skipped,
-                          "registrations_dropped": self.lookup.num_dropped})
+        return TierStats(add_counts({"corrupt": rejected, "registrations_dropped": self.lookup.num_dropped},
+                                    self._peers.counts(), self.lookup.fault_counts()))
 
     def close(self) -> None:
         self.lookup.close()

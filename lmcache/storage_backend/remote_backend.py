@@ -5,10 +5,13 @@ redis-sentinel://, redis-cluster://; see `connectors/url.py`); chunks are serial
 `remote_serde`, and every blob carries the checksummed header, so a truncated or foreign value is
 a miss (and is deleted, so that it can be stored again).
 
-Failure is a miss: every call goes through `_call`, which answers a default (not found / not
-stored) when the store fails, logs one warning per incident, and does not try the failing part
-again until a backoff delay has passed (`backoff` / `max_backoff` URL options). The failing part
-is the connector's `failure_domain` of the key: the whole server, or one node of a cluster.
+Failure is a miss. The failing part is the connector's `failure_domain` of a key: the whole
+server, or one node of a cluster; the tier guards each one (`FailureDomains`, `backoff` /
+`max_backoff` URL options), because one batch spans several nodes and a dead node must cost only
+its share of the keys. A fault is caught, counted (the tier's ``failures`` / ``skipped``) and
+logged once per incident there, and nowhere else: a read (`_call`) answers its default (not found)
+for that node's keys; a write raises the `DomainFault` to the put queue, which counts the put as
+failed (or not attempted) and never as written.
 Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain; the
 values of a batched get are read off the socket straight into arena buffers, or, for a serde that
 decodes (CacheGen), read whole and decoded on the tier's decode thread while the next values
@@ -31,7 +34,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
@@ -91,6 +94,10 @@ class RemoteBackend(LowerTierBackend):
         means the store answered with a bad value and is raised (the caller deletes it)."""
         return self._domains.call(self.connector.failure_domain(remote_key), fn, default)
 
+    def _run(self, remote_key: str, fn: Callable[[], T]) -> T:
+        """`_call` that raises the `DomainFault` instead of answering a default."""
+        return self._domains.run(self.connector.failure_domain(remote_key), fn)
+
     @property
     def num_skipped(self) -> int:
         """Calls not made because the store was backing off."""
@@ -103,7 +110,7 @@ class RemoteBackend(LowerTierBackend):
         base = super().stats()
         with self._count_lock:
             counts = {"corrupt": self.num_corrupt, "foreign": self.num_foreign}
-        return TierStats({**base.counters, **counts, "skipped": self.num_skipped}, base.gauges)
+        return TierStats(add_counts(base.counters, counts, self._domains.counts()), base.gauges)
 
     @property
     def available(self) -> bool:
@@ -126,7 +133,7 @@ class RemoteBackend(LowerTierBackend):
             raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
         rk = self._remote_key(key)
         parts = self.serializer.to_parts(tensor)
-        self._call(rk, lambda: self.connector.put(rk, parts), None)
+        self._run(rk, lambda: self.connector.put(rk, parts))
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
         """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a

@@ -23,16 +23,24 @@ tier's ``failures``, logged once per incident, and the tier is backed off from u
   check). A `get_prefix` of a key being loaded waits for that load instead of reading it again.
 - `acquire_lease(lease_id, keys, ttl)` / `release_lease(lease_id)`: pin keys in every tier (see
   `leases`) until they are loaded or the lease ends.
+
+Tiers never call the manager. What they store and drop they report as events (`events`); the
+manager takes every tier's events when a call that may have changed the tiers returns (allocate,
+put, locate, get, prefetch, clear; events of a tier's own threads wait for the next such call)
+and does the follow-up there: the keys the local tiers stored or dropped are announced to the
+tiers that `publishes_local_keys` (the peer tier) as held or gone, by what the local tiers hold
+at that moment (a chunk evicted from memory may still be on disk).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -41,7 +49,7 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
 from lmcache.memory_management.tensor_allocator import allocate_leading
-from lmcache.observability import Counters, TierStats
+from lmcache.observability import Counters, TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import LeaseTable, PinTable
@@ -50,6 +58,7 @@ from lmcache.storage_backend.registry import create_tiers, tier_names
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 LOAD_WORKERS = 4
 
 
@@ -79,6 +88,20 @@ class _Load:
         return self.obj  # `finish` took a reference for every waiter
 
 
+def _then_drain_events(method: Callable[Concatenate[StorageManager, P], T]
+                      ) -> Callable[Concatenate[StorageManager, P], T]:
+    """`method`, then the tiers' events are taken and acted on (`StorageManager.drain_events`)."""
+
+    @functools.wraps(method)
+    def run(self: StorageManager, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.drain_events()
+
+    return run
+
+
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  allocator: MemoryAllocatorInterface, faults: FailureDomains | None = None,
@@ -89,12 +112,11 @@ class StorageManager:
         self.allocator = allocator
         self.pins = PinTable()
         self.leases = LeaseTable(self.pins)
-        # empty until the tiers exist: a tier may report dropped keys while it starts up
+        # empty until the tiers exist: a tier's threads may ask `has_local` while it starts up
         self.tiers: list[StorageBackendInterface] = []
-        self._listeners: list[StorageBackendInterface] = []
-        self.tiers = create_tiers(TierContext(config, metadata, allocator, self.allocate, self.pins,
-                                              self._removed_locally, self.read_local,
-                                              lambda key: self.stored_locally([key])[0], eviction))
+        self.tiers = create_tiers(TierContext(config, metadata, allocator, self._allocate, self.pins,
+                                              self.read_local, lambda key: self.stored_locally([key])[0],
+                                              eviction))
         self._listeners = [t for t in self.tiers if t.publishes_local_keys]
         hot = [t for t in self.tiers if isinstance(t, LocalCPUBackend)]
         self.hot: LocalCPUBackend | None = hot[0] if hot else None
@@ -127,12 +149,19 @@ class StorageManager:
 
     # ---- store ------------------------------------------------------------------------------------
 
+    @_then_drain_events
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
+        return self._allocate(shape, dtype, fmt)
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype | None,
+                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
+        """`allocate` for the tiers (their reads' buffers): their events wait for the manager's call."""
         if self.hot is not None:
             return self.hot.allocate(shape, dtype, fmt)
         return self.allocator.allocate(shape, dtype, fmt)
 
+    @_then_drain_events
     def allocate_many(self, shapes: Sequence[torch.Size], dtype: torch.dtype | None,
                       fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> list[MemoryObj]:
         """Buffers for the leading `shapes` that fit (evicting as `allocate` does), in order."""
@@ -143,33 +172,36 @@ class StorageManager:
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         self.put_many([key], [memory_obj])
 
+    @_then_drain_events
     def put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         """`put` of each pair, one call per tier."""
         for tier in self.tiers:
             self._guard(tier, tier.batched_put, None, keys, objs)
-        self._changed(list(keys), [])
 
     def _promote(self, keys: list[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
         """Lower-tier hits enter the hot tier."""
         if self.hot is None:
             return
-        added = []
         for key, obj in zip(keys, objs, strict=True):
             if obj is not None:
                 self.hot.submit_put_task(key, obj)
-                added.append(key)
-        self._changed(added, [])
 
-    def _removed_locally(self, keys: list[CacheEngineKey]) -> None:
-        """A local tier dropped `keys`: those no local tier holds any more are gone."""
-        if self._listeners:
-            held = self.stored_locally(keys)
-            self._changed([], [k for k, h in zip(keys, held, strict=True) if not h])
-
-    def _changed(self, added: list[CacheEngineKey], removed: list[CacheEngineKey]) -> None:
-        if added or removed:
-            for tier in self._listeners:
-                self._guard(tier, tier.local_keys_changed, None, added, removed)
+    def drain_events(self) -> None:
+        """Take every tier's events and act on them (see the module doc); the decorated calls do
+        this as they return."""
+        touched: dict[CacheEngineKey, None] = {}
+        for tier in self.tiers:
+            for event in tier.take_events():
+                if tier.is_local:
+                    touched.update(dict.fromkeys(event.keys))
+        if not self._listeners or not touched:
+            return
+        keys = list(touched)
+        held = self.stored_locally(keys)
+        added = [k for k, h in zip(keys, held, strict=True) if h]
+        removed = [k for k, h in zip(keys, held, strict=True) if not h]
+        for tier in self._listeners:
+            self._guard(tier, tier.local_keys_changed, None, added, removed)
 
     def read_local(self, key: CacheEngineKey) -> MemoryObj | None:
         """`key`'s chunk from the first local tier that has it (one reference for the caller)."""
@@ -203,6 +235,7 @@ class StorageManager:
             lookup.tiers.append(holder)
         return lookup
 
+    @_then_drain_events
     def locate(self, keys: Sequence[CacheEngineKey], search_range: str | Iterable[str] | None = None
                ) -> list[StorageBackendInterface | None]:
         wanted = self.resolve_search_range(search_range)
@@ -227,6 +260,7 @@ class StorageManager:
 
     # ---- retrieve ---------------------------------------------------------------------------------
 
+    @_then_drain_events
     def get_prefix(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
         """Objects (one reference each, owned by the caller) for the longest cached prefix of
         `keys`."""
@@ -294,6 +328,7 @@ class StorageManager:
             self._loads.submit(self._load_batch, tier, keys, loads)
         return sum(len(b[1]) for b in batches.values())
 
+    @_then_drain_events
     def _load_batch(self, tier: StorageBackendInterface, keys: list[CacheEngineKey],
                     loads: list[_Load]) -> None:
         got: list[MemoryObj | None] = [None] * len(keys)
@@ -328,6 +363,7 @@ class StorageManager:
 
     CLEARABLE = ("hot", "disk", "all")
 
+    @_then_drain_events
     def clear(self, which: str) -> dict[str, int]:
         """Empty local tiers: "hot" (CPU memory), "disk" (the other local tiers) or "all" (every
         local tier); shared and peer tiers are never cleared from here. Chunks per tier."""
@@ -352,14 +388,14 @@ class StorageManager:
         return {t.name: bool(self._guard(t, t.healthy, False)) for t in self.tiers}
 
     def stats(self) -> dict[str, TierStats]:
-        """Each tier's counters and gauges, with what this manager counts for it: ``hits``
-        (chunks served), ``bytes_read`` and ``failures`` (calls that failed: misses)."""
+        """Each tier's counters and gauges, added to what this manager counts for it: ``hits``
+        (chunks served), ``bytes_read``, and the ``failures`` / ``skipped`` of its guard (a tier
+        that guards its own nodes or peers reports theirs; both are summed, never replaced)."""
         out = {}
         for tier in self.tiers:
-            own = self._guard(tier, tier.stats, None) or TierStats()
-            counts = self._counts[tier.name].snapshot()
-            ours = {**counts, "failures": self._faults.counts(tier.name)["failures"]}
-            out[tier.name] = TierStats({**own.counters, **ours}, own.gauges)
+            own = tier.stats()  # the tier's own counters: never the store, so never backed off from
+            ours = add_counts(self._counts[tier.name].snapshot(), self._faults.counts(tier.name))
+            out[tier.name] = TierStats(add_counts(own.counters, ours), own.gauges)
         return out
 
     def _served(self, tier: StorageBackendInterface, objs: Sequence[MemoryObj | None]) -> None:

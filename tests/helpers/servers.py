@@ -47,20 +47,27 @@ class Valkey:
     SIGKILL and started again on the same port."""
 
     def __init__(self, workdir: Path, port: int | None = None, *extra: str,
-                 sentinel_of: int | None = None) -> None:
+                 sentinel_of: int | None = None, down_after_ms: int | None = None) -> None:
+        """`sentinel_of`: be a sentinel monitoring the primary on that port (as "lmc"), which it
+        declares down after `down_after_ms` without an answer (Valkey's default, 30 s, if None)
+        and then fails over."""
         self.port = port or free_port()
         self.workdir = workdir / f"valkey-{self.port}"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.extra = extra
         self.sentinel_of = sentinel_of
+        self.down_after_ms = down_after_ms
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Valkey:
         args = [valkey_binary()]
         if self.sentinel_of is not None:
             conf = self.workdir / "sentinel.conf"
+            timing = "" if self.down_after_ms is None else (
+                f"sentinel down-after-milliseconds lmc {self.down_after_ms}\n"
+                f"sentinel failover-timeout lmc {max(2 * self.down_after_ms, 1000)}\n")
             conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
-                            f"sentinel monitor lmc 127.0.0.1 {self.sentinel_of} 1\n")
+                            f"sentinel monitor lmc 127.0.0.1 {self.sentinel_of} 1\n{timing}")
             args += [str(conf), "--sentinel"]
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

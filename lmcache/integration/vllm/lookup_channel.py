@@ -1,29 +1,37 @@
 """The scheduler asks the worker's engine how many prefix tokens are cached.
 
 vLLM runs the scheduler and the workers in separate processes and the hot tier lives in each
-worker, so lookups cross a local IPC channel: ZMQ REQ/REP over ``ipc://`` (pyzmq comes with vLLM).
+worker, so lookups cross a local IPC channel over ``ipc://`` (pyzmq comes with vLLM): a REP
+socket in each worker, a DEALER socket per rank in the scheduler.
 
-Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. Commands:
+Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. The header's
+``id`` (an int the client picks) is echoed in the reply, so a late answer to an earlier request is
+told apart. Commands:
 
 - ``{"cmd": "lookup", "lease": id, "extra_key": str|None}`` -> ``{"hit": n}`` (pins the chunks
   counted under the lease);
+- ``{"cmd": "release", "lease": id}`` -> ``{}`` (unpins them; an unknown lease is ignored);
 - ``{"cmd": "stats"}`` -> ``EngineStats.report()``: ``{"engine": ..., "tiers": ...}``, and
   ``"kernels"``: which kernels vLLM runs (`cpu_build.describe`);
 - ``{"cmd": "clear", "tier": "hot"|"disk"|"all"}`` -> ``{"cleared": {tier: chunks}}``;
 - ``{"cmd": "ping"}`` -> ``{}``.
 
-A client call that gets no answer within the timeout, or any error, counts as 0 hits; its socket
-is then replaced (a REQ socket whose reply never came cannot send again). With tensor parallelism
-the scheduler asks every rank and takes the minimum.
+With tensor parallelism the client asks every rank at once and waits for all of them until one
+deadline (`timeout`): a lookup takes as long as the slowest rank, not the sum. A rank that does not
+answer in time, or answers an error, makes the lookup 0 hits; its socket is then replaced (what it
+had not delivered yet is dropped), and the lease is released at once on every rank: the ranks that
+answered confirm it before `lookup` returns, a rank still busy with the lookup gets it right after.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,23 +71,16 @@ class LookupServer:
             if not poller.poll(100):
                 continue
             frames = self._sock.recv_multipart()
+            header: dict[str, Any] = {}
             try:
-                reply = self._answer(frames)
+                header, tokens = _request(frames)
+                reply = self._handler(header, tokens)
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
                 logger.warning("lookup request failed: %s", e)
                 reply = {"error": str(e)}
+            if "id" in header:
+                reply = {**reply, "id": header["id"]}
             self._sock.send(json.dumps(reply).encode())
-
-    def _answer(self, frames: list[bytes]) -> dict[str, Any]:
-        if not 1 <= len(frames) <= 2:
-            raise ValueError(f"expected 1 or 2 frames, got {len(frames)}")
-        header = json.loads(frames[0])
-        if not isinstance(header, dict):
-            raise ValueError("header must be a JSON object")
-        raw = frames[1] if len(frames) == 2 else b""
-        if len(raw) % 8 or len(raw) // 8 > MAX_TOKENS:
-            raise ValueError(f"token frame of {len(raw)} bytes is not a valid int64 array")
-        return self._handler(header, np.frombuffer(raw, dtype="<i8"))
 
     def close(self) -> None:
         self._stop.set()
@@ -97,66 +98,116 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's side: one REQ socket per worker rank."""
+    """The scheduler's side: one DEALER socket per worker rank, all ranks asked at once."""
 
     def __init__(self, addresses: list[str], timeout: float) -> None:
         self.addresses = addresses
-        self.timeout_ms = int(timeout * 1000)
+        self.timeout = timeout
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket | None] = [None] * len(addresses)
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._incidents = IncidentLog(logger, "LMCache lookup channel")
 
-    def _socket(self, i: int) -> zmq.Socket:
-        sock = self._socks[i]
+    def _socket(self, rank: int) -> zmq.Socket:
+        sock = self._socks[rank]
         if sock is None:
-            sock = self._ctx.socket(zmq.REQ)
+            sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.addresses[i])
-            self._socks[i] = sock
+            sock.connect(self.addresses[rank])
+            self._socks[rank] = sock
         return sock
 
-    def _ask(self, i: int, header: dict[str, Any], tokens: bytes | None) -> dict[str, Any] | None:
-        sock = self._socket(i)
-        try:
-            frames = [json.dumps(header).encode()] + ([tokens] if tokens is not None else [])
-            sock.send_multipart(frames)
-            if not sock.poll(self.timeout_ms, zmq.POLLIN):
-                raise TimeoutError(f"no answer from {self.addresses[i]} within {self.timeout_ms} ms")
-            reply = json.loads(sock.recv())
-        except Exception as e:  # noqa: BLE001 - a lookup that fails is a miss
+    def _fail(self, rank: int, why: BaseException | str) -> None:
+        """`rank` did not answer (or failed): a new socket for it, dropping what was not delivered."""
+        sock = self._socks[rank]
+        if sock is not None:
             sock.close(0)
-            self._socks[i] = None
-            self._incidents.fail(e)
+            self._socks[rank] = None
+        self._incidents.fail(why)
+
+    def _send(self, rank: int, header: dict[str, Any], tokens: bytes | None) -> zmq.Socket | None:
+        """Send a request to `rank` without waiting (None: it could not be sent)."""
+        frames = [b"", json.dumps(header).encode()] + ([tokens] if tokens is not None else [])
+        sock = self._socket(rank)
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._fail(rank, f"cannot send to {self.addresses[rank]}: {e}")
             return None
-        if "error" in reply:
-            self._incidents.fail(reply["error"])
-            return None
-        self._incidents.recover()
-        return dict(reply)
+        return sock
+
+    def _ask(self, ranks: list[int], header: dict[str, Any],
+             tokens: bytes | None = None) -> dict[int, dict[str, Any] | None]:
+        """Ask `ranks` at once and wait for their answers until one deadline; per rank its
+        answer, or None (no answer in time, or an error)."""
+        request_id = next(self._ids)
+        header = {**header, "id": request_id}
+        answers: dict[int, dict[str, Any] | None] = {}
+        waiting: dict[zmq.Socket, int] = {}
+        poller = zmq.Poller()
+        for rank in ranks:
+            sock = self._send(rank, header, tokens)
+            if sock is None:
+                answers[rank] = None
+            else:
+                waiting[sock] = rank
+                poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(max(1, int(left * 1000))):
+                reply = _reply(sock.recv_multipart())
+                if reply.get("id") != request_id:
+                    continue  # the late answer to an earlier request
+                rank = waiting.pop(sock)
+                poller.unregister(sock)
+                if "error" in reply:
+                    self._incidents.fail(f"{self.addresses[rank]}: {reply['error']}")
+                    answers[rank] = None
+                else:
+                    answers[rank] = reply
+        for rank in waiting.values():
+            self._fail(rank, TimeoutError(f"no answer from {self.addresses[rank]} within {self.timeout:g} s"))
+            answers[rank] = None
+        if all(a is not None for a in answers.values()):
+            self._incidents.recover()
+        return answers
+
+    def _all_ranks(self) -> list[int]:
+        return list(range(len(self.addresses)))
 
     def lookup(self, lease: str, tokens: list[int], extra_key: str | None) -> int:
-        """Prefix tokens cached on every rank (0 on any failure)."""
+        """Prefix tokens cached on every rank (0 on any failure: then no rank keeps the lease)."""
         data = np.asarray(tokens, dtype="<i8").tobytes()
-        header = {"cmd": "lookup", "lease": lease, "extra_key": extra_key}
         with self._lock:
-            hits = []
-            for i in range(len(self.addresses)):
-                reply = self._ask(i, header, data)
-                if reply is None:
-                    return 0
-                hits.append(int(reply.get("hit", 0)))
-        return min(hits) if hits else 0
+            answers = self._ask(self._all_ranks(), {"cmd": "lookup", "lease": lease, "extra_key": extra_key},
+                                data)
+            hits = [int(a.get("hit", 0)) for a in answers.values() if a is not None]
+            if len(hits) == len(answers):
+                return min(hits, default=0)
+            self._release(lease, answered=[r for r, a in answers.items() if a is not None],
+                          missing=[r for r, a in answers.items() if a is None])
+        return 0
+
+    def _release(self, lease: str, answered: list[int], missing: list[int]) -> None:
+        """End `lease` on every rank: the ranks that `answered` its lookup confirm it; the `missing`
+        ones get it without a wait (on their new socket: a rank still busy with the lookup ends
+        the lease right after it)."""
+        header = {"cmd": "release", "lease": lease}
+        for rank in missing:
+            self._send(rank, {**header, "id": next(self._ids)}, None)
+        self._ask(answered, header)
 
     def clear(self, tier: str) -> bool:
         """Empty `tier` on every rank; False if a rank did not confirm."""
         with self._lock:
-            replies = [self._ask(i, {"cmd": "clear", "tier": tier}, None) for i in range(len(self.addresses))]
-        return all(r is not None for r in replies)
+            answers = self._ask(self._all_ranks(), {"cmd": "clear", "tier": tier})
+        return all(a is not None for a in answers.values())
 
     def stats(self) -> list[dict[str, Any] | None]:
         with self._lock:
-            return [self._ask(i, {"cmd": "stats"}, None) for i in range(len(self.addresses))]
+            answers = self._ask(self._all_ranks(), {"cmd": "stats"})
+        return [answers[rank] for rank in self._all_ranks()]
 
     def close(self) -> None:
         with self._lock:
@@ -165,3 +216,26 @@ class LookupClient:
                     sock.close(0)
             self._socks = [None] * len(self.addresses)
         self._ctx.term()
+
+
+def _request(frames: list[bytes]) -> tuple[dict[str, Any], np.ndarray]:
+    """The header and the token ids of a request's frames; ValueError if they are malformed."""
+    if not 1 <= len(frames) <= 2:
+        raise ValueError(f"expected 1 or 2 frames, got {len(frames)}")
+    header = json.loads(frames[0])
+    if not isinstance(header, dict):
+        raise ValueError("header must be a JSON object")
+    raw = frames[1] if len(frames) == 2 else b""
+    if len(raw) % 8 or len(raw) // 8 > MAX_TOKENS:
+        raise ValueError(f"token frame of {len(raw)} bytes is not a valid int64 array")
+    return header, np.frombuffer(raw, dtype="<i8")
+
+
+def _reply(frames: list[bytes]) -> dict[str, Any]:
+    """A worker's answer as a DEALER receives it ([b"", JSON]); {} if it is not one (it then
+    matches no request)."""
+    try:
+        reply = json.loads(frames[-1])
+    except (IndexError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return reply if isinstance(reply, dict) else {}

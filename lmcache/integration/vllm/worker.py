@@ -122,6 +122,9 @@ class LMCacheWorker:
             hit = self.engine.lookup(ids, extra_key=header.get("extra_key"), lease_id=str(header["lease"]),
                                      state_ends=ends)
             return {"hit": hit}
+        if cmd == "release":  # the lookup's answer was not used (another rank did not answer)
+            self.engine.release(str(header["lease"]))
+            return {}
         if cmd == "stats":
             return {**self.engine.stats.report(), "kernels": self.kernels}
         if cmd == "clear":

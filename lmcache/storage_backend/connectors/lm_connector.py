@@ -1,7 +1,7 @@
 """lm://HOST:PORT — the lmcache server (`lmcache server`), through `LMCacheClient`.
 
 The auth token comes from the `auth_token` URL option or the LMCACHE_AUTH_TOKEN variable.
-The client's own reconnect backoff is kept short: the remote tier does the long backoff.
+Like every connector it raises on a fault; the remote tier's failure domain backs off.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from lmcache.backoff import Backoff
 from lmcache.server.client import LMCacheClient
 from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
 from lmcache.storage_backend.connectors.url import RemoteURL
@@ -23,8 +22,7 @@ class LMConnector(RemoteConnector):
             raise ValueError(f"remote_url {url.url!r}: lm:// takes exactly one host:port and no path")
         host, port = url.hosts[0]
         token = url.options.get("auth_token") or os.environ.get("LMCACHE_AUTH_TOKEN") or None
-        self.client = LMCacheClient(host, port, timeout=timeout, auth_token=token,
-                                    backoff=Backoff(initial=0.05, maximum=1.0))
+        self.client = LMCacheClient(host, port, timeout=timeout, auth_token=token)
 
     def get(self, key: str) -> Buffer | None:
         return self.client.get(key)

@@ -125,18 +125,17 @@ def test_sigterm_shuts_down_cleanly_with_connections_open(lm_server):
         c.get("k")
 
 
-def test_client_reconnects_with_backoff_after_a_server_restart(lm_server):
+def test_client_reconnects_at_the_next_call_after_a_server_restart(lm_server):
+    """The client has no backoff of its own (the caller's failure domain has): every call whose
+    server is down raises, and the first call after it is back reconnects."""
     port = free_port()
     srv = lm_server(port=port)
     c = LMCacheClient("127.0.0.1", port)
     c.put("k", b"v")
     srv.stop()
-    with pytest.raises(ConnectionError):
-        c.get("k")  # stale pooled connection, then a refused reconnect
-    t0 = time.monotonic()
-    with pytest.raises(ConnectionError, match="waiting before reconnecting"):
-        c.get("k")  # within the backoff: fails fast without trying
-    assert time.monotonic() - t0 < 0.1
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            c.get("k")  # a stale pooled connection, then refused reconnects
     lm_server(port=port)
     deadline = time.monotonic() + 5
     while True:

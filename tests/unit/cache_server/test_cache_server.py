@@ -495,16 +495,25 @@ def test_engines_attach_over_tcp_too(workers):
         server.stop()
 
 
-def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, url, workers):
-    """The server's remote tier is a real Valkey behind 0.4 s of round-trip time: while one
-    engine's load waits on it, another engine is answered at once."""
+@pytest.fixture
+def slow_remote(tmp_path):
+    """A real Valkey behind 0.5 s of round-trip time (`LatencyProxy`) and the server config that
+    makes it the server's remote tier."""
     from tests.helpers.servers import LatencyProxy, Valkey
 
     valkey = Valkey(tmp_path).start()
-    proxy = LatencyProxy(valkey.port, rtt=0.4)
-    config = tmp_path / "tiers.yaml"
+    proxy = LatencyProxy(valkey.port, rtt=0.5)
+    config = tmp_path / "slow-remote.yaml"
     config.write_text(json.dumps({"remote_url": f"redis://{proxy.url}", "remote_timeout": 10}))
-    server = CacheServerProcess(url, "--config", str(config)).start()
+    yield config
+    proxy.close()
+    valkey.kill()
+
+
+def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(url, workers, slow_remote):
+    """The server's remote tier is a real Valkey behind 0.5 s of round-trip time: while one
+    engine's load waits on it, another engine is answered at once."""
+    server = CacheServerProcess(url, "--config", str(slow_remote)).start()
     sock = raw_client(url)
     try:
         att = hello(sock, pid=os.getpid())
@@ -532,8 +541,6 @@ def test_a_load_from_a_slow_lower_tier_does_not_hold_up_other_engines(tmp_path, 
     finally:
         sock.close()
         server.stop()
-        proxy.close()
-        valkey.kill()
 
 
 def test_two_cache_servers_share_chunks_as_peers(tmp_path, workers):
@@ -565,4 +572,110 @@ def test_two_cache_servers_share_chunks_as_peers(tmp_path, workers):
             if s.proc is not None and s.proc.poll() is None:
                 s.stop()
         shm.remove_stale()  # the killed server's arena (what its successor would remove)
+        valkey.kill()
+
+
+# ---- operations never stall serving -------------------------------------------------------------
+
+def test_an_engines_requests_are_not_held_up_by_operator_lookups_against_a_slow_remote(url, slow_remote):
+    """An operator's lookup waits on the server's remote tier (0.5 s round trips) for every chunk;
+    an attached engine's stores, retrieves and leased lookups meanwhile take as long as without
+    it (medians, interleaved rounds; see `tests.helpers.ops_load`)."""
+    from tests.helpers.ops_load import EngineRequests, interleaved_rounds, operator_lookup
+    from tests.unit.cache_server.engine_worker import build
+
+    server = CacheServerProcess(url, "--config", str(slow_remote)).start()
+    engine = None
+    try:
+        engine = build(url, heartbeat_timeout=10)  # the server's first remote calls connect
+        requests = EngineRequests(engine, DOC)
+        requests.prepare(seed=30)
+        cold = [d + 5000 for d in DOC]  # never stored: the operator's lookup asks the remote tier
+        (answer,) = operator_lookup(server.http, cold)["models"].values()
+        assert answer == {"cached_tokens": 0, "tiers": {"Hot": 0, "RemoteBackend": 0}}
+        rounds = interleaved_rounds(server.http, requests, cold, rounds=6, per_op=3)
+        assert min(rounds.operator) >= 0.5, "the operator's lookups did not wait on the remote tier"
+        assert rounds.overlapped, "the engine's requests ended after the operator's lookup"
+        added = rounds.added_ms()
+        assert added["all"] < 5, f"operator lookups added {added} ms to the engine's requests " \
+                                 f"(without: {rounds.medians_ms(False)})"
+    finally:
+        if engine is not None:
+            engine.close()
+        server.stop()
+
+
+def test_clear_and_stats_do_not_wait_on_an_operator_lookup(url, slow_remote):
+    """/clear and /stats answer while an operator's lookup waits on the slow remote tier."""
+    from tests.helpers.ops_load import operator_lookup
+
+    server = CacheServerProcess(url, "--config", str(slow_remote)).start()
+    sock = raw_client(url)
+    try:
+        hello(sock, pid=os.getpid())  # the model exists: its tiers are made
+        cold = [d + 6000 for d in DOC]
+        operator_lookup(server.http, cold)  # connects the remote tier
+        thread = threading.Thread(target=operator_lookup, args=(server.http, cold))
+        t0 = time.monotonic()
+        thread.start()
+        time.sleep(0.1)
+        server.get("/stats")
+        request = urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}', method="POST")
+        urllib.request.urlopen(request, timeout=10).read()
+        answered_in = time.monotonic() - t0
+        thread.join()
+        looked_up_in = time.monotonic() - t0
+        assert looked_up_in >= 0.5 and answered_in < 0.4, (answered_in, looked_up_in)
+    finally:
+        sock.close()
+        server.stop()
+
+
+def test_a_leased_lookup_asks_the_servers_tiers_once(tmp_path, url):
+    """An engine's leased lookup (``contains``, then ``lease`` of the prefix it counted) asks the
+    server's remote tier (a real Valkey, its EXISTS calls counted by the server itself) no more
+    than a lookup without a lease does, and the lease still brings the chunks back into L1 and
+    pins them until it is released."""
+    import redis
+
+    from tests.helpers.servers import Valkey
+    from tests.unit.cache_server.engine_worker import build, kv_cache
+
+    valkey = Valkey(tmp_path).start()
+    config = tmp_path / "remote.yaml"
+    config.write_text(json.dumps({"remote_url": valkey.url, "remote_timeout": 10}))
+    server = CacheServerProcess(url, "--config", str(config)).start()
+    engine = None
+    counter = redis.Redis(port=valkey.port)
+    try:
+        engine = build(url)
+        tokens = torch.tensor(DOC)
+        engine.store(tokens, kvcaches=kv_cache(31))
+
+        def model() -> dict:
+            (stats,) = server.get("/stats")["models"].values()
+            return stats
+
+        wait_for(lambda: model()["RemoteBackend"].get("bytes_written", 0) == 8 * CHUNK_BYTES, 30, step=0.1)
+
+        def exists_calls_of(lookup) -> int:
+            urllib.request.urlopen(urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}'),
+                                   timeout=10).read()
+            before = counter.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+            assert lookup() == len(DOC)
+            return counter.info("commandstats")["cmdstat_exists"]["calls"] - before
+
+        plain = exists_calls_of(lambda: engine.lookup(tokens))
+        leased = exists_calls_of(lambda: engine.lookup(tokens, lease_id="r1"))
+        assert plain == 8 and leased == plain
+        wait_for(lambda: model()["Hot"]["chunks"] == 8, 10)  # the lease brought them back
+        (attached,) = server.get("/stats")["engines"].values()
+        assert attached["leases"] == 1
+        engine.release("r1")
+        wait_for(lambda: next(iter(server.get("/stats")["engines"].values()))["leases"] == 0, 10)
+    finally:
+        counter.close()
+        if engine is not None:
+            engine.close()
+        server.stop()
         valkey.kill()

@@ -47,3 +47,19 @@ def test_cuda_kv_without_nvcomp_uses_the_cpu_coder(serde, make_kv, within_half_s
     data = ser.to_bytes(kv)
     assert stream_of(data).coder == fmt.CODER_RANS
     within_half_step(kv.cpu(), de.from_bytes(data), data)
+
+
+@needs_nvcomp
+def test_an_altered_nvcomp_payload_byte_is_rejected(serde, make_kv, stream_of) -> None:
+    from lmcache.storage_backend.serde import blob
+    from lmcache.storage_backend.serde.serde import CorruptBlobError
+
+    data = serde[0].to_bytes(make_kv().cuda())
+    out = stream_of(data)
+    body = bytearray(out.bytestream)
+    body[len(body) // 2] ^= 0xFF  # coded data, well past nvCOMP's container header
+    out.bytestream = bytes(body)
+    head = blob.unpack(data)
+    payload = out.to_bytes()
+    with pytest.raises(CorruptBlobError):
+        serde[1].from_bytes(blob.pack_header("cachegen", head.shape, head.dtype, payload) + payload)

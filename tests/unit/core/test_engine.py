@@ -146,19 +146,19 @@ def test_full_arena_stores_fewer_chunks_and_never_crashes(caplog):
         held += engine.storage_manager.get_prefix([key])  # readers hold every chunk
     other = torch.randint(0, 1000, (16,))
 
-    def warnings() -> int:
-        return sum("arena is full" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    def arena_lines(level: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if "CPU arena full" in r.getMessage()
+                and r.levelname == level]
 
     with caplog.at_level("INFO", logger="lmcache.cache_engine"):
-        for _ in range(2):  # one incident: one warning
+        for _ in range(3):  # capacity, not a failure: counted, summarized once per interval
             engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
-        assert engine.lookup(other) == 0 and engine.stats.get("store_dropped_tokens") == 32
-        assert warnings() == 1
+        assert engine.lookup(other) == 0 and engine.stats.get("store_dropped_tokens") == 48
+        assert not arena_lines("WARNING") and len(arena_lines("INFO")) == 1
         for obj in held:
             obj.ref_count_down()
         engine.store(other, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))  # now evicts LRU
         assert engine.lookup(other) == 16
-        assert any("works again" in r.getMessage() for r in caplog.records)
     engine.memory_allocator.check_integrity()
     engine.close()
 

@@ -3,6 +3,7 @@ import torch
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryFormat, TensorMemoryAllocator
+from lmcache.storage_backend.events import EventKind
 from lmcache.storage_backend.evictor import EvictionDomain, FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
 
@@ -120,49 +121,21 @@ def test_close_releases_everything():
     assert len(b) == 0 and b.allocator.used_bytes == 0
 
 
-def test_evictions_and_removals_are_reported_after_the_tier_lock_is_released():
-    """`on_removed` may call back into any tier (the storage manager asks every local tier, peers
-    publish): the hot tier's lock must be free by then, for every thread."""
-    import threading
-
-    reports = []
-
-    def on_removed(keys):
-        free = []
-
-        def probe():
-            got = hot.lock.acquire(timeout=1)
-            free.append(got)
-            if got:
-                hot.lock.release()
-
-        t = threading.Thread(target=probe)
-        t.start()
-        t.join()
-        reports.append((list(keys), free[0]))
-
-    arena = TensorMemoryAllocator(torch.zeros(4 * ALIGN, dtype=torch.uint8))
-    hot = LocalCPUBackend(arena, on_removed=on_removed)
-    for i in range(4):
-        obj = hot.allocate(torch.Size([ALIGN]), torch.uint8)
-        hot.submit_put_task(key(i), obj)
-        obj.ref_count_down()
-    extra = hot.allocate(torch.Size([ALIGN]), torch.uint8)  # evicts key(0)
-    assert extra is not None and reports == [([key(0)], True)]
-    hot.remove(key(1))
-    assert reports[-1] == ([key(1)], True)
-    hot.check_integrity(at_rest=True)
-
-
 def test_hot_tiers_sharing_an_arena_evict_in_one_order():
     """Two hot tiers on one arena with one `EvictionDomain` (the cache server's models): a full
-    arena evicts the least recently used chunk of either tier, each reported to its own tier;
+    arena evicts the least recently used chunk of either tier, each reported by its own tier;
     a pinned chunk of the other tier is skipped. Equal keys of the two tiers stay apart."""
     arena = TensorMemoryAllocator(torch.zeros(4 * ALIGN, dtype=torch.uint8))
     domain = EvictionDomain("LRU")
+    a = LocalCPUBackend(arena, domain=domain)
+    b = LocalCPUBackend(arena, domain=domain)
     removed = {"a": [], "b": []}
-    a = LocalCPUBackend(arena, on_removed=removed["a"].extend, domain=domain)
-    b = LocalCPUBackend(arena, on_removed=removed["b"].extend, domain=domain)
+
+    def take_removed():
+        for name, tier in (("a", a), ("b", b)):
+            removed[name] += [k for e in tier.take_events() if e.kind is EventKind.REMOVED for k in e.keys]
+        return removed
+
     put(a, 0)
     put(a, 1)
     put(b, 0)  # the same key as a's first chunk, another tier's chunk
@@ -170,12 +143,12 @@ def test_hot_tiers_sharing_an_arena_evict_in_one_order():
     a.get_blocking(key(0)).ref_count_down()  # a's chunk 0 is now the most recently used
     a.pins.pin([key(1)])  # and a's chunk 1 is pinned
     put(b, 3)  # the arena is full: b's own chunk 0 is the least recently used that may go
-    assert (removed, b.num_evicted, a.num_evicted) == ({"a": [], "b": [key(0)]}, 1, 0)
+    assert (take_removed(), b.num_evicted, a.num_evicted) == ({"a": [], "b": [key(0)]}, 1, 0)
     put(b, 4)  # next: a's chunk 1 is pinned, so b's chunk 2
-    assert removed == {"a": [], "b": [key(0), key(2)]}
+    assert take_removed() == {"a": [], "b": [key(0), key(2)]}
     a.pins.unpin([key(1)])
     put(b, 5)  # now a's chunk 1, the least recently used, goes: b evicted a's chunk
-    assert removed == {"a": [key(1)], "b": [key(0), key(2)]} and a.num_evicted == 1
+    assert take_removed() == {"a": [key(1)], "b": [key(0), key(2)]} and a.num_evicted == 1
     assert sorted(k.chunk_hash for k in a.keys()) == [key(0).chunk_hash]
     assert b.contains(key(3)) and b.contains(key(4)) and b.contains(key(5)) and not b.contains(key(0))
     a.check_integrity(at_rest=True)

@@ -184,3 +184,54 @@ def test_a_triton_kernel_that_cannot_launch_falls_back_to_torch_ops(caplog):
     conn.from_gpu(obj, 0, CHUNK, **src.kwargs(slots))
     assert torch.equal(obj.tensor, src.rows(slots))
     assert copier.kernel == "torch" and "torch ops from now on" in caplog.text
+
+
+def test_the_triton_kernel_claims_16_byte_rows_only_where_every_row_start_is_aligned():
+    pytest.importorskip("triton")
+    from lmcache.gpu_connector import triton_rows
+    from lmcache.gpu_connector.sources import KVSources
+
+    base = torch.zeros(2 * 2048 + 1, dtype=torch.bfloat16)
+    aligned = [base[i * 2048: (i + 1) * 2048].view(4, 16, 2, 16) for i in range(2)]
+    tables = torch.tensor([[0, 1], [0, 32], [512, 512]])
+    assert triton_rows.vector_width(KVSources(aligned, 32), tables) == 8
+    shifted = [base[1 + i * 2048: 1 + (i + 1) * 2048].view(4, 16, 2, 16) for i in range(2)]
+    assert triton_rows.vector_width(KVSources(shifted, 32), tables) == 1  # 2-byte aligned sources
+    assert triton_rows.vector_width(KVSources(aligned, 32), tables + 1) == 1  # buffer rows off by one
+
+
+@pytest.mark.parametrize("heads, tokens", [(1, 64), (8, 8)])
+def test_the_triton_kernel_moves_16_byte_vectors_when_rows_are_aligned(heads, tokens):
+    """Compiled ahead of time for an H100 (sm_90; Triton's own ptxas, no GPU needed): with
+    VEC=8, every bf16 access of the tile is a 16-byte vector, without it 2-byte scalars."""
+    triton = pytest.importorskip("triton")
+    import re
+
+    from lmcache.gpu_connector import triton_rows
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    names = ["src", "src_offsets", "slots", "buf", "row_offsets", "source_strides", "num_tokens",
+             "block_size", "block_stride", "token_stride", "head_stride", "num_heads"]
+    types = ["*i16", "*i64", "*i64", "*i16", "*i64", "*i64", "i32", "i32", "i64", "i64", "i64", "i32"]
+    signature = {**dict(zip(names, types, strict=True)),
+                 **{k: "constexpr" for k in ("SCATTER", "TOKENS", "HEADS", "HEAD_SIZE", "HEAD_DIM", "VEC")}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # as Triton specializes them
+    stores, scalar_loads = {}, {}
+    for vec in (8, 1):
+        constexprs = {"SCATTER": False, "TOKENS": tokens, "HEADS": heads, "HEAD_SIZE": 128,
+                      "HEAD_DIM": 128, "VEC": vec}
+        try:
+            kernel = triton.compile(ASTSource(fn=triton_rows._copy_rows_kernel, signature=signature,
+                                              constexprs=constexprs, attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32))
+        except Exception as e:  # noqa: BLE001 - no ptxas / another Triton API: nothing to check here
+            pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {e}")
+        ptx = kernel.asm["ptx"]
+        stores[vec] = set(re.findall(r"st\.global[.\w]*", ptx))
+        scalar_loads[vec] = "ld.global.b16" in ptx
+    assert stores[8] == {"st.global.v4.b32"} and not scalar_loads[8]
+    assert stores[1] == {"st.global.b16"} and scalar_loads[1]  # VEC=1: scalars, right for any alignment

@@ -17,6 +17,7 @@ from lmcache.pd import nixl_agent
 from lmcache.pd.sender import PDSender
 from lmcache.pd.wire import recv_message, send_message
 from lmcache.storage_backend import pd_backend
+from lmcache.storage_backend.events import EventKind, RemovalReason
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.servers import free_port
 
@@ -132,6 +133,33 @@ def test_without_a_hot_tier_the_receive_buffer_hands_its_object_over_and_frees_i
         assert n == 24 and torch.equal(got, kv)
         assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
         assert rx.lookup(tokens) == 0  # handed over once
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_the_receive_buffer_reports_what_arrives_and_what_it_hands_over(monkeypatch):
+    rx = receiver_engine(local_cpu=False)
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    tier = rx.storage_manager.backends["PDBackend"]
+    seen = []
+    take = tier.take_events
+
+    def recorded():
+        events = take()
+        seen.extend(events)
+        return events
+
+    monkeypatch.setattr(tier, "take_events", recorded)  # what the storage manager takes
+    try:
+        tokens, _ = stored(tx, 24)
+        sender.send(address(rx), tokens)
+        assert loaded(rx, tokens)[1] == 24
+        arrived = [k for e in seen if e.kind is EventKind.STORED for k in e.keys]
+        handed = [k for e in seen if e.reason is RemovalReason.HANDED_OVER for k in e.keys]
+        assert len(arrived) == 3 and handed == arrived and {e.tier for e in seen} == {"PDBackend"}
     finally:
         sender.close()
         tx.close()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lmcache.config import LMCacheEngineConfig
+from lmcache.observability import LOG_INTERVAL
 from lmcache.storage_backend.connectors.base import RemoteConnector
 from lmcache.storage_backend.remote_backend import RemoteBackend
 from tests.helpers.clock import ManualClock
@@ -89,8 +90,35 @@ def test_a_failing_store_is_a_miss_warned_once_per_incident_and_retried_after_ba
     store.down = {"even"}
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        backend.get_blocking(key(2))
-    assert len([r for r in caplog.records if "treated as a cache miss" in r.message]) == 1  # a new incident
+        backend.get_blocking(key(2))  # a new incident within LOG_INTERVAL of the warning: a debug line
+        assert not [r for r in caplog.records if "treated as a cache miss" in r.message]
+        store.down = set()
+        store.clock.advance(LOG_INTERVAL)
+        assert backend.get_blocking(key(2)) is not None
+        store.down = {"even"}
+        backend.get_blocking(key(2))  # the interval has passed: it warns, counting the one unlogged
+    (warning,) = [r for r in caplog.records if "treated as a cache miss" in r.message]
+    assert "1 more incidents" in warning.message
+
+
+def test_write_faults_are_counted_once_as_failed_puts_never_as_written(remote, make_obj, key):
+    """The node's failure domain counts the fault (``failures``, then ``skipped`` while backing
+    off); the put queue counts the put as failed or not attempted, never as written."""
+    backend, store = remote
+    put(backend, key(0), make_obj(0))
+    written = backend.stats().counters
+    assert written["puts_written"] == 1 and written["bytes_written"] > 0
+    store.down = {"even", "odd"}
+    for i in range(1, 5):
+        put(backend, key(i), make_obj(i))
+    after = backend.stats().counters
+    assert (after["puts_written"], after["bytes_written"]) == (1, written["bytes_written"])
+    assert after["failures"] == 2 and after["skipped"] == 2  # one failure per domain, then backoff
+    assert after["puts_failed"] == 2 and after["puts_dropped"] == 2
+    store.down = set()
+    store.clock.advance(0.05)
+    put(backend, key(5), make_obj(5))
+    assert backend.stats().counters["puts_written"] == 2 and store.data
 
 
 def test_one_failing_domain_does_not_disable_the_others(remote, make_obj, key):

@@ -165,3 +165,26 @@ def test_a_failing_tier_is_a_miss_backed_off_counted_and_warned_once(disk_config
     clock.advance(0.5)
     assert sm.contains_prefix([key(0)]).hits == 1 and sm.health()["LocalDiskBackend"]
     sm.close()
+
+
+def test_a_tiers_failures_add_up_over_the_guards_that_caught_them(disk_config, meta, key, make_obj,
+                                                                   monkeypatch):
+    """A failed read is the manager's to count, a failed background write the put queue's; the
+    tier's numbers are their sum (merged, never one replacing the other)."""
+    sm = StorageManager(disk_config(), meta, MixedMemoryAllocator(1 << 20))
+    disk = sm.backends["LocalDiskBackend"]
+
+    def eio(*args):  # I/O errors a healthy test disk cannot produce
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk, "batched_contains", eio)
+    monkeypatch.setattr(disk.puts, "_write", eio)
+    store(sm, [key(0)], make_obj, [0])
+    assert disk.puts.flush(5)
+    sm.clear("hot")
+    assert sm.contains_prefix([key(0)]).hits == 0
+    counters = sm.stats()["LocalDiskBackend"].counters
+    assert counters["failures"] == 2 and counters["puts_failed"] == 1
+    assert counters["puts_written"] == 0 and counters["bytes_written"] == 0
+    monkeypatch.undo()
+    sm.close()

