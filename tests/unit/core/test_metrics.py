@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lmcache.metrics import merge_intervals, rank_payload
 from lmcache.observability import EngineStats, TierStats
 from tests.helpers.paged_kv import PagedKV, build_engine
+from tests.helpers.prometheus import metric_types
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -109,12 +110,6 @@ def test_vllm_stats_and_prometheus_classes_record_what_the_engine_counted(engine
 
     registry = CollectorRegistry()
 
-    def bound(cls):
-        class Bound(cls):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, registry=registry, **kwargs)
-        return Bound
-
     use(engine)
     rank0 = LMCacheKVConnectorStats(data=rank_payload(engine.stats, 0))
     hot_then = engine.stats.tiers()["Hot"].gauges["bytes_used"]
@@ -122,7 +117,7 @@ def test_vllm_stats_and_prometheus_classes_record_what_the_engine_counted(engine
     rank1 = LMCacheKVConnectorStats(data=rank_payload(engine.stats, 1))
     total = rank0.aggregate(rank1)
     assert not total.is_empty() and total.reduce()["stored_tokens"] == 48
-    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    types = metric_types(registry)
     vllm_config = SimpleNamespace(kv_transfer_config=None)
     prom = LMCachePromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["smol", "0"]})
     prom.observe(total.data, 0)

@@ -116,17 +116,12 @@ def test_chunks_vllms_own_prefix_cache_served_are_not_audited():
 
 
 def test_audits_add_up_over_ranks_and_reach_prometheus_by_tier_group_kind_and_result():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client import CollectorRegistry
 
     from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
+    from tests.helpers.prometheus import metric_types
 
     registry = CollectorRegistry()
-
-    def bound(cls):
-        class Bound(cls):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, registry=registry, **kwargs)
-        return Bound
 
     rank0 = LMCacheKVConnectorStats(data={"audits": {"Hot": {"full": {"exact": 2, "mismatch": 1}}}})
     rank1 = LMCacheKVConnectorStats(data={"audits": {"Hot": {"full": {"exact": 1}},
@@ -134,7 +129,7 @@ def test_audits_add_up_over_ranks_and_reach_prometheus_by_tier_group_kind_and_re
     total = rank0.aggregate(rank1)
     assert not total.is_empty()
     assert total.reduce() == {"audits_exact": 3, "audits_mismatch": 1, "audits_within_rounding": 4}
-    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    types = metric_types(registry)
     prom = LMCachePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
                               {0: ["smol", "0"]})
     prom.observe(total.data, 0)
