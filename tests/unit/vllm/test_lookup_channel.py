@@ -36,7 +36,7 @@ def test_lookup_round_trip_and_minimum_over_ranks():
 
 def test_unreachable_or_slow_worker_is_a_miss_and_the_client_recovers():
     addr = address()
-    client = LookupClient([addr], timeout=0.2)
+    client = LookupClient([addr], timeout=1.0)  # the recovery connects and is answered in time under load
     assert client.lookup("r", [1, 2], None) == 0  # nobody listening yet
     server = LookupServer(addr, lambda header, tokens: {"hit": len(tokens)})
     try:
