@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -183,6 +184,24 @@ def forget_logged_once() -> None:
         _logged_once.clear()
 
 
+class _Pace:
+    """At most one event per `interval` seconds of `clock` (the caller holds its own lock)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last: float | None = None
+
+    def due(self) -> float | None:
+        """None if the last event was under `interval` ago; else the seconds since it (inf for
+        the first), and now is the last event."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            return None
+        elapsed, self._last = (math.inf if self._last is None else now - self._last), now
+        return elapsed
+
+
 class IncidentLog:
     """Logs a failure once per incident: the first `fail` after a `recover` (or the start) warns
     (with the traceback if `with_traceback`: for failures that are bugs, not outages), repeats are
@@ -199,11 +218,10 @@ class IncidentLog:
         self._consequence = consequence
         self._with_traceback = with_traceback
         self._interval = interval
-        self._clock = clock
+        self._warnings = _Pace(interval, clock)
         self._lock = threading.Lock()
         self._failing = False
         self._warned = False  # whether the current incident was announced
-        self._warned_at: float | None = None
         self._suppressed = 0  # incidents since the last warning that were not announced
         self.incidents = 0
 
@@ -214,10 +232,9 @@ class IncidentLog:
             self._failing = True
             if new:
                 self.incidents += 1
-                now = self._clock()
-                warn = self._warned = self._warned_at is None or now - self._warned_at >= self._interval
+                warn = self._warned = self._warnings.due() is not None
                 if warn:
-                    self._warned_at, suppressed, self._suppressed = now, self._suppressed, 0
+                    suppressed, self._suppressed = self._suppressed, 0
                 else:
                     self._suppressed += 1
         if warn:
@@ -253,9 +270,8 @@ class CapacityLog:
         self._what = what
         self._unit = unit
         self._interval = interval
-        self._clock = clock
+        self._lines = _Pace(interval, clock)
         self._lock = threading.Lock()
-        self._logged_at: float | None = None
         self._times = 0
         self._amount = 0.0
         self.total = 0
@@ -265,11 +281,11 @@ class CapacityLog:
             self.total += 1
             self._times += 1
             self._amount += amount
-            now = self._clock()
-            if self._logged_at is not None and now - self._logged_at < self._interval:
+            elapsed = self._lines.due()
+            if elapsed is None:
                 return
-            since = "" if self._logged_at is None else f" in the last {now - self._logged_at:.0f} s"
+            since = "" if elapsed == math.inf else f" in the last {elapsed:.0f} s"
             times, amount = self._times, self._amount
-            self._logged_at, self._times, self._amount = now, 0, 0.0
+            self._times, self._amount = 0, 0.0
         self._logger.info("%s %d time(s)%s (%g %s; summarized at most once per %g s)", self._what,
                           times, since, amount, self._unit, self._interval)
