@@ -383,7 +383,8 @@ class CacheServerClient(MemoryAllocatorInterface):
     def commit(self, keys: Sequence[CacheEngineKey], objs: Sequence[Any]) -> int:
         """Make the slots `objs` (filled) the server's chunks for `keys`, in one message; how many
         were committed (not: objects that are not slots of the current attachment, or committed
-        already)."""
+        already). The message is one-way: this client's next request is answered after the server
+        applied it; another engine's may be answered before."""
         with self._io:
             attachment = self.attachment
             pairs = [(k, o) for k, o in zip(keys, objs, strict=True)

@@ -62,6 +62,9 @@ def test_two_engines_on_a_cache_server_share_a_prefill(tiny_llama: Any, tmp_path
         first = one.prefill(ids)
         assert (first.num_cached_tokens, first.num_computed_tokens) == (0, 70)
         assert one.engine.gpu_connector.drain(30)  # type: ignore[attr-defined]
+        # The commit is a one-way message: engine one's next request, on the same socket, is
+        # answered after it; engine two's, on its own socket, might have been answered before.
+        assert one.engine.lookup(ids[0]) == 70
         second = two.prefill(ids)
         assert (second.num_cached_tokens, second.num_computed_tokens) == (69, 1)
         for a, b in zip(first.past_key_values.layers, second.past_key_values.layers):
