@@ -93,6 +93,9 @@ class StorageBackendInterface(abc.ABC):
     publishes_local_keys: ClassVar[bool] = False
     promote_hits: bool = True
     events: TierEvents | None = None  # set by a tier that reports what it stores and drops
+    # the kind of memory the tier keeps chunks in, as vLLM's KV events name it ("CPU", "STORAGE");
+    # None: its events are not published to subscribers (`StorageManager.publish_events`)
+    medium: ClassVar[str | None] = None
 
     @classmethod
     def create(cls, ctx: TierContext) -> StorageBackendInterface | None:

@@ -19,11 +19,13 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from lmcache.cache_key import CacheEngineKey
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS = 4096  # events a buffer keeps until they are taken; the oldest go first
+E = TypeVar("E")
 
 
 class EventKind(enum.Enum):
@@ -47,18 +49,54 @@ class TierEvent:
     reason: RemovalReason | None = None  # set for REMOVED only
 
 
-class TierEvents:
-    """A tier's bounded, thread-safe event buffer. When `max_events` are waiting, the oldest is
-    dropped (logged once until the next `take`; a lost event only leaves a peer registration
-    stale, which readers see as a miss). A buffer nobody has taken from yet (a tier used on its
-    own, as the seed API does) keeps the latest events without a word."""
+class EventBuffer(Generic[E]):
+    """A bounded, thread-safe buffer of events. When `max_events` are waiting, the oldest is
+    dropped and counted (`num_dropped`; logged once until the next `take`). A buffer nobody has
+    taken from yet keeps the latest events without a word."""
 
-    def __init__(self, tier: str, max_events: int = MAX_EVENTS) -> None:
-        self.tier = tier
+    def __init__(self, name: str, max_events: int = MAX_EVENTS) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        self.name = name
         self._lock = threading.Lock()
-        self._events: deque[TierEvent] = deque(maxlen=max_events)
+        self._events: deque[E] = deque(maxlen=max_events)
         self._overflowed = True  # not worth a warning until someone takes events
         self.num_dropped = 0
+
+    def append(self, event: E) -> None:
+        with self._lock:
+            full = len(self._events) == self._events.maxlen
+            self._events.append(event)
+            if not full:
+                return
+            self.num_dropped += 1
+            first = not self._overflowed
+            self._overflowed = True
+        if first:
+            logger.warning("the %s event buffer is full (%d events not taken): dropping the oldest",
+                           self.name, self._events.maxlen)
+
+    def __len__(self) -> int:
+        """Events waiting to be taken."""
+        with self._lock:
+            return len(self._events)
+
+    def take(self) -> list[E]:
+        """The events since the last `take`, oldest first."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            self._overflowed = False
+        return events
+
+
+class TierEvents(EventBuffer[TierEvent]):
+    """A tier's event buffer (a lost event only leaves a peer registration or a subscriber's view
+    stale, which readers see as a miss)."""
+
+    def __init__(self, tier: str, max_events: int = MAX_EVENTS) -> None:
+        super().__init__(f"{tier} tier's", max_events)
+        self.tier = tier
 
     def stored(self, keys: Sequence[CacheEngineKey]) -> None:
         self._add(EventKind.STORED, keys, None)
@@ -70,30 +108,5 @@ class TierEvents:
         self._add(EventKind.CLEARED, keys, None)
 
     def _add(self, kind: EventKind, keys: Sequence[CacheEngineKey], reason: RemovalReason | None) -> None:
-        if not keys and kind is not EventKind.CLEARED:
-            return
-        event = TierEvent(kind, self.tier, tuple(keys), reason)
-        with self._lock:
-            full = len(self._events) == self._events.maxlen
-            self._events.append(event)
-            if not full:
-                return
-            self.num_dropped += 1
-            first = not self._overflowed
-            self._overflowed = True
-        if first:
-            logger.warning("the %s tier's event buffer is full (%d events not taken): dropping the oldest",
-                           self.tier, self._events.maxlen)
-
-    def __len__(self) -> int:
-        """Events waiting to be taken."""
-        with self._lock:
-            return len(self._events)
-
-    def take(self) -> list[TierEvent]:
-        """The events since the last `take`, oldest first."""
-        with self._lock:
-            events = list(self._events)
-            self._events.clear()
-            self._overflowed = False
-        return events
+        if keys or kind is EventKind.CLEARED:
+            self.append(TierEvent(kind, self.tier, tuple(keys), reason))

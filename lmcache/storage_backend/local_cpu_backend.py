@@ -32,6 +32,7 @@ class LocalCPUBackend(StorageBackendInterface):
     aliases = ("LocalCPUBackend",)  # upstream's later name for it
     lookup_order = 0
     is_local = True
+    medium = "CPU"
     may_fail = False
 
     def __init__(self, allocator: MemoryAllocatorInterface, policy: str = "LRU",

@@ -55,6 +55,7 @@ class LocalDiskBackend(LowerTierBackend):
     name = "LocalDiskBackend"
     lookup_order = 10
     is_local = True
+    medium = "STORAGE"
     may_fail = True
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,

@@ -5,6 +5,10 @@ redis-sentinel://, redis-cluster://; see `connectors/url.py`); chunks are serial
 `remote_serde`, and every blob carries the checksummed header, so a truncated or foreign value is
 a miss (and is deleted, so that it can be stored again).
 
+What this process writes, removes and deletes as corrupt it reports as events (`events`); the
+store's own evictions (a Valkey `maxmemory` policy, an lm:// server's LRU) and other instances'
+writes are invisible from here and are never reported.
+
 Failure is a miss. The failing part is the connector's `failure_domain` of a key: the whole
 server, or one node of a cluster; the tier guards each one (`FailureDomains`, `backoff` /
 `max_backoff` URL options), because one batch spans several nodes and a dead node must cost only
@@ -37,6 +41,7 @@ from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import TierContext
 from lmcache.storage_backend.connectors import RemoteConnector, create_connector, parse_remote_url
+from lmcache.storage_backend.events import RemovalReason, TierEvents
 from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
@@ -54,6 +59,7 @@ class RemoteBackend(LowerTierBackend):
     lookup_order = 20
     is_local = False
     may_fail = True
+    medium = "STORAGE"
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, allocate: AllocateFn,
                  pools: TierPools | None = None, connector: RemoteConnector | None = None,
@@ -69,6 +75,7 @@ class RemoteBackend(LowerTierBackend):
         super().__init__(allocate, pools)
         self.serde_name = config.remote_serde or "naive"
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self.events: TierEvents = TierEvents(self.name)
         self._count_lock = threading.Lock()
         self.num_corrupt = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
@@ -85,6 +92,10 @@ class RemoteBackend(LowerTierBackend):
     def _remote_key(self, key: CacheEngineKey) -> str:
         ns = self.url.namespace
         return f"{ns}:{key.to_string()}" if ns else key.to_string()
+
+    def _key_of(self, remote_key: str) -> CacheEngineKey:
+        ns = self.url.namespace
+        return CacheEngineKey.from_string(remote_key.removeprefix(f"{ns}:") if ns else remote_key)
 
     def _domain_label(self, name: str) -> str:
         return f"remote store {self.url.url}" + ("" if name == "*" else f" node {name}")
@@ -125,7 +136,10 @@ class RemoteBackend(LowerTierBackend):
 
     def remove(self, key: CacheEngineKey) -> bool:
         rk = self._remote_key(key)
-        return self._call(rk, lambda: self.connector.delete(rk), False)
+        removed = self._call(rk, lambda: self.connector.delete(rk), False)
+        if removed:
+            self.events.removed([key], RemovalReason.DELETED)
+        return removed
 
     def _write(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         tensor = obj.tensor
@@ -134,6 +148,7 @@ class RemoteBackend(LowerTierBackend):
         rk = self._remote_key(key)
         parts = self.serializer.to_parts(tensor)
         self._run(rk, lambda: self.connector.put(rk, parts))
+        self.events.stored([key])
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
         """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a
@@ -222,6 +237,7 @@ class RemoteBackend(LowerTierBackend):
             self.num_corrupt += 1
         logger.warning("deleting corrupt remote value %r: %s", remote_key, error)
         self._call(remote_key, lambda: self.connector.delete(remote_key), False)
+        self.events.removed([self._key_of(remote_key)], RemovalReason.CORRUPT)
 
     def _close(self) -> None:
         if self._decodes is not None:

@@ -29,7 +29,10 @@ manager takes every tier's events when a call that may have changed the tiers re
 put, locate, get, prefetch, clear; events of a tier's own threads wait for the next such call)
 and does the follow-up there: the keys the local tiers stored or dropped are announced to the
 tiers that `publishes_local_keys` (the peer tier) as held or gone, by what the local tiers hold
-at that moment (a chunk evicted from memory may still be on disk).
+at that moment (a chunk evicted from memory may still be on disk). After `publish_events()`,
+the events of the tiers with a `medium` are also kept, in a bounded buffer (`published`, the oldest
+dropped and counted), for whoever publishes them to subscribers (vLLM's KV events: the connector,
+the cache server's publisher); `take_published` drains the tiers first.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, Me
 from lmcache.memory_management.tensor_allocator import allocate_leading
 from lmcache.observability import Counters, TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
+from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer, TierEvent
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -114,6 +118,8 @@ class StorageManager:
         self.leases = LeaseTable(self.pins)
         # empty until the tiers exist: a tier's threads may ask `has_local` while it starts up
         self.tiers: list[StorageBackendInterface] = []
+        self.published: EventBuffer[TierEvent] | None = None
+        self._drain_lock = threading.Lock()
         self.tiers = create_tiers(TierContext(config, metadata, allocator, self._allocate, self.pins,
                                               self.read_local, lambda key: self.stored_locally([key])[0],
                                               eviction))
@@ -127,6 +133,15 @@ class StorageManager:
         self._loading: dict[CacheEngineKey, _Load] = {}
         self._loads = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="lmcache-prefetch")
         self._closed = False
+
+    def publish_events(self, max_events: int = MAX_EVENTS) -> None:
+        """From now on keep the events of the tiers with a `medium` for `take_published`."""
+        self.published = EventBuffer("published tier", max_events)
+
+    def take_published(self) -> list[TierEvent]:
+        """The events kept since the last call, oldest first (none unless `publish_events`)."""
+        self.drain_events()
+        return self.published.take() if self.published is not None else []
 
     @property
     def backends(self) -> dict[str, StorageBackendInterface]:
@@ -190,10 +205,14 @@ class StorageManager:
         """Take every tier's events and act on them (see the module doc); the decorated calls do
         this as they return."""
         touched: dict[CacheEngineKey, None] = {}
-        for tier in self.tiers:
-            for event in tier.take_events():
-                if tier.is_local:
-                    touched.update(dict.fromkeys(event.keys))
+        published = self.published
+        with self._drain_lock:  # events taken by two threads reach `published` in order
+            for tier in self.tiers:
+                for event in tier.take_events():
+                    if tier.is_local:
+                        touched.update(dict.fromkeys(event.keys))
+                    if published is not None and tier.medium is not None:
+                        published.append(event)
         if not self._listeners or not touched:
             return
         keys = list(touched)
