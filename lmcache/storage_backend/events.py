@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from lmcache.cache_key import CacheEngineKey
 
@@ -47,6 +47,13 @@ class TierEvent:
     tier: str
     keys: tuple[CacheEngineKey, ...]
     reason: RemovalReason | None = None  # set for REMOVED only
+
+
+class PublishedEvent(NamedTuple):
+    """A tier's event as published to subscribers: `medium` is the tier's (`"CPU"`, `"STORAGE"`)."""
+
+    medium: str
+    event: TierEvent
 
 
 class EventBuffer(Generic[E]):

@@ -54,7 +54,7 @@ from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, Me
 from lmcache.memory_management.tensor_allocator import allocate_leading
 from lmcache.observability import Counters, TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
-from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer, TierEvent
+from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer, PublishedEvent
 from lmcache.storage_backend.evictor import EvictionDomain
 from lmcache.storage_backend.leases import LeaseTable, PinTable
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -118,7 +118,7 @@ class StorageManager:
         self.leases = LeaseTable(self.pins)
         # empty until the tiers exist: a tier's threads may ask `has_local` while it starts up
         self.tiers: list[StorageBackendInterface] = []
-        self.published: EventBuffer[TierEvent] | None = None
+        self.published: EventBuffer[PublishedEvent] | None = None
         self._drain_lock = threading.Lock()
         self.tiers = create_tiers(TierContext(config, metadata, allocator, self._allocate, self.pins,
                                               self.read_local, lambda key: self.stored_locally([key])[0],
@@ -138,7 +138,7 @@ class StorageManager:
         """From now on keep the events of the tiers with a `medium` for `take_published`."""
         self.published = EventBuffer("published tier", max_events)
 
-    def take_published(self) -> list[TierEvent]:
+    def take_published(self) -> list[PublishedEvent]:
         """The events kept since the last call, oldest first (none unless `publish_events`)."""
         self.drain_events()
         return self.published.take() if self.published is not None else []
@@ -212,7 +212,7 @@ class StorageManager:
                     if tier.is_local:
                         touched.update(dict.fromkeys(event.keys))
                     if published is not None and tier.medium is not None:
-                        published.append(event)
+                        published.append(PublishedEvent(tier.medium, event))
         if not self._listeners or not touched:
             return
         keys = list(touched)
