@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -46,7 +47,9 @@ def _cache_server(args: argparse.Namespace) -> int:
     if args.size_gb <= 0 or args.heartbeat <= 0:
         raise SystemExit("lmcache cache-server: --size-gb and --heartbeat must be > 0")
     try:
-        config = LMCacheEngineConfig.from_file(args.config) if args.config else None
+        config = LMCacheEngineConfig.from_file(args.config) if args.config else LMCacheEngineConfig()
+        if args.kv_events is not None:
+            config = dataclasses.replace(config, kv_events_endpoint=args.kv_events)
         server = CacheServer(args.url, int(args.size_gb * (1 << 30)), config, heartbeat=args.heartbeat)
     except (ValueError, OSError) as e:
         raise SystemExit(f"lmcache cache-server: {e}") from None
@@ -192,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--http-host", default="127.0.0.1", help="address of the operations endpoint (/health, "
                    "/stats, /metrics, /lookup, /clear, /pin, /unpin)")
     c.add_argument("--http-port", type=int, default=0, help="port of the operations endpoint (0 = any)")
+    c.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the tiers' KV events in vLLM's format on this ZMQ endpoint (tcp://*:PORT "
+                        "binds, tcp://HOST:PORT connects); overrides the config's kv_events_endpoint")
     c.set_defaults(func=_cache_server)
     x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
     x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")

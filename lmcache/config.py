@@ -94,6 +94,9 @@ class LMCacheEngineConfig:
       1/factor**2; see benchmarks/RESULTS.md);
     - `p2p_ttl`: seconds an instance's peer registrations outlive its last heartbeat;
     - `controller_url`: ``host:port`` of the engine's HTTP controller (None = none);
+    - `kv_events_endpoint` (cache server): a ZMQ endpoint (``tcp://*:PORT`` binds, ``tcp://HOST:PORT``
+      connects, ``ipc://PATH``) where an `lmcache cache-server` publishes its tiers' KV events in
+      vLLM's format (None = none; a vLLM engine publishes with vLLM's ``--kv-events-config``);
     - `clear_hot_on_reset`: a serving engine's cache reset (vLLM's connector-cache reset) also
       empties the hot tier;
     - `verify_rate`, `verify_max_mismatches`, `verify_seed` (vLLM connector): the fraction of
@@ -154,6 +157,7 @@ class LMCacheEngineConfig:
     local_disk_fsync: bool = False
     p2p_ttl: float = 10.0
     controller_url: str | None = None
+    kv_events_endpoint: str | None = None
     clear_hot_on_reset: bool = False
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -233,6 +237,8 @@ class LMCacheEngineConfig:
         if self.enable_p2p:
             _check(self.lookup_url is not None and self.distributed_url is not None, "enable_p2p",
                    True, "needs lookup_url and distributed_url")
+        _check(self.kv_events_endpoint is None or self.kv_events_endpoint.startswith(("tcp://", "ipc://")),
+               "kv_events_endpoint", self.kv_events_endpoint, "must be tcp://HOST:PORT, tcp://*:PORT or ipc://PATH")
         self._validate_pd()
         self._validate_cache_server()
 

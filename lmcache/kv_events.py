@@ -11,7 +11,8 @@ this module turns them into those events:
   vLLM's own medium); chunks removed or cleared become one ``BlockRemoved`` per event with their
   blocks' hashes. A clear is not ``AllBlocksCleared``: that event names no medium, so a
   subscriber would also drop vLLM's own blocks and the other tiers'. A chunk `blocks_of` knows
-  nothing about is left out and counted (`Translated.unknown`).
+  nothing about is left out and counted (`Translated.unknown`); one that covers no whole block
+  (a short trailing chunk) is left out too.
 - The same structs as vLLM's (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `KVEventBatch`:
   same names, fields and msgspec options, so vLLM's decoder reads them) for a process without
   vLLM (the cache server); `VLLM_TYPES` picks vLLM's own classes where vLLM is loaded.
@@ -96,7 +97,7 @@ class ChunkBlocks:
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     lora_name: str | None = None
     lora_id: int | None = None
@@ -119,8 +120,9 @@ def to_kv_events(published: Iterable[PublishedEvent],
         if event.kind is EventKind.STORED:
             for key in event.keys:
                 info = blocks_of(key)
-                if info is None or not info.block_hashes:
+                if info is None:
                     out.unknown += 1
+                if info is None or not info.block_hashes:
                     continue
                 out.events.append(types.stored(
                     block_hashes=list(info.block_hashes), parent_block_hash=info.parent_block_hash,

@@ -17,6 +17,9 @@ copies the chunk into the arena at the slot's offset, and `commit` makes it visi
 key; until then nobody can read it. A `get` hands out offsets of chunks held for that engine until
 it `release`s them: the server never evicts or reuses memory an engine may still be reading.
 
+With `kv_events_endpoint` (``--kv-events``) the server publishes what its tiers store and drop
+as vLLM KV events on a ZMQ endpoint of its own (`kv_events`).
+
 The operations endpoint (`ops`, its own threads) takes a snapshot of the models under the lock
 and waits on their tiers without it: an operator's lookup, clear or stats call against a slow
 remote store never holds up an engine's request.
@@ -51,6 +54,7 @@ import zmq
 
 from lmcache.cache_key import CacheEngineKey, dtype_tag
 from lmcache.cache_server import messages as m
+from lmcache.cache_server.kv_events import ServerEvents
 from lmcache.cache_server.messages import BadMessage
 from lmcache.cache_server.shm import SharedArena, process_alive, remove_stale
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
@@ -123,6 +127,7 @@ class CacheServer:
 
     def __init__(self, url: str, arena_bytes: int, config: LMCacheEngineConfig | None = None,
                  heartbeat: float = 1.0) -> None:
+        """With `config.kv_events_endpoint`, the tiers' KV events are published there (`kv_events`)."""
         if heartbeat <= 0:
             raise ValueError(f"heartbeat must be > 0 seconds, got {heartbeat}")
         self.config = dataclasses.replace(config or LMCacheEngineConfig(), local_cpu=True,
@@ -145,7 +150,10 @@ class CacheServer:
         self._pushers: list[zmq.Socket] = []
         self._pusher = threading.local()
         self._io = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="lmcache-server-io")
+        self.kv_events: ServerEvents | None = None
         try:
+            if self.config.kv_events_endpoint is not None:
+                self.kv_events = ServerEvents(self.config.kv_events_endpoint, self._event_sources)
             self.socket.bind(url)
             self.url = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
             for name in remove_stale():
@@ -153,6 +161,8 @@ class CacheServer:
             self.arena = SharedArena.create(arena_bytes)
         except BaseException:
             self._io.shutdown()
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.socket.close()
             self._answers.close()
             self._zmq.term()
@@ -325,6 +335,8 @@ class CacheServer:
                 folder = label.replace("/", "_").replace(":", "_")
                 config = dataclasses.replace(config, local_disk=str(Path(config.local_disk) / folder))
             storage = StorageManager(config, metadata, self.allocator, eviction=self.eviction)
+            if self.kv_events is not None:
+                storage.publish_events()
             tokens = ChunkedTokenDatabase(config, metadata)
             model = self.models[label] = Model(label, metadata, storage, tokens)
         return model
@@ -471,6 +483,9 @@ class CacheServer:
         with self.lock:
             return list(self.models.values())
 
+    def _event_sources(self) -> list[tuple[StorageManager, int]]:
+        return [(model.storage, model.tokens.chunk_size) for model in self._models()]
+
     def health(self) -> dict[str, Any]:
         tiers = {model.label: model.storage.health() for model in self._models()}
         ok = all(all(t.values()) for t in tiers.values())
@@ -526,6 +541,8 @@ class CacheServer:
         """Give back everything, close the tiers, the socket and the arena (removed)."""
         self.stop()
         self._io.shutdown(wait=True)
+        if self.kv_events is not None:
+            self.kv_events.close()
         with self.lock:
             for engine in list(self.engines.values()):
                 self._reap(engine, "the server stops")

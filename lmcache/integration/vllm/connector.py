@@ -12,6 +12,8 @@ at start-up with a ValueError naming the field. Loads happen before the forward 
 model of several KV cache groups, whose loads vLLM waits for as asynchronous ones); saves happen
 after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
 through vLLM's connector-metrics hooks into vLLM's own ``/metrics`` (`integration.vllm.metrics`).
+With vLLM's KV events on (``--kv-events-config``), what LMCache's tiers store and drop is
+published with vLLM's own events (`integration.vllm.kv_events`).
 
 The connector implements `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and gives it
 every KV cache group. Both sides read the groups (`kv_groups.model_kv`); a model the connector
@@ -23,9 +25,11 @@ without it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -39,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
 )
 
+from lmcache.integration.vllm.kv_events import SchedulerEvents, events_enabled
 from lmcache.integration.vllm.kv_groups import ModelKV, UnsupportedModel, model_kv
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
@@ -58,6 +63,8 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: LMCacheScheduler | None = None
         self._worker: LMCacheWorker | None = None
         self.kv: ModelKV | None = None
+        scheduler_events = role == KVConnectorRole.SCHEDULER and events_enabled(vllm_config)
+        self._events = SchedulerEvents() if scheduler_events else None
         try:
             self.kv = model_kv(vllm_config, kv_cache_config, config)
         except UnsupportedModel as e:
@@ -110,6 +117,9 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         return self._worker.get_transfer_results(finished_req_ids)
 
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self._worker.take_events() if self._worker is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
@@ -140,8 +150,15 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._events is not None and connector_output.kv_cache_events is not None:
+            self._events.add(connector_output.kv_cache_events)
         if self._scheduler is not None and connector_output.failed_recving:
             self._scheduler.loads_failed(connector_output.failed_recving)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """LMCache's tiers' KV events the workers reported since the last call (vLLM publishes
+        them with its own)."""
+        return self._events.take() if self._events is not None else ()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self._scheduler is None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from lmcache.integration.vllm.kv_events import PlanBlocks
 
 
 @dataclass
@@ -22,7 +26,8 @@ class RequestPlan:
     the tokens below it came from vLLM's own prefix cache when the request was admitted (an audit
     compares only KV vLLM computed for the request).
     Send (a prefill instance, `lmcache.pd`): after this step's save, send the KV of the prompt,
-    ``token_ids[:send_tokens]``, to the decoder's KV receiver `send_to` ("host:port")."""
+    ``token_ids[:send_tokens]``, to the decoder's KV receiver `send_to` ("host:port").
+    `blocks`: with vLLM's KV events on, the request's vLLM blocks over `token_ids` (`kv_events`)."""
 
     req_id: str
     token_ids: list[int]
@@ -38,6 +43,7 @@ class RequestPlan:
     send_to: str | None = None
     send_tokens: int = 0
     fresh_from: int = 0
+    blocks: PlanBlocks | None = None
 
     @property
     def has_load(self) -> bool:

@@ -22,6 +22,8 @@
   ``kv_transfer_params`` name a KV receiver gets, in the step that completes its prompt, a plan
   to send the prompt's KV there (after that step's save). A malformed receiver is logged once and
   ignored (the decoder then computes the prompt).
+- KV events (vLLM's `enable_kv_cache_events`, `kv_events`): a plan that saves or loads carries the
+  request's vLLM block hashes over its tokens, which the worker maps its chunk keys to.
 - `request_finished`: forgets the request; reports the tokens it planned to load in
   `kv_transfer_params["lmcache_loaded_tokens"]`. Saves are synchronous, so blocks are never held.
 """
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache.config import LMCacheEngineConfig
+from lmcache.integration.vllm.kv_events import events_enabled, plan_blocks
 from lmcache.integration.vllm.kv_groups import ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
@@ -74,6 +77,9 @@ class LMCacheScheduler:
         self.kv = kv
         self.load_async = len(kv.groups) > 1
         self.states = bool(kv.state_groups)
+        # the blocks KV events name: those of the one KV cache group (see `kv_events`)
+        self.event_block_size = kv.token_groups[0].block_size \
+            if events_enabled(vllm_config) and len(kv.groups) == 1 else 0
         self._lookups: dict[str, tuple[int, int]] = {}  # req id -> (cached tokens, vLLM's hit)
         self._reqs: dict[str, _Tracked] = {}
         self._failed: set[str] = set()  # requests whose load failed: vLLM recomputes them
@@ -185,6 +191,8 @@ class LMCacheScheduler:
         if plan.has_load or plan.has_save or plan.has_send:
             plan.token_ids = list(request.all_token_ids[: max(plan.retrieve_to, plan.save_to,
                                                               plan.save_state_at, plan.send_tokens)])
+            if self.event_block_size and (plan.has_load or plan.save_to > plan.save_from):
+                plan.blocks = plan_blocks(request, len(plan.token_ids), self.event_block_size)
             plans.append(plan)
 
     def request_finished(self, request: Any) -> dict[str, Any]:

@@ -16,6 +16,9 @@
   background).
 - `get_transfer_results`: ends the lookup leases of finished requests; reports the asynchronous
   loads carried out in this step (done, or failed).
+- KV events (vLLM's `enable_kv_cache_events`; `kv_events`): the blocks of each planned load and
+  save are recorded by chunk key; `take_events` (after every step) turns what the tiers stored and
+  dropped since into vLLM's events.
 - Audits (`verify_rate` > 0, `audit.Auditor`): the lookup answers 0 for an audited request (and
   for every request once audits found `verify_max_mismatches` mismatches); its save hands the
   audited chunks' fresh KV to the auditor instead of storing them.
@@ -42,6 +45,7 @@ from lmcache.integration.vllm.engine_setup import (
     connector_kvcaches,
     vllm_layout,
 )
+from lmcache.integration.vllm.kv_events import LMCacheKVEvents, WorkerEvents, events_enabled
 from lmcache.integration.vllm.kv_groups import ModelKV, unsupported
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
@@ -68,6 +72,7 @@ class LMCacheWorker:
         self.server: LookupServer | None = None
         self.sender: PDSender | None = None  # a prefill instance's KV channel (`lmcache.pd`)
         self.auditor: Auditor | None = None  # self-verification (`verify_rate`)
+        self.events: WorkerEvents | None = None  # vLLM's KV events (`kv_events`)
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()  # asynchronous loads done in this step
         self._failed_loads: set[str] = set()
@@ -108,6 +113,8 @@ class LMCacheWorker:
                 self.engine.controller.tokenize = lazy_tokenizer(vc.model_config.tokenizer)
             if self.config.enable_pd and self.config.pd_role == "sender":
                 self.sender = PDSender(self.engine, self.config, self.rank)
+            if events_enabled(vc) and len(self.kv.groups) == 1:
+                self.events = WorkerEvents(self.engine)
             if self.config.verify_rate > 0:
                 self.auditor = Auditor(self.engine, self.kv, rate=self.config.verify_rate,
                                        max_mismatches=self.config.verify_max_mismatches,
@@ -148,14 +155,29 @@ class LMCacheWorker:
     def start_load_kv(self, metadata: LMCacheConnectorMetadata) -> None:
         for plan in metadata.requests:
             if plan.has_load and self.engine is not None:
+                self._record_blocks(plan, 0)
                 self.load(plan)
 
     def wait_for_save(self, metadata: LMCacheConnectorMetadata) -> None:
         for plan in metadata.requests:
             if plan.has_save and self.engine is not None:
+                self._record_blocks(plan, plan.save_from)
                 self.save(plan)
             if plan.has_send and self.sender is not None:
                 self.send(plan)
+
+    def _record_blocks(self, plan: RequestPlan, from_token: int) -> None:
+        if self.events is not None and self.engine is not None and plan.blocks is not None:
+            self.engine.bugs.call(f"recording request {plan.req_id}'s blocks for KV events",
+                                  partial(self.events.record, plan.token_ids, plan.extra_key, plan.blocks,
+                                          from_token), None)
+
+    def take_events(self) -> LMCacheKVEvents | None:
+        """What the tiers stored and dropped since the last call, as vLLM's KV events (None: KV
+        events are off, or there are none)."""
+        if self.events is None or self.engine is None:
+            return None
+        return self.engine.bugs.call("taking the tiers' KV events", self.events.take, None)
 
     def load(self, plan: RequestPlan) -> int:
         """Load `plan`'s prefix; what could not be loaded is reported (vLLM then recomputes it):

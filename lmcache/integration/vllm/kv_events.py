@@ -1,0 +1,191 @@
+"""LMCache's tiers in vLLM's KV events (on only when vLLM's `kv_events_config.enable_kv_cache_events` is).
+
+Where each part runs. The tiers live in the workers, so their events (`StorageManager.
+take_published`) are taken there after every step (`get_kv_connector_kv_cache_events`) and travel
+to the EngineCore in vLLM's `KVConnectorOutput.kv_cache_events` (`LMCacheKVEvents`); the scheduler
+side collects them (`update_connector_output`) and vLLM's scheduler publishes what `take_events`
+yields with its own events, in the same batch on the same ZMQ socket. So events leave with an
+engine step: an idle engine publishes them with its next step, as it does its own.
+
+A chunk key names no vLLM block, and the worker sees no block hashes: the scheduler side sends,
+with every plan that saves or loads, the request's vLLM block hashes, LoRA and extra keys
+(`PlanBlocks`, `plan_blocks`); the worker keeps, per chunk key, the blocks that chunk covers
+(`BlockIndex`: bounded, least recently recorded dropped first). A chunk ``[s, e)`` covers the blocks
+that end inside it (``s < end <= e``), so a trailing partial block (which vLLM does not hash
+either) is never reported. A chunk whose blocks the worker does not know (one loaded from disk
+after a restart, or recorded too long ago) is left out of the events and counted
+(``kv_events_unknown_chunks``): a subscriber learns only about chunks it can name, and is told of
+their removal as long as the index still knows them.
+
+With several ranks (tensor parallelism) an event is published when every rank reported it in the
+same step (`LMCacheKVEvents.aggregate`): a prefix one rank does not hold is of no use. Only
+models with one KV cache group are reported (vLLM's block hashes are those of that group).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+
+from lmcache.cache_engine import LMCacheEngine
+from lmcache.cache_key import CacheEngineKey
+from lmcache.kv_events import BlockHash, ChunkBlocks, to_kv_events, vllm_types
+from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer
+
+logger = logging.getLogger(__name__)
+MAX_CHUNKS = 16384  # chunk keys whose blocks a worker remembers (about 1 KB each at 256 tokens)
+
+
+def events_enabled(vllm_config: Any) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+@dataclass
+class PlanBlocks:
+    """A request's vLLM blocks over a plan's tokens (``token_ids[: len(block_hashes) * block_size]``):
+    their hashes as vLLM publishes them, one extra-keys entry per block (or None)."""
+
+    block_hashes: list[BlockHash]
+    block_size: int
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+def plan_blocks(request: Any, num_tokens: int, block_size: int) -> PlanBlocks:
+    """The blocks of `request` (a vLLM `Request`) that lie within its first `num_tokens` tokens."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        maybe_convert_block_hash,
+        to_event_extra_keys,
+    )
+
+    hashes = request.block_hashes[: num_tokens // block_size]
+    extra: list[tuple[Any, ...] | None] = []
+    mm = 0
+    for i in range(len(hashes)):
+        keys, mm = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm)
+        extra.append(keys)
+    lora = request.lora_request
+    return PlanBlocks([maybe_convert_block_hash(h) for h in hashes], block_size,
+                      lora.name if lora is not None else None, lora.adapter_id if lora is not None else None,
+                      to_event_extra_keys(extra))
+
+
+class BlockIndex:
+    """Chunk key -> the blocks it covers (`ChunkBlocks`), for at most `max_chunks` keys."""
+
+    def __init__(self, max_chunks: int = MAX_CHUNKS) -> None:
+        self.max_chunks = max_chunks
+        self._chunks: OrderedDict[CacheEngineKey, ChunkBlocks] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, key: CacheEngineKey) -> ChunkBlocks | None:
+        return self._chunks.get(key)
+
+    def record(self, spans: Iterable[tuple[int, int, CacheEngineKey]], token_ids: Sequence[int],
+               blocks: PlanBlocks) -> None:
+        """Remember the blocks each chunk ``(start, end, key)`` of `spans` covers."""
+        bs, hashes = blocks.block_size, blocks.block_hashes
+        for start, end, key in spans:
+            first, last = start // bs, min(end // bs, len(hashes))
+            last = max(first, last)  # a chunk inside one block covers none: it is never reported
+            extra = blocks.extra_keys[first:last] if blocks.extra_keys else None
+            self._chunks[key] = ChunkBlocks(
+                hashes[first:last], hashes[first - 1] if first > 0 else None,
+                array("q", token_ids[first * bs : last * bs]),  # type: ignore[arg-type]
+                bs, blocks.lora_name, blocks.lora_id,
+                extra if extra and any(e is not None for e in extra) else None)
+            self._chunks.move_to_end(key)
+            if len(self._chunks) > self.max_chunks:
+                self._chunks.popitem(last=False)
+
+
+class LMCacheKVEvents(KVConnectorKVEvents):
+    """One step's events of each worker (vLLM merges the workers' into the first one's)."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None) -> None:
+        self._by_worker: list[list[KVCacheEvent]] = [list(events or [])]
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        """Another worker's events (vLLM then calls `increment_workers`, counted here already)."""
+        self._by_worker.append(list(events))
+
+    def increment_workers(self, count: int = 1) -> None:
+        return
+
+    def get_number_of_workers(self) -> int:
+        return len(self._by_worker)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return [e for events in self._by_worker for e in events]
+
+    def clear_events(self) -> None:
+        self._by_worker = [[]]
+
+    def aggregate(self) -> LMCacheKVEvents:
+        """The first worker's events that every other worker reported too, in its order."""
+        others = [Counter(events) for events in self._by_worker[1:]]
+        kept = []
+        for event in self._by_worker[0]:
+            if all(c[event] > 0 for c in others):
+                for c in others:
+                    c[event] -= 1
+                kept.append(event)
+        return LMCacheKVEvents(kept)
+
+
+class WorkerEvents:
+    """The worker side: block info recorded from the plans, the tiers' events turned into vLLM's."""
+
+    def __init__(self, engine: LMCacheEngine, max_chunks: int = MAX_CHUNKS) -> None:
+        self.engine = engine
+        self.index = BlockIndex(max_chunks)
+        self._types = vllm_types()
+        engine.storage_manager.publish_events()
+
+    def record(self, token_ids: Sequence[int], extra_key: str | None, blocks: PlanBlocks,
+               from_token: int) -> None:
+        """Remember the blocks of the chunks of `token_ids` (the keys the engine stores them
+        under) that end after `from_token`."""
+        if len(blocks.block_hashes) * blocks.block_size <= from_token:
+            return
+        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        spans = self.engine.token_database.process_tokens(tokens, extra_key=extra_key)
+        self.index.record([s for s in spans if s[1] > from_token], token_ids, blocks)
+
+    def take(self) -> LMCacheKVEvents | None:
+        translated = to_kv_events(self.engine.storage_manager.take_published(), self.index.get, self._types)
+        if translated.unknown:
+            self.engine.stats.add("kv_events_unknown_chunks", translated.unknown)
+        return LMCacheKVEvents(translated.events) if translated.events else None
+
+
+class SchedulerEvents:
+    """The scheduler side: the workers' events of each step, until vLLM takes them (bounded: the
+    oldest are dropped and counted when vLLM does not take them)."""
+
+    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+        self._events: EventBuffer[KVCacheEvent] = EventBuffer("connector KV", max_events)
+
+    @property
+    def num_dropped(self) -> int:
+        return self._events.num_dropped
+
+    def add(self, step: Any) -> None:
+        if isinstance(step, LMCacheKVEvents):
+            for event in step.aggregate().get_all_events():
+                self._events.append(event)
+
+    def take(self) -> list[KVCacheEvent]:
+        return self._events.take()
