@@ -679,3 +679,51 @@ def test_a_leased_lookup_asks_the_servers_tiers_once(tmp_path, url):
             engine.close()
         server.stop()
         valkey.kill()
+
+
+# ---- KV events ----------------------------------------------------------------------------------
+
+def test_the_servers_tiers_are_published_as_kv_events_and_a_clear_within_a_second(tmp_path, url):
+    """With ``--kv-events`` a subscriber decoding with vLLM's classes sees each stored chunk in
+    L1 ("CPU") and on disk ("STORAGE") as the server's lookup does, a clear of L1 within a second
+    on an idle server, and malformed control messages are still answered."""
+    pytest.importorskip("vllm")
+    from tests.helpers.kv_events import Subscriber
+    from tests.unit.cache_server.engine_worker import build, kv_cache
+
+    sub = Subscriber()
+    config = tmp_path / "disk.yaml"
+    config.write_text(json.dumps({"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}))
+    server = CacheServerProcess(url, "--config", str(config), "--kv-events", sub.endpoint).start()
+    engine = None
+    try:
+        engine = build(url)
+        tokens = torch.tensor(DOC)
+        engine.store(tokens, kvcaches=kv_cache(41))
+        chunks = [bytes.fromhex(h) for h in engine.token_database.chunk_hashes(tokens)]
+        wait_for(lambda: sub.leading(chunks, "CPU") == sub.leading(chunks, "STORAGE") == 8, 10)
+        (model,) = server.get("/stats")["models"]
+        lookup = urllib.request.Request(server.http + "/lookup", data=json.dumps({"tokens": DOC}).encode())
+        with urllib.request.urlopen(lookup, timeout=10) as response:
+            assert json.loads(response.read())["models"][model]["tiers"] == {"Hot": 64, "LocalDiskBackend": 64}
+
+        cleared = time.monotonic()
+        urllib.request.urlopen(urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}'),
+                               timeout=10).read()
+        wait_for(lambda: sub.leading(chunks, "CPU") == 0, 5)
+        assert time.monotonic() - cleared < 1.0
+        assert sub.leading(chunks, "STORAGE") == 8
+
+        sock = raw_client(url)
+        for frames in ([b"\xff\x00garbage"], [m.encode({"op": "get", "id": 1, "keys": 5})]):
+            reply = ask_raw(sock, frames)
+            assert reply is not None and reply["ok"] is False and reply["error"]
+        sock.close()
+        assert engine.lookup(tokens) == len(DOC)  # served from disk, as before
+        with sub.lock:
+            assert sub.undecodable == 0 and sub.seqs == list(range(len(sub.seqs)))
+    finally:
+        if engine is not None:
+            engine.close()
+        server.stop()
+        sub.close()
