@@ -705,7 +705,8 @@ def test_the_servers_tiers_are_published_as_kv_events_and_a_clear_within_a_secon
         (model,) = server.get("/stats")["models"]
         lookup = urllib.request.Request(server.http + "/lookup", data=json.dumps({"tokens": DOC}).encode())
         with urllib.request.urlopen(lookup, timeout=10) as response:
-            assert json.loads(response.read())["models"][model]["tiers"] == {"Hot": 64, "LocalDiskBackend": 64}
+            tiers = json.loads(response.read())["models"][model]["tiers"]
+        assert tiers == {"Hot": 64, "LocalDiskBackend": 64}
 
         cleared = time.monotonic()
         urllib.request.urlopen(urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}'),
