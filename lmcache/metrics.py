@@ -54,6 +54,7 @@ DOCS = {
     "retrieve_hit_tokens": "Tokens whose KV was retrieved into the serving engine",
     "errors": "Requests the cache could not serve because of a failure (each was a miss)",
     "load_error_blocks": "KV blocks reported to vLLM as failed loads (vLLM recomputed them)",
+    "kv_events_unknown_chunks": "Chunks left out of vLLM's KV events (their blocks unknown)",
     "tier_hits": "Chunks a tier served",
     "tier_bytes_read": "Bytes of KV a tier served",
     "tier_bytes_written": "Bytes of KV written to a tier",
