@@ -24,7 +24,6 @@ this module turns them into those events:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +35,6 @@ import zmq
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.storage_backend.events import EventKind, PublishedEvent
-
-logger = logging.getLogger(__name__)
 
 BlockHash = bytes | int  # vLLM's ExternalBlockHash
 

@@ -24,7 +24,6 @@ models with one KV cache group are reported (vLLM's block hashes are those of th
 
 from __future__ import annotations
 
-import logging
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -39,7 +38,6 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.kv_events import BlockHash, ChunkBlocks, to_kv_events, vllm_types
 from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer
 
-logger = logging.getLogger(__name__)
 MAX_CHUNKS = 16384  # chunk keys whose blocks a worker remembers (about 1 KB each at 256 tokens)
 
 
