@@ -159,3 +159,26 @@ def test_namespace_prefixes_every_key(meta, allocator, make_obj, key):
     put(backend, key(1), make_obj(1))
     assert list(store.data) == ["team-a:" + key(1).to_string()]
     backend.close()
+
+
+def test_the_remote_tier_reports_what_this_process_wrote_deleted_and_found_corrupt(meta, allocator, make_obj,
+                                                                                    key):
+    from lmcache.storage_backend.events import EventKind, RemovalReason
+
+    store = FlakyStore()
+    config = LMCacheEngineConfig.from_defaults(remote_url="lm://127.0.0.1:1?namespace=ns:x")
+    backend = RemoteBackend(config, meta, allocator.allocate, connector=store)
+    for i in range(3):
+        put(backend, key(i), make_obj(i))
+    assert backend.remove(key(0)) and not backend.remove(key(0))
+    rk = "ns:x:" + key(1).to_string()
+    store.data[rk] = store.data[rk][:-10]
+    assert backend.get_blocking(key(1)) is None
+    store.down = {"even", "odd"}
+    put(backend, key(3), make_obj(3))  # a failed write is not reported
+    events = [(e.kind, e.keys, e.reason) for e in backend.take_events()]
+    assert sorted(events[:3], key=str) == [(EventKind.STORED, (key(i),), None) for i in range(3)]
+    assert events[3:] == [(EventKind.REMOVED, (key(0),), RemovalReason.DELETED),
+                          (EventKind.REMOVED, (key(1),), RemovalReason.CORRUPT)]
+    assert backend.medium == "STORAGE"
+    backend.close()
