@@ -52,24 +52,34 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from lmcache.backoff import Backoff
-from lmcache.observability import Counters, IncidentLog
+from lmcache.observability import Counters
 from lmcache.pd.params import with_receiver
+from lmcache.router.http import (
+    Backend,
+    ClientSession,
+    base_url,
+    error_response,
+    health_of,
+    json_object,
+    new_app,
+    passed_on,
+    relay_stream,
+    relayed,
+    serve,
+    sse_error,
+)
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "prefilled", "prefill_failures", "prefill_skipped", "prefill_rejected",
             "decoder_failures", "bad_requests")
-MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
-DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
 
 
 class KVHandoff:
@@ -144,8 +154,8 @@ class ProxyConfig:
     health_timeout: float = 2.0
 
     def __post_init__(self) -> None:
-        self.prefillers = tuple(_base_url("prefillers", url) for url in self.prefillers)
-        self.decoders = tuple(_base_url("decoders", url) for url in self.decoders)
+        self.prefillers = tuple(base_url("prefillers", url) for url in self.prefillers)
+        self.decoders = tuple(base_url("decoders", url) for url in self.decoders)
         self.decoder_kv = tuple(_address("decoder_kv", a) for a in self.decoder_kv)
         if not self.prefillers or not self.decoders:
             raise ValueError("prefillers and decoders: at least one of each is needed")
@@ -175,18 +185,6 @@ class ProxyConfig:
                    host, port, prefill_timeout)
 
 
-def _base_url(field: str, value: str) -> str:
-    url = value if "://" in value else f"http://{value}"
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises on a port that is not one
-    except ValueError as e:
-        raise ValueError(f"{field}: {value!r} is not a URL: {e}") from e
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(f"{field}: {value!r} is not an http(s)://HOST:PORT URL")
-    return url.rstrip("/")
-
-
 def _address(field: str, value: str) -> str:
     host, _, port = value.rpartition(":")
     if not (host and port.isdigit() and 0 < int(port) < 65536):
@@ -205,33 +203,8 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
     return out
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
-
-
-class Backend:
-    """One vLLM instance: its failures are an incident and make it backed off from."""
-
-    def __init__(self, role: str, url: str, backoff: float, kv: str = "") -> None:
-        self.url = url
-        self.kv = kv  # a decoder's KV receiver address
-        self.sent = 0
-        self.backoff = Backoff(backoff, max(backoff, 30.0))
-        consequence = "its requests go straight to a decoder" if role == "prefiller" else "answered 503"
-        self.incidents = IncidentLog(logger, f"{role} {url}", consequence=consequence)
-
-    def failed(self, error: BaseException | str) -> None:
-        self.incidents.fail(error)
-        self.backoff.failed()
-
-    def answered(self) -> None:
-        self.incidents.recover()
-        self.backoff.succeeded()
+PREFILLER_DOWN = "its requests go straight to a decoder"
+DECODER_DOWN = "answered 503"
 
 
 class RoundRobin:
@@ -262,37 +235,27 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.handoff = HANDOFFS[config.kv_protocol]
-        self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff)
+        self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff, PREFILLER_DOWN, logger)
                                       for url in config.prefillers])
         kv = config.decoder_kv or ("",) * len(config.decoders)
-        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, address)
+        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, DECODER_DOWN, logger, address)
                                     for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
-        self._session: aiohttp.ClientSession | None = None
-
-    async def session_context(self, app: web.Application) -> AsyncIterator[None]:
-        """One client session (unbounded connection pool) for the app's life."""
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=DECODE_TIMEOUT)
-        yield
-        await self._session.close()
+        self.client = ClientSession()
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "the proxy's app is not running"
-        return self._session
+        return self.client.session
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.counters.add("requests")
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            body = json_object(raw)
         except ValueError as e:
             self.counters.add("bad_requests")
-            return error_response(400, f"the body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            self.counters.add("bad_requests")
-            return error_response(400, f"the body must be a JSON object, not a {type(body).__name__}")
-        headers = _passed_on(request)
+            return error_response(400, str(e))
+        headers = passed_on(request)
         decoder = self.decoders.next()
         rejected, answer = await self._prefill(request.path, body, decoder, headers)
         if rejected is not None:
@@ -330,7 +293,7 @@ class Proxy:
         prefiller.answered()
         if status >= 400:
             self.counters.add("prefill_rejected")
-            return _relayed(status, answer, content_type), None
+            return relayed(status, answer, content_type), None
         self.counters.add("prefilled")
         return None, answer
 
@@ -338,29 +301,17 @@ class Proxy:
                       stream: bool) -> web.StreamResponse:
         """Relays `decoder`'s answer to `request` (POSTing `body`, or GET when None) on the same path."""
         decoder.sent += 1
-        headers = _passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
+        headers = passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
         try:
             async with self.session.request("GET" if body is None else "POST", decoder.url + request.path,
                                             data=body, headers=headers) as r:
                 if stream and r.status == 200:
-                    return await self._relay_stream(request, r, decoder)
+                    return await relay_stream(request, r, self._chunks(r, decoder))
                 answer = await r.read()
         except aiohttp.ClientError as e:
             return error_response(503, self._decoder_failed(decoder, e))
         decoder.answered()
-        return _relayed(r.status, answer, r.headers.get("Content-Type"))
-
-    async def _relay_stream(self, request: web.Request, answer: aiohttp.ClientResponse,
-                            decoder: Backend) -> web.StreamResponse:
-        content_type = answer.headers.get("Content-Type", "text/event-stream")
-        out = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-        try:
-            await out.prepare(request)
-            async for chunk in self._chunks(answer, decoder):
-                await out.write(chunk)
-        except ConnectionResetError:
-            pass  # the client left (leaving the caller's `async with` drops the decoder's answer)
-        return out
+        return relayed(r.status, answer, r.headers.get("Content-Type"))
 
     async def _chunks(self, answer: aiohttp.ClientResponse, decoder: Backend) -> AsyncIterator[bytes]:
         """The decoder's stream as it arrives; if the decoder dies, an SSE error event ends it."""
@@ -368,7 +319,7 @@ class Proxy:
             async for chunk in answer.content.iter_any():
                 yield chunk
         except aiohttp.ClientError as e:
-            yield f"data: {json.dumps(error_body(503, self._decoder_failed(decoder, e)))}\n\n".encode()
+            yield sse_error(503, self._decoder_failed(decoder, e))
             return
         decoder.answered()
 
@@ -379,14 +330,9 @@ class Proxy:
         return f"decoder {decoder.url} failed: {str(error) or type(error).__name__}"
 
     async def health(self, request: web.Request) -> web.Response:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
-
         async def healthy(backend: Backend) -> dict[str, Any]:
-            try:
-                async with self.session.get(backend.url + "/health", timeout=timeout) as r:
-                    return {"url": backend.url, "healthy": r.status == 200}
-            except (aiohttp.ClientError, TimeoutError):
-                return {"url": backend.url, "healthy": False}
+            return {"url": backend.url,
+                    "healthy": await health_of(self.session, backend.url, self.config.health_timeout)}
 
         prefillers = await asyncio.gather(*(healthy(b) for b in self.prefillers.backends))
         decoders = await asyncio.gather(*(healthy(b) for b in self.decoders.backends))
@@ -401,37 +347,9 @@ class Proxy:
         return web.json_response(counts)
 
 
-def _relayed(status: int, body: bytes, content_type: str | None) -> web.Response:
-    headers = {"Content-Type": content_type or "application/json"}
-    return web.Response(body=body, status=status, headers=headers)
-
-
-def _passed_on(request: web.Request) -> dict[str, str]:
-    auth = request.headers.get("Authorization")
-    return {} if auth is None else {"Authorization": auth}
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (404, 405, 413) and bugs answered in OpenAI's error shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return error_response(e.status, e.reason)
-    except Exception as e:
-        logger.exception("proxy: %s %s failed", request.method, request.path)
-        return error_response(500, f"proxy error: {e}")
-
-
 def build_app(config: ProxyConfig) -> web.Application:
     proxy = Proxy(config)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
-    app.cleanup_ctx.append(proxy.session_context)
+    app = new_app(proxy.client)
     app.router.add_post("/v1/completions", proxy.generate)
     app.router.add_post("/v1/chat/completions", proxy.generate)
     app.router.add_get("/v1/models", proxy.models)
@@ -443,10 +361,7 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def start(config: ProxyConfig) -> web.AppRunner:
     """Serves in the running event loop until `await runner.cleanup()`; `runner.addresses` has the
     bound port (for ``port=0``)."""
-    runner = web.AppRunner(build_app(config), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner
+    return await serve(build_app(config), config.host, config.port)
 
 
 def run(config: ProxyConfig) -> None:
