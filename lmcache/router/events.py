@@ -101,8 +101,7 @@ class EventSubscriber:
         self.endpoint = endpoint
         self.batches = self.malformed = self.missed = 0
         self._apply = apply
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         self._sock.set_hwm(hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
@@ -123,20 +122,24 @@ class EventSubscriber:
 
     def take(self, frames: list[bytes]) -> None:
         """One received message: counted, applied, or (malformed) counted and skipped."""
-        try:
-            if len(frames) != 3 or len(frames[1]) != 8:
-                raise ValueError(f"{len(frames)} frames; expected [topic, seq, payload]")
-            seq = int.from_bytes(frames[1], "big")
-            events = decode_batch(frames[2])
-        except ValueError as e:
-            self.malformed += 1
-            logger.debug("kv events from %s: malformed message skipped: %s", self.endpoint, e)
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._skip(f"{len(frames)} frames; expected [topic, seq (8 bytes), payload]")
             return
+        seq = int.from_bytes(frames[1], "big")
         if self._last_seq is not None and seq > self._last_seq + 1:
             self.missed += seq - self._last_seq - 1
         self._last_seq = seq
+        try:
+            events = decode_batch(frames[2])
+        except ValueError as e:
+            self._skip(str(e))
+            return
         self.batches += 1
         self._apply(events)
+
+    def _skip(self, why: str) -> None:
+        self.malformed += 1
+        logger.debug("kv events from %s: malformed message skipped: %s", self.endpoint, why)
 
     def counts(self) -> dict[str, int]:
         return {"batches": self.batches, "malformed": self.malformed, "missed": self.missed}

@@ -274,11 +274,14 @@ def _served_hits(answer: bytes) -> int | None:
     return None
 
 
+ROUTER = web.AppKey("router", Router)  # the app's router, for tests and embedders
+
+
 def build_app(config: RouterConfig) -> web.Application:
     router = Router(config)
     app = new_app(router.client)
     app.cleanup_ctx.append(router.lifetime)
-    app["router"] = router
+    app[ROUTER] = router
     app.router.add_post("/v1/completions", router.generate)
     app.router.add_post("/v1/chat/completions", router.generate)
     app.router.add_get("/v1/models", router.models)
