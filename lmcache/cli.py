@@ -83,7 +83,8 @@ def _router(args: argparse.Namespace) -> int:
                              "not --instance")
         try:
             pd = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
-                                   args.host, args.port, args.prefill_timeout)
+                                   args.host, args.port, args.prefill_timeout, args.prefill_policy,
+                                   args.prefiller_kv_events or "", args.model)
         except ValueError as e:
             raise SystemExit(f"lmcache {args.command}: {e}") from None
         _log_to_stderr()
@@ -121,6 +122,13 @@ def _add_pd_arguments(x: argparse.ArgumentParser, required: bool) -> None:
     x.add_argument("--port", type=int, default=8000, help="TCP port")
     x.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="seconds to wait for a prefiller before the decoder answers alone")
+    x.add_argument("--prefill-policy", default="round-robin", choices=("round-robin", "session", "kv-aware"),
+                   help="how the prefiller is picked (kv-aware: by the prefix each holds and its load; needs "
+                        "--prefiller-kv-events and --model)")
+    x.add_argument("--prefiller-kv-events", default=None,
+                   help="each prefiller's KV events endpoint (vLLM's --kv-events-config), same order")
+    x.add_argument("--model", help="the model's folder, for its tokenizer (kv-aware; for the router's other "
+                   "policies it lets /stats compare predicted and served hits)")
 
 
 def _controller_call(args: argparse.Namespace) -> int:
@@ -245,8 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance", help="the vLLM instances' URLs, comma-separated (all but --policy pd)")
     r.add_argument("--kv-events", help="each instance's KV events endpoint (vLLM's --kv-events-config "
                    "endpoint, e.g. tcp://HOST:5557), same order (kv-aware)")
-    r.add_argument("--model", help="the model's folder, for its tokenizer (kv-aware; with any policy it "
-                   "lets /stats compare predicted and served hits)")
     r.add_argument("--request-cost", type=int, default=64,
                    help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")

@@ -4,7 +4,10 @@ It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
 ``POST /v1/completions`` or ``POST /v1/chat/completions``:
 
 1. A prefiller and a decoder are picked, each round-robin on its own (passing over backends that
-   are backing off after a failure).
+   are backing off after a failure). The prefiller can instead be picked by another policy of
+   `lmcache.router.policies` (``prefill_policy``): ``kv-aware`` ranks the ready prefillers by the
+   prompt's prefix each holds (from their KV events, ``prefiller_kv_events``, and the model's
+   tokenizer, ``model``) and their load; ``session`` keeps a session on one prefiller.
 2. The prefiller is sent the client's body, on the same path, rewritten by `prefill_body`:
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present; ``min_tokens`` dropped),
    ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and the
@@ -73,8 +76,11 @@ from lmcache.router.http import (
     relay_stream,
     relayed,
     serve,
+    session_of,
     sse_error,
 )
+from lmcache.router.policies import POLICIES, Instance, Routed
+from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +158,9 @@ class ProxyConfig:
     prefill_timeout: float = 600.0
     backoff: float = 1.0
     health_timeout: float = 2.0
+    prefill_policy: str = "round-robin"
+    prefiller_kv_events: tuple[str, ...] = ()  # the prefillers' KV events endpoints, same order
+    model: str | None = None  # the tokenizer's folder (kv-aware)
 
     def __post_init__(self) -> None:
         self.prefillers = tuple(base_url("prefillers", url) for url in self.prefillers)
@@ -168,6 +177,13 @@ class ProxyConfig:
         elif len(self.decoder_kv) != len(self.decoders):
             raise ValueError(f"decoder_kv: {len(self.decoder_kv)} KV address(es) for "
                              f"{len(self.decoders)} decoder(s); give one per decoder, in the same order")
+        if self.prefill_policy not in POLICIES:
+            raise ValueError(f"prefill_policy={self.prefill_policy!r}: expected one of {', '.join(POLICIES)}")
+        if self.prefiller_kv_events and len(self.prefiller_kv_events) != len(self.prefillers):
+            raise ValueError(f"prefiller_kv_events: {len(self.prefiller_kv_events)} endpoint(s) for "
+                             f"{len(self.prefillers)} prefiller(s); give one per prefiller, in order")
+        if POLICIES[self.prefill_policy].uses_tokens and not (self.prefiller_kv_events and self.model):
+            raise ValueError(f"prefill_policy {self.prefill_policy} needs prefiller_kv_events and model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: must be a TCP port (0 = any free one)")
         for name in ("prefill_timeout", "backoff", "health_timeout"):
@@ -176,13 +192,16 @@ class ProxyConfig:
 
     @classmethod
     def parse(cls, prefillers: str, decoders: str, decoder_kv: str = "", kv_protocol: str | None = None,
-              host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0) -> ProxyConfig:
+              host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0,
+              prefill_policy: str = "round-robin", prefiller_kv_events: str = "",
+              model: str | None = None) -> ProxyConfig:
         """From the command line's comma-separated lists (`kv_protocol` None: the default)."""
         def split(value: str) -> tuple[str, ...]:
             return tuple(part.strip() for part in value.split(",") if part.strip())
 
         return cls(split(prefillers), split(decoders), split(decoder_kv), kv_protocol or LMCachePush.name,
-                   host, port, prefill_timeout)
+                   host, port, prefill_timeout, prefill_policy=prefill_policy,
+                   prefiller_kv_events=split(prefiller_kv_events), model=model)
 
 
 def _address(field: str, value: str) -> str:
@@ -203,6 +222,7 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
     return out
 
 
+REQUEST_COST = 64  # kv-aware prefill: tokens a prefill in flight counts for besides its uncached prompt
 PREFILLER_DOWN = "its requests go straight to a decoder"
 DECODER_DOWN = "answered 503"
 
@@ -242,6 +262,22 @@ class Proxy:
                                     for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
         self.client = ClientSession()
+        self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model)
+        self.prefill_policy = POLICIES[config.prefill_policy](self.watch.index, REQUEST_COST)
+        self.prefill_load = {url: Instance(url) for url in config.prefillers}
+
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        yield
+        self.watch.close()
+
+    def _pick_prefiller(self, routed: Routed) -> Backend | None:
+        """The prefiller for `routed` among those not backing off (None if all are)."""
+        if self.config.prefill_policy == "round-robin":
+            return self.prefillers.next_ready()
+        ready = {b.url: b for b in self.prefillers.backends if b.backoff.ready()}
+        if not ready:
+            return None
+        return ready[self.prefill_policy.rank(routed, [self.prefill_load[url] for url in ready])[0].url]
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -257,7 +293,9 @@ class Proxy:
             return error_response(400, str(e))
         headers = passed_on(request)
         decoder = self.decoders.next()
-        rejected, answer = await self._prefill(request.path, body, decoder, headers)
+        tokens = await self.watch.tokens(request.path, body) if self.prefill_policy.uses_tokens else None
+        routed = Routed(session_of(request, body), tokens)
+        rejected, answer = await self._prefill(request.path, body, routed, decoder, headers)
         if rejected is not None:
             return rejected
         decode_body = raw if answer is None else self.handoff.decode_body(raw, body, answer)
@@ -266,22 +304,25 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self._decode(request, self.decoders.next(), None, stream=False)
 
-    async def _prefill(self, path: str, body: dict[str, Any], decoder: Backend,
+    async def _prefill(self, path: str, body: dict[str, Any], routed: Routed, decoder: Backend,
                        headers: dict[str, str]) -> tuple[web.Response | None, bytes | None]:
         """(the prefiller's answer to relay when it rejected the request (4xx), None), or (None, its
         answer when it prefilled, else None: it failed or was skipped); the decoder is next unless
         rejected."""
-        prefiller = self.prefillers.next_ready()
+        prefiller = self._pick_prefiller(routed)
         if prefiller is None:
             self.counters.add("prefill_skipped")
             return None, None
         prefiller.sent += 1
         timeout = self.config.prefill_timeout
         sent = prefill_body(body, self.handoff.prefill_params(body.get("kv_transfer_params"), decoder.kv))
+        tokens = routed.tokens
+        uncached = 0 if tokens is None else len(tokens) - self.watch.index.match(prefiller.url, tokens).tokens
         try:
-            async with self.session.post(prefiller.url + path, json=sent, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
+            with self.prefill_load[prefiller.url].serving(uncached):
+                async with self.session.post(prefiller.url + path, json=sent, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.counters.add("prefill_failures")
             prefiller.failed(e if str(e) else f"no answer within {timeout} s")
@@ -347,9 +388,14 @@ class Proxy:
         return web.json_response(counts)
 
 
+PROXY = web.AppKey("proxy", Proxy)  # the app's proxy, for tests and embedders
+
+
 def build_app(config: ProxyConfig) -> web.Application:
     proxy = Proxy(config)
     app = new_app(proxy.client)
+    app[PROXY] = proxy
+    app.cleanup_ctx.append(proxy.lifetime)
     app.router.add_post("/v1/completions", proxy.generate)
     app.router.add_post("/v1/chat/completions", proxy.generate)
     app.router.add_get("/v1/models", proxy.models)

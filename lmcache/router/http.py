@@ -81,6 +81,12 @@ def passed_on(request: web.Request) -> dict[str, str]:
     return {} if auth is None else {"Authorization": auth}
 
 
+def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The request's session: the ``X-Session-ID`` header, else the body's ``user``."""
+    session = request.headers.get("X-Session-ID") or body.get("user")
+    return session if isinstance(session, str) else None
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; ValueError (the client's 400) otherwise."""
     try:

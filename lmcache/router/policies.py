@@ -19,6 +19,8 @@ and, if it cannot be reached, retries the next). The policies:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,6 +34,18 @@ class Instance:
     in_flight: int = 0
     backlog: int = 0  # prompt tokens predicted uncached, of the requests in flight
     sent: int = 0
+
+    @contextmanager
+    def serving(self, uncached: int) -> Iterator[None]:
+        """Counts a request sent to this instance as its load while the block runs."""
+        self.sent += 1
+        self.in_flight += 1
+        self.backlog += uncached
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.backlog -= uncached
 
 
 @dataclass

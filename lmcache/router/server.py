@@ -24,7 +24,6 @@ predicted vs served hit tokens, the index and the event subscribers), ``GET /met
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,7 +34,6 @@ import aiohttp
 from aiohttp import web
 
 from lmcache.observability import Counters
-from lmcache.router.events import EventSubscriber
 from lmcache.router.http import (
     ClientSession,
     base_url,
@@ -47,11 +45,12 @@ from lmcache.router.http import (
     relay_stream,
     relayed,
     serve,
+    session_of,
     sse_error,
 )
-from lmcache.router.index import TIER_WEIGHTS, KVIndex
+from lmcache.router.index import TIER_WEIGHTS
 from lmcache.router.policies import POLICIES, Instance, Policy, Routed
-from lmcache.router.tokens import PromptTokenizer
+from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
 
@@ -99,22 +98,20 @@ class RouterConfig:
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.index = KVIndex(config.max_blocks, config.tier_weights)
+        self.watch = KVWatch(config.instances, config.kv_events, config.model, config.max_blocks,
+                             config.tier_weights)
+        self.index = self.watch.index
         self.instances = [Instance(url) for url in config.instances]
         self.policy: Policy = POLICIES[config.policy](self.index, config.request_cost)
-        self.tokenizer = PromptTokenizer(config.model) if config.model else None
         self.counters = Counters()
         self.client = ClientSession()
-        self.subscribers = [EventSubscriber(endpoint, functools.partial(self.index.apply, url))
-                            for url, endpoint in zip(config.instances, config.kv_events, strict=False)]
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """Probes down instances while the app runs; closes the subscribers after."""
         probe = asyncio.create_task(self._probe())
         yield
         probe.cancel()
-        for subscriber in self.subscribers:
-            subscriber.close()
+        self.watch.close()
 
     async def _probe(self) -> None:
         while True:
@@ -132,11 +129,8 @@ class Router:
         except ValueError as e:
             self.counters.add("bad_requests")
             return error_response(400, str(e))
-        tokens = None
-        if self.tokenizer is not None:
-            tokens = await asyncio.to_thread(self.tokenizer, request.path, body)
-        session = request.headers.get("X-Session-ID") or body.get("user")
-        routed = Routed(session if isinstance(session, str) else None, tokens)
+        tokens = await self.watch.tokens(request.path, body)
+        routed = Routed(session_of(request, body), tokens)
         tried: set[str] = set()
         while True:
             untried = [i for i in self.instances if i.url not in tried]
@@ -159,24 +153,19 @@ class Router:
         if tokens is not None:
             predicted = min(self.index.match(inst.url, tokens).tokens, len(tokens) - 1)
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
-        inst.sent += 1
-        inst.in_flight += 1
-        inst.backlog += uncached
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:
-            async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
-                if stream and r.status == 200:
-                    first = await r.content.readany()
-                    if not first:
-                        raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
-                    return await relay_stream(request, r, self._chunks(first, r, inst, predicted))
-                answer = await r.read()
+            with inst.serving(uncached):
+                async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
+                    if stream and r.status == 200:
+                        first = await r.content.readany()
+                        if not first:
+                            raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
+                        return await relay_stream(request, r, self._chunks(first, r, inst, predicted))
+                    answer = await r.read()
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             return None
-        finally:
-            inst.in_flight -= 1
-            inst.backlog -= uncached
         if r.status == 200:
             self._compare(predicted, _served_hits(answer))
         return relayed(r.status, answer, r.headers.get("Content-Type"))
@@ -232,9 +221,7 @@ class Router:
         out["instances"] = {i.url: {"up": i.up, "sent": i.sent, "in_flight": i.in_flight,
                                     "backlog_tokens": i.backlog, "index_blocks": self.index.blocks(i.url)}
                             for i in self.instances}
-        out["index"] = {"evicted": self.index.evicted, "orphans": self.index.orphans}
-        out["events"] = {s.endpoint: s.counts() for s in self.subscribers}
-        return out
+        return out | self.watch.counts()
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.snapshot())

@@ -27,9 +27,10 @@ def test_a_prompt_matches_its_blocks_however_the_events_split_them(tokens, data,
         if end <= start:
             continue
         hashes = [seed + i for i in range(start, end)]  # vLLM's hashes: any values, here seeded
-        index.apply("a", [stored(hashes, None if start == 0 else seed + start - 1, tokens[start * B:end * B])])
+        parent = None if start == 0 else seed + start - 1
+        index.apply("a", [stored(hashes, parent, tokens[start * B:end * B])])
         start = end
-    match = index.match("a", tokens + [7])
+    match = index.match("a", [*tokens, 7])
     assert match.tokens == blocks * B and match.by_tier == {"GPU": blocks * B}
     assert index.match("a", [t + 1 for t in tokens[:B]] + tokens[B:]).tokens == 0  # first block differs
     assert index.match("b", tokens).tokens == 0

@@ -1,7 +1,7 @@
 """`lmcache router` in-process before fake vLLM instances (small aiohttp servers): each policy's
-choice, a returning prompt sent where the index says it is cached, a dead instance's requests
-retried on another and the instance brought back by its /health, streams relayed with the hits
-they report."""
+choice (and the prefill/decode front's kv-aware prefiller), a returning prompt sent where the
+index says it is cached, a dead instance's requests retried on another and the instance brought
+back by its /health, streams relayed with the hits they report."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 from aiohttp import web
 
 from lmcache.integration.local_model import local_model_path
+from lmcache.pd.proxy import PROXY, ProxyConfig
+from lmcache.pd.proxy import start as start_pd
 from lmcache.router.events import Stored
 from lmcache.router.server import ROUTER, RouterConfig, build_app
 from lmcache.router.tokens import PromptTokenizer
@@ -89,7 +91,8 @@ class Running:
         await self.http.close()
         await self.runner.cleanup()
 
-    async def ask(self, prompt: str | list[int], headers: dict | None = None, **extra: Any) -> tuple[int, Any]:
+    async def ask(self, prompt: str | list[int], headers: dict | None = None,
+                  **extra: Any) -> tuple[int, Any]:
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", headers=headers,
                                   json={"prompt": prompt, **extra}) as r:
             return r.status, (await r.json() if not extra.get("stream") else await r.text())
@@ -124,7 +127,8 @@ async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_
                 status, answer = await r.ask("The old sailor " * 20 + "went home", stream=stream)
                 assert status == 200 and "b" in json.dumps(answer)
             stats = await r.get("/stats")
-            assert stats["hits_compared"] == 2 and stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 64
+            assert stats["hits_compared"] == 2
+            assert stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 64
             status, answer = await r.ask("nothing cached here")  # a miss: the least loaded, in turn
             assert status == 200
 
@@ -162,3 +166,28 @@ async def test_a_bad_body_is_a_400_and_the_config_is_checked():
                 {"kv_events": ("tcp://h:1", "tcp://h:2")}):
         with pytest.raises(ValueError):
             RouterConfig(**{"instances": ("http://h:1",), **bad})
+
+
+@async_test
+async def test_the_pd_front_picks_the_prefiller_holding_the_prefix_with_kv_aware():
+    model = local_model_path("float32")
+    prompt = "The old sailor " * 20
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": prompt})
+    async with FakeVLLM("p0") as p0, FakeVLLM("p1") as p1, FakeVLLM("d") as d:
+        config = ProxyConfig((p0.url, p1.url), (d.url,), ("127.0.0.1:1",), port=0, prefill_policy="kv-aware",
+                             prefiller_kv_events=("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model=model)
+        runner = await start_pd(config)
+        try:
+            app_proxy = runner.app[PROXY]
+            app_proxy.watch.index.apply(p1.url, [Stored([1, 2], None, tokens[:32], 16, None)])
+            port = runner.addresses[0][1]
+            async with aiohttp.ClientSession() as http:
+                for _ in range(3):
+                    async with http.post(f"http://127.0.0.1:{port}/v1/completions",
+                                         json={"prompt": prompt + "went home"}) as r:
+                        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "d"
+            assert (len(p0.bodies), len(p1.bodies)) == (0, 3)
+        finally:
+            await runner.cleanup()
+    with pytest.raises(ValueError, match="prefiller_kv_events and model"):
+        ProxyConfig(("h:1",), ("h:2",), ("h:3",), prefill_policy="kv-aware")
