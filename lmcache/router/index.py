@@ -46,6 +46,14 @@ class Match:
     tokens: int = 0  # the cached prefix, in tokens
     weighted: float = 0.0  # the same, each block weighted by the best tier holding it
     by_tier: dict[str, int] = field(default_factory=dict)  # tokens per best tier ("GPU" for None)
+    block_size: int = 1
+
+    def servable(self, prompt_tokens: int) -> int:
+        """The cached tokens an engine can use for a prompt of `prompt_tokens`: it computes at least
+        the last token, so a prefix covering the whole prompt loses its last block."""
+        if self.tokens < prompt_tokens:
+            return self.tokens
+        return (prompt_tokens - 1) // self.block_size * self.block_size
 
 
 class _Instance:
@@ -140,7 +148,7 @@ class KVIndex:
                        key=lambda m: (m.weighted, m.tokens), default=Match())
 
     def _walk(self, inst: _Instance, tokens: Sequence[int], size: int) -> Match:
-        found = Match()
+        found = Match(block_size=size)
         parent = 0
         for start in range(0, len(tokens) - size + 1, size):
             parent = chain_hash(parent, tokens[start:start + size])

@@ -151,7 +151,7 @@ class Router:
         """`inst`'s answer relayed, or None if it failed before anything reached the client."""
         predicted = None
         if tokens is not None:
-            predicted = min(self.index.match(inst.url, tokens).tokens, len(tokens) - 1)
+            predicted = self.index.match(inst.url, tokens).servable(len(tokens))
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:

@@ -94,6 +94,16 @@ def test_kv_aware_sends_a_returning_prompt_to_the_instance_holding_its_prefix(fl
         served = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert served >= 200
         assert after["predicted_hit_tokens"] - before["predicted_hit_tokens"] == served
+    # a chat's tokens, through the chat template, are the engine's: the prediction is what it served
+    chat = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": sentence_text(500, 250)},
+                         {"role": "user", "content": "What was counted?"}]}
+    post(f"{router}/v1/chat/completions", chat)
+    time.sleep(1.0)  # its blocks' events reach the router
+    before = get(f"{router}/stats")
+    served = post(f"{router}/v1/chat/completions", chat)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    after = get(f"{router}/stats")
+    assert served >= 256 and after["predicted_hit_tokens"] - before["predicted_hit_tokens"] == served
     stats = get(f"{router}/stats")
     assert all(counts["malformed"] == 0 and counts["batches"] > 0 for counts in stats["events"].values())
     assert "lmcache_router_instance_sent_total" in urllib.request.urlopen(f"{router}/metrics").read().decode()

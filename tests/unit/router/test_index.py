@@ -70,6 +70,13 @@ def test_an_unknown_parent_is_an_orphan_and_the_oldest_blocks_go_beyond_the_cap(
     assert index.match("a", [0] * B).tokens == 0 and index.match("a", [4] * B).tokens == B
 
 
+def test_a_prefix_covering_the_whole_prompt_leaves_its_last_block_to_compute():
+    index = KVIndex()
+    index.apply("a", [stored([1, 2], None, list(range(2 * B)))])
+    assert index.match("a", list(range(2 * B))).servable(2 * B) == B
+    assert index.match("a", list(range(2 * B + 1))).servable(2 * B + 1) == 2 * B
+
+
 def test_instances_are_separate_and_forget_drops_one():
     index = KVIndex()
     index.apply("a", [stored([1], None, list(range(B)))])
