@@ -152,12 +152,18 @@ class Router:
 
 
 def sources(instances: list[OpenAIServer]) -> dict[str, float]:
+    """The instances' prompt tokens by source (vLLM's counters) and LMCache's chunk hits by tier."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {src: sum(metric(s.url(""), "vllm:prompt_tokens_by_source_total", source=src) for s in instances)
            for src in PROMPT_SOURCES}
-    for tier in ("hot", "disk", "remote", "cache_server"):
-        hits = sum(metric(s.url(""), "lmcache:tier_hits_total", tier=tier) for s in instances)
-        if hits:
-            out[f"lmcache_{tier}_chunk_hits"] = hits
+    for server in instances:
+        text = urllib.request.urlopen(server.url("/metrics"), timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "lmcache:tier_hits_total":
+                    key = f"lmcache_chunk_hits_{sample.labels.get('tier', '?')}"
+                    out[key] = out.get(key, 0) + sample.value
     return out
 
 
