@@ -27,6 +27,7 @@ import zmq
 logger = logging.getLogger(__name__)
 
 BlockHash = int | bytes
+MAX_TOKEN_ID = 1 << 32
 
 
 class Stored(NamedTuple):
@@ -83,8 +84,9 @@ def _event(raw: Any) -> Event:
     if not isinstance(size, int) or size <= 0:
         raise ValueError(f"block_size must be a positive int, not {size!r}")
     if not isinstance(tokens, list) or len(tokens) != size * len(hashes) \
-            or not all(isinstance(t, int) for t in tokens):
-        raise ValueError(f"token_ids must be {size} ints per block for {len(hashes)} block(s)")
+            or not all(isinstance(t, int) and 0 <= t < MAX_TOKEN_ID for t in tokens):
+        raise ValueError(f"token_ids must be {size} token ids (0 <= id < 2**32) per block for "
+                         f"{len(hashes)} block(s)")
     if parent is not None and not isinstance(parent, int | bytes):
         raise ValueError(f"parent_block_hash must be an int, bytes or null, not {parent!r}")
     return Stored(hashes, parent, tokens, size, medium)

@@ -20,6 +20,7 @@ chained and is skipped (``orphans``). Thread-safe (subscribers write, the router
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ TierKey = tuple[str | None, BlockHash]
 
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """`tokens`: ids below 2**32 (`events.MAX_TOKEN_ID`; a prompt's ids beyond cannot be cached)."""
     h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
+    h.update(array("I", tokens).tobytes())  # 4 bytes an id
     return h.intdigest()
 
 

@@ -4,12 +4,15 @@ A completion's ``prompt`` (text, or token ids already) is tokenized like vLLM's 
 does (special tokens added as the tokenizer adds them); a chat's ``messages`` are rendered with the
 tokenizer's chat template (``add_generation_prompt``) and the text tokenized without adding special
 tokens, as vLLM's chat endpoint does. None for a body the router cannot tokenize (a batch of
-prompts, multimodal parts, a custom template): such a request is routed as a miss.
+prompts, multimodal parts, a custom template, token ids out of range): such a request is routed
+as a miss.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lmcache.router.events import MAX_TOKEN_ID
 
 
 class PromptTokenizer:
@@ -29,6 +32,7 @@ class PromptTokenizer:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return list(self._tok(prompt).input_ids)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and 0 <= t < MAX_TOKEN_ID for t in prompt):
             return prompt
         return None

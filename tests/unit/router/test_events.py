@@ -30,7 +30,8 @@ def test_a_batch_decodes_to_its_events():
 
 @pytest.mark.parametrize("payload", [
     b"\xc1", msgspec.msgpack.encode({"ts": 1}), batch({"type": "Nope"}),
-    batch({**STORED, "token_ids": [1, 2, 3]}), batch({**STORED, "block_size": 0}),
+    batch({**STORED, "token_ids": [1, 2, 3]}), batch({**STORED, "token_ids": [1, 2, 3, -4]}),
+    batch({**STORED, "token_ids": [1, 2, 3, 1 << 40]}), batch({**STORED, "block_size": 0}),
     batch({**STORED, "block_hashes": "x"}), batch({**STORED, "medium": 3}), batch("not a map"),
 ])
 def test_a_malformed_batch_is_a_value_error(payload):

@@ -131,6 +131,7 @@ async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_
             assert stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 64
             status, answer = await r.ask("nothing cached here")  # a miss: the least loaded, in turn
             assert status == 200
+            assert (await r.ask([-1, 1 << 40]))[0] == 200  # ids it cannot hash: a miss, the engine judges
 
 
 @async_test
