@@ -1,4 +1,5 @@
-"""`lmcache proxy`: the OpenAI-compatible front of a prefill/decode disaggregated deployment.
+"""`lmcache proxy` (= `lmcache router --policy pd`): the OpenAI-compatible front of a prefill/decode
+disaggregated deployment, on the router's shared HTTP code (`lmcache.router.http`).
 
 It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
 ``POST /v1/completions`` or ``POST /v1/chat/completions``:
