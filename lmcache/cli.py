@@ -71,17 +71,67 @@ def _cache_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _proxy(args: argparse.Namespace) -> int:
-    from lmcache.pd.proxy import ProxyConfig, run
+def _split(value: str | None) -> tuple[str, ...]:
+    return tuple(part.strip() for part in (value or "").split(",") if part.strip())
 
+
+def _router(args: argparse.Namespace) -> int:
+    """`lmcache router`; with ``--policy pd`` (and as `lmcache proxy`) the prefill/decode front."""
+    if args.policy == "pd":
+        from lmcache.pd.proxy import ProxyConfig
+        from lmcache.pd.proxy import run as run_pd
+
+        if not (args.prefiller and args.decoder) or args.instance:
+            raise SystemExit(f"lmcache {args.command}: --policy pd takes --prefiller and --decoder, "
+                             "not --instance")
+        try:
+            pd = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
+                                   args.host, args.port, args.prefill_timeout, args.prefill_policy,
+                                   args.prefiller_kv_events or "", args.model)
+        except ValueError as e:
+            raise SystemExit(f"lmcache {args.command}: {e}") from None
+        _log_to_stderr()
+        run_pd(pd)
+        return 0
+    from lmcache.router.index import TIER_WEIGHTS
+    from lmcache.router.server import RouterConfig, run
+
+    if not args.instance or args.prefiller or args.decoder:
+        raise SystemExit(f"lmcache router: --policy {args.policy} takes --instance, "
+                         "not --prefiller/--decoder")
     try:
-        config = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
-                                   args.host, args.port, args.prefill_timeout)
+        weights = {k: float(v) for k, _, v in (w.partition("=") for w in _split(args.tier_weights))}
+        config = RouterConfig(_split(args.instance), args.policy, _split(args.kv_events), args.model,
+                              args.host, args.port, args.request_cost, args.max_blocks,
+                              {**TIER_WEIGHTS, **weights})
     except ValueError as e:
-        raise SystemExit(f"lmcache proxy: {e}") from None
+        raise SystemExit(f"lmcache router: {e}") from None
     _log_to_stderr()
     run(config)
     return 0
+
+
+def _add_pd_arguments(x: argparse.ArgumentParser, required: bool) -> None:
+    x.add_argument("--prefiller", required=required, help="prefill vLLM URL(s), comma-separated")
+    x.add_argument("--decoder", required=required, help="decode vLLM URL(s), comma-separated")
+    x.add_argument("--decoder-kv", default=None,
+                   help="each decoder's KV receiver HOST:PORT (pd_peer_host:pd_peer_init_port), same order "
+                        "(the lmcache hand-off)")
+    x.add_argument("--kv-protocol", default=None,
+                   help="how the KV goes from prefiller to decoder: lmcache (the default: LMCache's "
+                        "connector with enable_pd pushes it) or nixl (vLLM's NixlConnector: the decoder "
+                        "pulls it)")
+    x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    x.add_argument("--port", type=int, default=8000, help="TCP port")
+    x.add_argument("--prefill-timeout", type=float, default=600.0,
+                   help="seconds to wait for a prefiller before the decoder answers alone")
+    x.add_argument("--prefill-policy", default="round-robin", choices=("round-robin", "session", "kv-aware"),
+                   help="how the prefiller is picked (kv-aware: by the prefix each holds and its load; needs "
+                        "--prefiller-kv-events and --model)")
+    x.add_argument("--prefiller-kv-events", default=None,
+                   help="each prefiller's KV events endpoint (vLLM's --kv-events-config), same order")
+    x.add_argument("--model", help="the model's folder, for its tokenizer (kv-aware; for the router's other "
+                   "policies it lets /stats compare predicted and served hits)")
 
 
 def _controller_call(args: argparse.Namespace) -> int:
@@ -199,21 +249,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish the tiers' KV events in vLLM's format on this ZMQ endpoint (tcp://*:PORT "
                         "binds, tcp://HOST:PORT connects); overrides the config's kv_events_endpoint")
     c.set_defaults(func=_cache_server)
-    x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD)")
-    x.add_argument("--prefiller", required=True, help="prefill vLLM URL(s), comma-separated")
-    x.add_argument("--decoder", required=True, help="decode vLLM URL(s), comma-separated")
-    x.add_argument("--decoder-kv", default=None,
-                   help="each decoder's KV receiver HOST:PORT (pd_peer_host:pd_peer_init_port), same order "
-                        "(the lmcache hand-off)")
-    x.add_argument("--kv-protocol", default=None,
-                   help="how the KV goes from prefiller to decoder: lmcache (the default: LMCache's "
-                        "connector with enable_pd pushes it) or nixl (vLLM's NixlConnector: the decoder "
-                        "pulls it)")
-    x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    x.add_argument("--port", type=int, default=8000, help="TCP port")
-    x.add_argument("--prefill-timeout", type=float, default=600.0,
-                   help="seconds to wait for a prefiller before the decoder answers alone")
-    x.set_defaults(func=_proxy)
+    x = sub.add_parser("proxy", help="the OpenAI-compatible front of prefill/decode disaggregation (xPyD); "
+                       "the same as `lmcache router --policy pd`")
+    _add_pd_arguments(x, required=True)
+    x.set_defaults(func=_router, policy="pd", instance=None)
+    r = sub.add_parser("router", help="an OpenAI-compatible front for several vLLM instances (round-robin, "
+                       "session affinity, KV-aware, or prefill/decode)")
+    r.add_argument("--policy", default="round-robin", choices=("round-robin", "session", "kv-aware", "pd"))
+    r.add_argument("--instance", help="the vLLM instances' URLs, comma-separated (all but --policy pd)")
+    r.add_argument("--kv-events", help="each instance's KV events endpoint (vLLM's --kv-events-config "
+                   "endpoint, e.g. tcp://HOST:5557), same order (kv-aware)")
+    r.add_argument("--request-cost", type=int, default=64,
+                   help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
+    r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")
+    r.add_argument("--tier-weights", default="",
+                   help="kv-aware: MEDIUM=WEIGHT,... (default GPU=1,CPU=0.8,STORAGE=0.5; GPU is vLLM's "
+                        "own prefix cache)")
+    _add_pd_arguments(r, required=False)
+    r.set_defaults(func=_router)
     _add_controller_commands(sub)
     from lmcache.verify.run import add_arguments as verify_arguments
 

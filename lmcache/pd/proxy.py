@@ -1,10 +1,14 @@
-"""`lmcache proxy`: the OpenAI-compatible front of a prefill/decode disaggregated deployment.
+"""`lmcache proxy` (= `lmcache router --policy pd`): the OpenAI-compatible front of a prefill/decode
+disaggregated deployment, on the router's shared HTTP code (`lmcache.router.http`).
 
 It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
 ``POST /v1/completions`` or ``POST /v1/chat/completions``:
 
 1. A prefiller and a decoder are picked, each round-robin on its own (passing over backends that
-   are backing off after a failure).
+   are backing off after a failure). The prefiller can instead be picked by another policy of
+   `lmcache.router.policies` (``prefill_policy``): ``kv-aware`` ranks the ready prefillers by the
+   prompt's prefix each holds (from their KV events, ``prefiller_kv_events``, and the model's
+   tokenizer, ``model``) and their load; ``session`` keeps a session on one prefiller.
 2. The prefiller is sent the client's body, on the same path, rewritten by `prefill_body`:
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present; ``min_tokens`` dropped),
    ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and the
@@ -52,24 +56,37 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from lmcache.backoff import Backoff
-from lmcache.observability import Counters, IncidentLog
+from lmcache.observability import Counters
 from lmcache.pd.params import with_receiver
+from lmcache.router.http import (
+    Backend,
+    ClientSession,
+    base_url,
+    error_response,
+    health_of,
+    json_object,
+    new_app,
+    passed_on,
+    relay_stream,
+    relayed,
+    serve,
+    session_of,
+    sse_error,
+)
+from lmcache.router.policies import POLICIES, Instance, Routed
+from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "prefilled", "prefill_failures", "prefill_skipped", "prefill_rejected",
             "decoder_failures", "bad_requests")
-MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
-DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
 
 
 class KVHandoff:
@@ -142,10 +159,13 @@ class ProxyConfig:
     prefill_timeout: float = 600.0
     backoff: float = 1.0
     health_timeout: float = 2.0
+    prefill_policy: str = "round-robin"
+    prefiller_kv_events: tuple[str, ...] = ()  # the prefillers' KV events endpoints, same order
+    model: str | None = None  # the tokenizer's folder (kv-aware)
 
     def __post_init__(self) -> None:
-        self.prefillers = tuple(_base_url("prefillers", url) for url in self.prefillers)
-        self.decoders = tuple(_base_url("decoders", url) for url in self.decoders)
+        self.prefillers = tuple(base_url("prefillers", url) for url in self.prefillers)
+        self.decoders = tuple(base_url("decoders", url) for url in self.decoders)
         self.decoder_kv = tuple(_address("decoder_kv", a) for a in self.decoder_kv)
         if not self.prefillers or not self.decoders:
             raise ValueError("prefillers and decoders: at least one of each is needed")
@@ -158,6 +178,13 @@ class ProxyConfig:
         elif len(self.decoder_kv) != len(self.decoders):
             raise ValueError(f"decoder_kv: {len(self.decoder_kv)} KV address(es) for "
                              f"{len(self.decoders)} decoder(s); give one per decoder, in the same order")
+        if self.prefill_policy not in POLICIES:
+            raise ValueError(f"prefill_policy={self.prefill_policy!r}: expected one of {', '.join(POLICIES)}")
+        if self.prefiller_kv_events and len(self.prefiller_kv_events) != len(self.prefillers):
+            raise ValueError(f"prefiller_kv_events: {len(self.prefiller_kv_events)} endpoint(s) for "
+                             f"{len(self.prefillers)} prefiller(s); give one per prefiller, in order")
+        if POLICIES[self.prefill_policy].uses_tokens and not (self.prefiller_kv_events and self.model):
+            raise ValueError(f"prefill_policy {self.prefill_policy} needs prefiller_kv_events and model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: must be a TCP port (0 = any free one)")
         for name in ("prefill_timeout", "backoff", "health_timeout"):
@@ -166,25 +193,16 @@ class ProxyConfig:
 
     @classmethod
     def parse(cls, prefillers: str, decoders: str, decoder_kv: str = "", kv_protocol: str | None = None,
-              host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0) -> ProxyConfig:
+              host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0,
+              prefill_policy: str = "round-robin", prefiller_kv_events: str = "",
+              model: str | None = None) -> ProxyConfig:
         """From the command line's comma-separated lists (`kv_protocol` None: the default)."""
         def split(value: str) -> tuple[str, ...]:
             return tuple(part.strip() for part in value.split(",") if part.strip())
 
         return cls(split(prefillers), split(decoders), split(decoder_kv), kv_protocol or LMCachePush.name,
-                   host, port, prefill_timeout)
-
-
-def _base_url(field: str, value: str) -> str:
-    url = value if "://" in value else f"http://{value}"
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises on a port that is not one
-    except ValueError as e:
-        raise ValueError(f"{field}: {value!r} is not a URL: {e}") from e
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(f"{field}: {value!r} is not an http(s)://HOST:PORT URL")
-    return url.rstrip("/")
+                   host, port, prefill_timeout, prefill_policy=prefill_policy,
+                   prefiller_kv_events=split(prefiller_kv_events), model=model)
 
 
 def _address(field: str, value: str) -> str:
@@ -205,33 +223,9 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
     return out
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
-
-
-class Backend:
-    """One vLLM instance: its failures are an incident and make it backed off from."""
-
-    def __init__(self, role: str, url: str, backoff: float, kv: str = "") -> None:
-        self.url = url
-        self.kv = kv  # a decoder's KV receiver address
-        self.sent = 0
-        self.backoff = Backoff(backoff, max(backoff, 30.0))
-        consequence = "its requests go straight to a decoder" if role == "prefiller" else "answered 503"
-        self.incidents = IncidentLog(logger, f"{role} {url}", consequence=consequence)
-
-    def failed(self, error: BaseException | str) -> None:
-        self.incidents.fail(error)
-        self.backoff.failed()
-
-    def answered(self) -> None:
-        self.incidents.recover()
-        self.backoff.succeeded()
+REQUEST_COST = 64  # kv-aware prefill: tokens a prefill in flight counts for besides its uncached prompt
+PREFILLER_DOWN = "its requests go straight to a decoder"
+DECODER_DOWN = "answered 503"
 
 
 class RoundRobin:
@@ -262,39 +256,47 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.handoff = HANDOFFS[config.kv_protocol]
-        self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff)
+        self.prefillers = RoundRobin([Backend("prefiller", url, config.backoff, PREFILLER_DOWN, logger)
                                       for url in config.prefillers])
         kv = config.decoder_kv or ("",) * len(config.decoders)
-        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, address)
+        self.decoders = RoundRobin([Backend("decoder", url, config.backoff, DECODER_DOWN, logger, address)
                                     for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
-        self._session: aiohttp.ClientSession | None = None
+        self.client = ClientSession()
+        self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model)
+        self.prefill_policy = POLICIES[config.prefill_policy](self.watch.index, REQUEST_COST)
+        self.prefill_load = {url: Instance(url) for url in config.prefillers}
 
-    async def session_context(self, app: web.Application) -> AsyncIterator[None]:
-        """One client session (unbounded connection pool) for the app's life."""
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=DECODE_TIMEOUT)
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         yield
-        await self._session.close()
+        self.watch.close()
+
+    def _pick_prefiller(self, routed: Routed) -> Backend | None:
+        """The prefiller for `routed` among those not backing off (None if all are)."""
+        if self.config.prefill_policy == "round-robin":
+            return self.prefillers.next_ready()
+        ready = {b.url: b for b in self.prefillers.backends if b.backoff.ready()}
+        if not ready:
+            return None
+        return ready[self.prefill_policy.rank(routed, [self.prefill_load[url] for url in ready])[0].url]
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "the proxy's app is not running"
-        return self._session
+        return self.client.session
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.counters.add("requests")
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            body = json_object(raw)
         except ValueError as e:
             self.counters.add("bad_requests")
-            return error_response(400, f"the body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            self.counters.add("bad_requests")
-            return error_response(400, f"the body must be a JSON object, not a {type(body).__name__}")
-        headers = _passed_on(request)
+            return error_response(400, str(e))
+        headers = passed_on(request)
         decoder = self.decoders.next()
-        rejected, answer = await self._prefill(request.path, body, decoder, headers)
+        tokens = await self.watch.tokens(request.path, body) if self.prefill_policy.uses_tokens else None
+        routed = Routed(session_of(request, body), tokens)
+        rejected, answer = await self._prefill(request.path, body, routed, decoder, headers)
         if rejected is not None:
             return rejected
         decode_body = raw if answer is None else self.handoff.decode_body(raw, body, answer)
@@ -303,22 +305,25 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self._decode(request, self.decoders.next(), None, stream=False)
 
-    async def _prefill(self, path: str, body: dict[str, Any], decoder: Backend,
+    async def _prefill(self, path: str, body: dict[str, Any], routed: Routed, decoder: Backend,
                        headers: dict[str, str]) -> tuple[web.Response | None, bytes | None]:
         """(the prefiller's answer to relay when it rejected the request (4xx), None), or (None, its
         answer when it prefilled, else None: it failed or was skipped); the decoder is next unless
         rejected."""
-        prefiller = self.prefillers.next_ready()
+        prefiller = self._pick_prefiller(routed)
         if prefiller is None:
             self.counters.add("prefill_skipped")
             return None, None
         prefiller.sent += 1
         timeout = self.config.prefill_timeout
         sent = prefill_body(body, self.handoff.prefill_params(body.get("kv_transfer_params"), decoder.kv))
+        tokens = routed.tokens
+        uncached = 0 if tokens is None else len(tokens) - self.watch.index.match(prefiller.url, tokens).tokens
         try:
-            async with self.session.post(prefiller.url + path, json=sent, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
+            with self.prefill_load[prefiller.url].serving(uncached):
+                async with self.session.post(prefiller.url + path, json=sent, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.counters.add("prefill_failures")
             prefiller.failed(e if str(e) else f"no answer within {timeout} s")
@@ -330,7 +335,7 @@ class Proxy:
         prefiller.answered()
         if status >= 400:
             self.counters.add("prefill_rejected")
-            return _relayed(status, answer, content_type), None
+            return relayed(status, answer, content_type), None
         self.counters.add("prefilled")
         return None, answer
 
@@ -338,29 +343,17 @@ class Proxy:
                       stream: bool) -> web.StreamResponse:
         """Relays `decoder`'s answer to `request` (POSTing `body`, or GET when None) on the same path."""
         decoder.sent += 1
-        headers = _passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
+        headers = passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
         try:
             async with self.session.request("GET" if body is None else "POST", decoder.url + request.path,
                                             data=body, headers=headers) as r:
                 if stream and r.status == 200:
-                    return await self._relay_stream(request, r, decoder)
+                    return await relay_stream(request, r, self._chunks(r, decoder))
                 answer = await r.read()
         except aiohttp.ClientError as e:
             return error_response(503, self._decoder_failed(decoder, e))
         decoder.answered()
-        return _relayed(r.status, answer, r.headers.get("Content-Type"))
-
-    async def _relay_stream(self, request: web.Request, answer: aiohttp.ClientResponse,
-                            decoder: Backend) -> web.StreamResponse:
-        content_type = answer.headers.get("Content-Type", "text/event-stream")
-        out = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-        try:
-            await out.prepare(request)
-            async for chunk in self._chunks(answer, decoder):
-                await out.write(chunk)
-        except ConnectionResetError:
-            pass  # the client left (leaving the caller's `async with` drops the decoder's answer)
-        return out
+        return relayed(r.status, answer, r.headers.get("Content-Type"))
 
     async def _chunks(self, answer: aiohttp.ClientResponse, decoder: Backend) -> AsyncIterator[bytes]:
         """The decoder's stream as it arrives; if the decoder dies, an SSE error event ends it."""
@@ -368,7 +361,7 @@ class Proxy:
             async for chunk in answer.content.iter_any():
                 yield chunk
         except aiohttp.ClientError as e:
-            yield f"data: {json.dumps(error_body(503, self._decoder_failed(decoder, e)))}\n\n".encode()
+            yield sse_error(503, self._decoder_failed(decoder, e))
             return
         decoder.answered()
 
@@ -379,14 +372,9 @@ class Proxy:
         return f"decoder {decoder.url} failed: {str(error) or type(error).__name__}"
 
     async def health(self, request: web.Request) -> web.Response:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
-
         async def healthy(backend: Backend) -> dict[str, Any]:
-            try:
-                async with self.session.get(backend.url + "/health", timeout=timeout) as r:
-                    return {"url": backend.url, "healthy": r.status == 200}
-            except (aiohttp.ClientError, TimeoutError):
-                return {"url": backend.url, "healthy": False}
+            return {"url": backend.url,
+                    "healthy": await health_of(self.session, backend.url, self.config.health_timeout)}
 
         prefillers = await asyncio.gather(*(healthy(b) for b in self.prefillers.backends))
         decoders = await asyncio.gather(*(healthy(b) for b in self.decoders.backends))
@@ -401,37 +389,14 @@ class Proxy:
         return web.json_response(counts)
 
 
-def _relayed(status: int, body: bytes, content_type: str | None) -> web.Response:
-    headers = {"Content-Type": content_type or "application/json"}
-    return web.Response(body=body, status=status, headers=headers)
-
-
-def _passed_on(request: web.Request) -> dict[str, str]:
-    auth = request.headers.get("Authorization")
-    return {} if auth is None else {"Authorization": auth}
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (404, 405, 413) and bugs answered in OpenAI's error shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return error_response(e.status, e.reason)
-    except Exception as e:
-        logger.exception("proxy: %s %s failed", request.method, request.path)
-        return error_response(500, f"proxy error: {e}")
+PROXY = web.AppKey("proxy", Proxy)  # the app's proxy, for tests and embedders
 
 
 def build_app(config: ProxyConfig) -> web.Application:
     proxy = Proxy(config)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
-    app.cleanup_ctx.append(proxy.session_context)
+    app = new_app(proxy.client)
+    app[PROXY] = proxy
+    app.cleanup_ctx.append(proxy.lifetime)
     app.router.add_post("/v1/completions", proxy.generate)
     app.router.add_post("/v1/chat/completions", proxy.generate)
     app.router.add_get("/v1/models", proxy.models)
@@ -443,10 +408,7 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def start(config: ProxyConfig) -> web.AppRunner:
     """Serves in the running event loop until `await runner.cleanup()`; `runner.addresses` has the
     bound port (for ``port=0``)."""
-    runner = web.AppRunner(build_app(config), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner
+    return await serve(build_app(config), config.host, config.port)
 
 
 def run(config: ProxyConfig) -> None:

@@ -1,0 +1,1 @@
+"""`lmcache router`: one OpenAI-compatible front for several vLLM instances (see `server`)."""

@@ -1,0 +1,171 @@
+"""The HTTP pieces every OpenAI-compatible front of LMCache shares (`lmcache router` and its
+prefill/decode policy, `lmcache.pd.proxy`): backends and their URLs, OpenAI-shaped errors, the
+headers passed on, relaying an answer (whole, or a stream chunk by chunk), the client session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from lmcache.backoff import Backoff
+from lmcache.observability import IncidentLog
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
+ANSWER_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
+
+
+def base_url(field: str, value: str) -> str:
+    """`value` as an ``http(s)://HOST:PORT`` base URL (``http://`` added when missing)."""
+    url = value if "://" in value else f"http://{value}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not one
+    except ValueError as e:
+        raise ValueError(f"{field}: {value!r} is not a URL: {e}") from e
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"{field}: {value!r} is not an http(s)://HOST:PORT URL")
+    return url.rstrip("/")
+
+
+class Backend:
+    """One vLLM instance: its failures are an incident (logged on `log`) and make it backed off from."""
+
+    def __init__(self, role: str, url: str, backoff: float, consequence: str, log: logging.Logger,
+                 kv: str = "") -> None:
+        self.url = url
+        self.kv = kv  # a decoder's KV receiver address
+        self.sent = 0
+        self.backoff = Backoff(backoff, max(backoff, 30.0))
+        self.incidents = IncidentLog(log, f"{role} {url}", consequence=consequence)
+
+    def failed(self, error: BaseException | str) -> None:
+        self.incidents.fail(error)
+        self.backoff.failed()
+
+    def answered(self) -> None:
+        self.incidents.recover()
+        self.backoff.succeeded()
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+def sse_error(status: int, message: str) -> bytes:
+    """The event that ends a stream the backend broke off."""
+    return f"data: {json.dumps(error_body(status, message))}\n\n".encode()
+
+
+def relayed(status: int, body: bytes, content_type: str | None) -> web.Response:
+    headers = {"Content-Type": content_type or "application/json"}
+    return web.Response(body=body, status=status, headers=headers)
+
+
+def passed_on(request: web.Request) -> dict[str, str]:
+    """The client's headers the backends get (its ``Authorization``)."""
+    auth = request.headers.get("Authorization")
+    return {} if auth is None else {"Authorization": auth}
+
+
+def session_of(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The request's session: the ``X-Session-ID`` header, else the body's ``user``."""
+    session = request.headers.get("X-Session-ID") or body.get("user")
+    return session if isinstance(session, str) else None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ValueError (the client's 400) otherwise."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"the body must be a JSON object, not a {type(body).__name__}")
+    return body
+
+
+async def relay_stream(request: web.Request, answer: aiohttp.ClientResponse,
+                       chunks: AsyncIterator[bytes]) -> web.StreamResponse:
+    """Writes `chunks` (of `answer`) to the client as they come; a client that left ends it."""
+    content_type = answer.headers.get("Content-Type", "text/event-stream")
+    out = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+    try:
+        await out.prepare(request)
+        async for chunk in chunks:
+            await out.write(chunk)
+    except ConnectionResetError:
+        pass  # the client left (leaving the caller's `async with` drops the backend's answer)
+    return out
+
+
+class ClientSession:
+    """One aiohttp client session (unbounded connection pool) for an app's life."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    async def context(self, app: web.Application) -> AsyncIterator[None]:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=ANSWER_TIMEOUT)
+        yield
+        await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the app is not running"
+        return self._session
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413) and bugs answered in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason)
+    except Exception as e:
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"proxy error: {e}")
+
+
+def new_app(session: ClientSession) -> web.Application:
+    """An app with the shared middleware and client session; the caller adds its routes."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+    app.cleanup_ctx.append(session.context)
+    return app
+
+
+async def health_of(session: aiohttp.ClientSession, url: str, timeout: float) -> bool:
+    """Whether `url`'s ``/health`` answers 200 within `timeout` seconds."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Serves `app` in the running event loop until `await runner.cleanup()`; `runner.addresses`
+    has the bound port (for ``port=0``)."""
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,166 @@
+"""`KVIndex`: which instance holds which prefix blocks, in which tier, learned from KV events.
+
+Each ``BlockStored`` block gets the router's own chained hash ``h = xxh3_64(parent_h, token ids)``
+(parent_h = 0 for a first block), so the index does not depend on vLLM's hash seed: a prompt's
+tokens cut into blocks of the same size hash to the same chain. The event's block hash (vLLM's, or
+LMCache's in its own events) is mapped, per instance and medium, to the router's hash so that
+parent links (looked up in the block's medium first, then in the others) and ``BlockRemoved``
+work; ``AllBlocksCleared`` empties the instance.
+
+`match(instance, tokens)` walks the prompt's chain (for every block size seen on that instance)
+while the instance holds the block in any tier, and returns the cached prefix: tokens, tokens per
+tier, and tokens weighted by the best tier that holds each block (`tier_weights`; a medium not named
+there weighs `DEFAULT_WEIGHT`).
+
+Bounded: at most `max_blocks` (medium, block) entries per instance, the oldest stored evicted first
+(``evicted``). A block whose parent is unknown (evicted, or its events were missed) cannot be
+chained and is skipped (``orphans``). Thread-safe (subscribers write, the router reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from lmcache.router.events import BlockHash, Cleared, Event, Removed, Stored
+
+# vLLM's own prefix cache publishes medium "GPU" (or none); LMCache's hot tier and the cache server's
+# L1 publish "CPU", disk and remote tiers "STORAGE"
+TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
+DEFAULT_WEIGHT = 1.0  # medium None: vLLM's prefix cache
+TierKey = tuple[str | None, BlockHash]
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """`tokens`: ids below 2**32 (`events.MAX_TOKEN_ID`; a prompt's ids beyond cannot be cached)."""
+    h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
+    h.update(array("I", tokens).tobytes())  # 4 bytes an id
+    return h.intdigest()
+
+
+@dataclass
+class Match:
+    tokens: int = 0  # the cached prefix, in tokens
+    weighted: float = 0.0  # the same, each block weighted by the best tier holding it
+    by_tier: dict[str, int] = field(default_factory=dict)  # tokens per best tier ("GPU" for None)
+    block_size: int = 1
+
+    def servable(self, prompt_tokens: int) -> int:
+        """The cached tokens an engine can use for a prompt of `prompt_tokens`: it computes at least
+        the last token, so a prefix covering the whole prompt loses its last block."""
+        if self.tokens < prompt_tokens:
+            return self.tokens
+        return (prompt_tokens - 1) // self.block_size * self.block_size
+
+
+class _Instance:
+    def __init__(self) -> None:
+        self.entries: OrderedDict[TierKey, int] = OrderedDict()  # (medium, event hash) -> own hash
+        self.tiers: dict[int, dict[str | None, int]] = {}  # own hash -> {medium: entries}
+        self.block_sizes: dict[int, int] = {}  # block size -> entries of that size
+        self.sizes: dict[TierKey, int] = {}
+        self.media: set[str | None] = set()  # the media its blocks were stored in
+
+
+class KVIndex:
+    def __init__(self, max_blocks: int = 200_000, tier_weights: dict[str, float] | None = None) -> None:
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks={max_blocks}: must be > 0")
+        self.max_blocks = max_blocks
+        self.tier_weights = dict(TIER_WEIGHTS if tier_weights is None else tier_weights)
+        self.evicted = self.orphans = 0
+        self._lock = threading.Lock()
+        self._instances: dict[str, _Instance] = {}
+
+    def apply(self, instance: str, events: list[Event]) -> None:
+        with self._lock:
+            inst = self._instances.setdefault(instance, _Instance())
+            for event in events:
+                if isinstance(event, Stored):
+                    self._store(inst, event)
+                elif isinstance(event, Removed):
+                    for h in event.block_hashes:
+                        self._drop(inst, (event.medium, h))
+                elif isinstance(event, Cleared):
+                    self._instances[instance] = inst = _Instance()
+
+    def _store(self, inst: _Instance, event: Stored) -> None:
+        if event.parent is None:
+            parent = 0
+        else:
+            found = next((inst.entries[(m, event.parent)] for m in (event.medium, *inst.media)
+                          if (m, event.parent) in inst.entries), None)
+            if found is None:
+                self.orphans += len(event.block_hashes)
+                return
+            parent = found
+        inst.media.add(event.medium)
+        size = event.block_size
+        for i, h in enumerate(event.block_hashes):
+            parent = chain_hash(parent, event.token_ids[i * size:(i + 1) * size])
+            key = (event.medium, h)
+            self._drop(inst, key)
+            inst.entries[key] = parent
+            inst.sizes[key] = size
+            tiers = inst.tiers.setdefault(parent, {})
+            tiers[event.medium] = tiers.get(event.medium, 0) + 1
+            inst.block_sizes[size] = inst.block_sizes.get(size, 0) + 1
+        while len(inst.entries) > self.max_blocks:
+            self._drop(inst, next(iter(inst.entries)))
+            self.evicted += 1
+
+    @staticmethod
+    def _drop(inst: _Instance, key: TierKey) -> None:
+        own = inst.entries.pop(key, None)
+        if own is None:
+            return
+        size = inst.sizes.pop(key)
+        inst.block_sizes[size] -= 1
+        if not inst.block_sizes[size]:
+            del inst.block_sizes[size]
+        tiers = inst.tiers[own]
+        tiers[key[0]] -= 1
+        if not tiers[key[0]]:
+            del tiers[key[0]]
+            if not tiers:
+                del inst.tiers[own]
+
+    def forget(self, instance: str) -> None:
+        """Drops what `instance` held (it died: its caches are gone)."""
+        with self._lock:
+            self._instances.pop(instance, None)
+
+    def blocks(self, instance: str) -> int:
+        with self._lock:
+            inst = self._instances.get(instance)
+            return 0 if inst is None else len(inst.entries)
+
+    def match(self, instance: str, tokens: Sequence[int]) -> Match:
+        """The longest prefix of `tokens` that `instance` holds (over the block sizes it reported)."""
+        with self._lock:
+            inst = self._instances.get(instance)
+            if inst is None:
+                return Match()
+            return max((self._walk(inst, tokens, size) for size in inst.block_sizes),
+                       key=lambda m: (m.weighted, m.tokens), default=Match())
+
+    def _walk(self, inst: _Instance, tokens: Sequence[int], size: int) -> Match:
+        found = Match(block_size=size)
+        parent = 0
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = chain_hash(parent, tokens[start:start + size])
+            tiers = inst.tiers.get(parent)
+            if not tiers:
+                break
+            tier, weight = max(((m, self.tier_weights.get(m or "GPU", DEFAULT_WEIGHT)) for m in tiers),
+                               key=lambda mw: mw[1])
+            found.tokens += size
+            found.weighted += size * weight
+            name = tier or "GPU"
+            found.by_tier[name] = found.by_tier.get(name, 0) + size
+        return found

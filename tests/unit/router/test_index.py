@@ -1,0 +1,85 @@
+"""`KVIndex` over decoded KV events: the router's own chained hash matches a prompt however its
+blocks were reported, removal and clear forget blocks, tiers are weighted, memory is bounded."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache.router.events import Cleared, Removed, Stored
+from lmcache.router.index import KVIndex
+
+B = 4  # block size
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str | None = None) -> Stored:
+    return Stored(hashes, parent, tokens, B, medium)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 50_000), min_size=B, max_size=12 * B), st.data(), st.integers(0, 2**40))
+def test_a_prompt_matches_its_blocks_however_the_events_split_them(tokens, data, seed):
+    blocks = len(tokens) // B
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, blocks - 1)), max_size=blocks)) - {blocks})
+    index = KVIndex()
+    start = 0
+    for end in [*cuts, blocks]:
+        if end <= start:
+            continue
+        hashes = [seed + i for i in range(start, end)]  # vLLM's hashes: any values, here seeded
+        parent = None if start == 0 else seed + start - 1
+        index.apply("a", [stored(hashes, parent, tokens[start * B:end * B])])
+        start = end
+    match = index.match("a", [*tokens, 7])
+    assert match.tokens == blocks * B and match.by_tier == {"GPU": blocks * B}
+    assert index.match("a", [t + 1 for t in tokens[:B]] + tokens[B:]).tokens == 0  # first block differs
+    assert index.match("b", tokens).tokens == 0
+
+
+def test_removal_cuts_the_prefix_and_clear_empties_the_instance():
+    tokens = list(range(4 * B))
+    index = KVIndex()
+    index.apply("a", [stored([10, 11, 12, 13], None, tokens)])
+    index.apply("a", [Removed([12], None)])
+    assert index.match("a", tokens).tokens == 2 * B
+    index.apply("a", [Removed([12, 999], "CPU")])  # unknown: ignored
+    assert index.blocks("a") == 3
+    index.apply("a", [Cleared()])
+    assert index.match("a", tokens).tokens == 0 and index.blocks("a") == 0
+
+
+def test_a_block_in_several_tiers_weighs_as_its_best_and_its_parent_may_be_in_another_tier():
+    tokens = list(range(3 * B))
+    index = KVIndex(tier_weights={"GPU": 1.0, "CPU": 0.5})
+    index.apply("a", [stored([1, 2], None, tokens[:2 * B], "CPU"), stored([3], 2, tokens[2 * B:], None)])
+    index.apply("a", [stored([1], None, tokens[:B], None)])
+    match = index.match("a", tokens)
+    assert match.tokens == 3 * B and match.by_tier == {"GPU": 2 * B, "CPU": B}
+    assert match.weighted == 2 * B + 0.5 * B
+    index.apply("a", [Removed([2], "CPU")])
+    assert index.match("a", tokens).tokens == B
+
+
+def test_an_unknown_parent_is_an_orphan_and_the_oldest_blocks_go_beyond_the_cap():
+    index = KVIndex(max_blocks=3)
+    index.apply("a", [stored([5], 404, list(range(B)))])
+    assert index.orphans == 1 and index.blocks("a") == 0
+    for i in range(5):
+        index.apply("a", [stored([i], None, [i] * B)])
+    assert index.blocks("a") == 3 and index.evicted == 2
+    assert index.match("a", [0] * B).tokens == 0 and index.match("a", [4] * B).tokens == B
+
+
+def test_a_prefix_covering_the_whole_prompt_leaves_its_last_block_to_compute():
+    index = KVIndex()
+    index.apply("a", [stored([1, 2], None, list(range(2 * B)))])
+    assert index.match("a", list(range(2 * B))).servable(2 * B) == B
+    assert index.match("a", list(range(2 * B + 1))).servable(2 * B + 1) == 2 * B
+
+
+def test_instances_are_separate_and_forget_drops_one():
+    index = KVIndex()
+    index.apply("a", [stored([1], None, list(range(B)))])
+    index.apply("b", [stored([1], None, list(range(B)))])
+    index.forget("a")
+    assert index.match("a", list(range(B))).tokens == 0 and index.match("b", list(range(B))).tokens == B

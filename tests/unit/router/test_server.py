@@ -1,0 +1,194 @@
+"""`lmcache router` in-process before fake vLLM instances (small aiohttp servers): each policy's
+choice (and the prefill/decode front's kv-aware prefiller), a returning prompt sent where the
+index says it is cached, a dead instance's requests retried on another and the instance brought
+back by its /health, streams relayed with the hits they report."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from lmcache.integration.local_model import local_model_path
+from lmcache.pd.proxy import PROXY, ProxyConfig
+from lmcache.pd.proxy import start as start_pd
+from lmcache.router.events import Stored
+from lmcache.router.server import ROUTER, RouterConfig, build_app
+from lmcache.router.tokens import PromptTokenizer
+from tests.helpers.servers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+class FakeVLLM:
+    """Answers completions with its name and ``cached_tokens`` = `cached`, streamed if asked."""
+
+    def __init__(self, name: str, cached: int = 0, port: int | None = None) -> None:
+        self.name, self.cached, self.port = name, cached, port or free_port()
+        self.bodies: list[dict] = []
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": self.name}], "usage": usage})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in ({"choices": [{"text": self.name}]}, {"choices": [], "usage": usage}):
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def __aenter__(self) -> FakeVLLM:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Running:
+    def __init__(self, config: RouterConfig) -> None:
+        self.app = build_app(config)
+        self.router = self.app[ROUTER]
+
+    async def __aenter__(self) -> Running:
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.close()
+        await self.runner.cleanup()
+
+    async def ask(self, prompt: str | list[int], headers: dict | None = None,
+                  **extra: Any) -> tuple[int, Any]:
+        async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", headers=headers,
+                                  json={"prompt": prompt, **extra}) as r:
+            return r.status, (await r.json() if not extra.get("stream") else await r.text())
+
+    async def get(self, path: str) -> Any:
+        async with self.http.get(f"http://127.0.0.1:{self.port}{path}") as r:
+            return await r.json()
+
+
+@async_test
+async def test_round_robin_alternates_and_session_sticks():
+    async with FakeVLLM("a") as a, FakeVLLM("b") as b:
+        async with Running(RouterConfig((a.url, b.url), "round-robin")) as rr:
+            names = [(await rr.ask("x"))[1]["choices"][0]["text"] for _ in range(4)]
+            assert names == ["a", "b", "a", "b"]
+        async with Running(RouterConfig((a.url, b.url), "session")) as s:
+            one = [(await s.ask("x", {"X-Session-ID": "u1"}))[1]["choices"][0]["text"] for _ in range(3)]
+            two = [(await s.ask("x", user="u2"))[1]["choices"][0]["text"] for _ in range(3)]
+            assert len(set(one)) == 1 and len(set(two)) == 1 and one[0] != two[0]
+            assert (await s.get("/stats"))["instances"][a.url]["sent"] == 3
+
+
+@async_test
+async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_and_served_hits():
+    model = local_model_path("float32")
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": "The old sailor " * 20})
+    async with FakeVLLM("a") as a, FakeVLLM("b", cached=32) as b:
+        config = RouterConfig((a.url, b.url), "kv-aware", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model)
+        async with Running(config) as r:
+            r.router.index.apply(b.url, [Stored(list(range(2)), None, tokens[:32], 16, "CPU")])
+            for stream in (False, True):
+                status, answer = await r.ask("The old sailor " * 20 + "went home", stream=stream)
+                assert status == 200 and "b" in json.dumps(answer)
+            stats = await r.get("/stats")
+            assert stats["hits_compared"] == 2
+            assert stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 64
+            status, answer = await r.ask("nothing cached here")  # a miss: the least loaded, in turn
+            assert status == 200
+            assert (await r.ask([-1, 1 << 40]))[0] == 200  # ids it cannot hash: a miss, the engine judges
+
+
+@async_test
+async def test_a_dead_instance_is_retried_around_and_comes_back_when_healthy():
+    dead = free_port()
+    async with FakeVLLM("a") as a:
+        config = RouterConfig((f"127.0.0.1:{dead}", a.url), "round-robin", probe_interval=0.1)
+        async with Running(config) as r:
+            answers = [await r.ask("x") for _ in range(3)]
+            assert [x[1]["choices"][0]["text"] for x in answers] == ["a"] * 3
+            stats = await r.get("/stats")
+            assert stats["instance_failures"] == 1 and stats["retries"] == 1
+            assert (await r.get("/health"))["instances"][0]["up"] is False
+            async with FakeVLLM("back", port=dead):
+                await asyncio.sleep(0.5)
+                assert (await r.get("/health"))["instances"][0]["up"] is True
+                names = {(await r.ask("x"))[1]["choices"][0]["text"] for _ in range(2)}
+                assert names == {"a", "back"}
+        async with Running(RouterConfig((f"127.0.0.1:{dead}",))) as r:
+            status, answer = await r.ask("x")
+            assert status == 503 and "no instance answered" in answer["error"]["message"]
+            assert (await r.ask("x", headers={"Content-Type": "application/json"}))[0] == 503
+
+
+@async_test
+async def test_a_bad_body_is_a_400_and_the_config_is_checked():
+    async with FakeVLLM("a") as a, Running(RouterConfig((a.url,))) as r:
+        async with r.http.post(f"http://127.0.0.1:{r.port}/v1/completions", data=b"[1]") as resp:
+            assert resp.status == 400 and "JSON object" in (await resp.json())["error"]["message"]
+        assert "lmcache_router_requests_total 1" in await (await r.http.get(
+            f"http://127.0.0.1:{r.port}/metrics")).text()
+    for bad in ({"instances": ()}, {"policy": "random"}, {"policy": "kv-aware"},
+                {"kv_events": ("tcp://h:1", "tcp://h:2")}):
+        with pytest.raises(ValueError):
+            RouterConfig(**{"instances": ("http://h:1",), **bad})
+
+
+@async_test
+async def test_the_pd_front_picks_the_prefiller_holding_the_prefix_with_kv_aware():
+    model = local_model_path("float32")
+    prompt = "The old sailor " * 20
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": prompt})
+    async with FakeVLLM("p0") as p0, FakeVLLM("p1") as p1, FakeVLLM("d") as d:
+        config = ProxyConfig((p0.url, p1.url), (d.url,), ("127.0.0.1:1",), port=0, prefill_policy="kv-aware",
+                             prefiller_kv_events=("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model=model)
+        runner = await start_pd(config)
+        try:
+            app_proxy = runner.app[PROXY]
+            app_proxy.watch.index.apply(p1.url, [Stored([1, 2], None, tokens[:32], 16, None)])
+            port = runner.addresses[0][1]
+            async with aiohttp.ClientSession() as http:
+                for _ in range(3):
+                    async with http.post(f"http://127.0.0.1:{port}/v1/completions",
+                                         json={"prompt": prompt + "went home"}) as r:
+                        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "d"
+            assert (len(p0.bodies), len(p1.bodies)) == (0, 3)
+        finally:
+            await runner.cleanup()
+    with pytest.raises(ValueError, match="prefiller_kv_events and model"):
+        ProxyConfig(("h:1",), ("h:2",), ("h:3",), prefill_policy="kv-aware")
