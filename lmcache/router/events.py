@@ -2,16 +2,13 @@
 
 vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
 "tcp://*:PORT"}'``) publishes each batch as a ZMQ multipart message ``[topic, seq (8 bytes, big
-endian), payload]``; the payload is msgpack of ``KVEventBatch`` (``vllm/distributed/kv_events.py``):
-an array ``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``"type"``:
-``BlockStored`` (block_hashes, parent_block_hash, token_ids, block_size, medium, ...),
-``BlockRemoved`` (block_hashes, medium) and ``AllBlocksCleared``. Block hashes are ints or bytes.
-
-The router decodes the arrays itself (importing vLLM costs ~18 s); `decode_batch` raises
-ValueError on anything that is not such a batch. `EventSubscriber` runs one thread per instance:
-a SUB socket with a receive high-water mark (a subscriber that falls behind drops batches at the
-publisher instead of growing memory; the gap in sequence numbers is counted as ``missed``),
-malformed messages counted and skipped.
+endian), payload]``; the payload is msgpack of ``KVEventBatch``. The router decodes it with the
+wire format's own structs (`lmcache.kv_events`, the same as vLLM's: importing vLLM costs ~18 s);
+`decode_batch` raises ValueError on anything that is not such a batch, or whose ``BlockStored``
+does not carry `block_size` token ids (0 <= id < 2**32) per block. `EventSubscriber` runs one
+thread per instance: a SUB socket with a receive high-water mark (a subscriber that falls behind
+drops batches at the publisher instead of growing memory; the gap in sequence numbers is counted
+as ``missed``), malformed messages counted and skipped.
 """
 
 from __future__ import annotations
@@ -19,77 +16,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import msgspec
 import zmq
 
+from lmcache.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+
 logger = logging.getLogger(__name__)
 
-BlockHash = int | bytes
 MAX_TOKEN_ID = 1 << 32
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
-
-class Stored(NamedTuple):
-    block_hashes: list[BlockHash]
-    parent: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    medium: str | None
-
-
-class Removed(NamedTuple):
-    block_hashes: list[BlockHash]
-    medium: str | None
-
-
-class Cleared(NamedTuple):
-    pass
-
-
-Event = Stored | Removed | Cleared
-_decoder = msgspec.msgpack.Decoder()
+__all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "decode_batch"]
 
 
 def decode_batch(payload: bytes) -> list[Event]:
     """The events of one ``KVEventBatch`` payload; ValueError if it is not one."""
     try:
-        batch = _decoder.decode(payload)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"not msgpack: {e}") from None
-    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
-        raise ValueError("not a KVEventBatch array [ts, events, ...]")
-    return [_event(e) for e in batch[1]]
-
-
-def _hashes(value: Any) -> list[BlockHash]:
-    if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
-        raise ValueError("block_hashes must be a list of ints or bytes")
-    return value
-
-
-def _event(raw: Any) -> Event:
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind == "AllBlocksCleared":
-        return Cleared()
-    medium = raw.get("medium") if isinstance(raw, dict) else None
-    if medium is not None and not isinstance(medium, str):
-        raise ValueError(f"medium must be a string or null, not {medium!r}")
-    if kind == "BlockRemoved":
-        return Removed(_hashes(raw.get("block_hashes")), medium)
-    if kind != "BlockStored":
-        raise ValueError(f"unknown event {kind!r}")
-    hashes, tokens, size, parent = (_hashes(raw.get("block_hashes")), raw.get("token_ids"),
-                                    raw.get("block_size"), raw.get("parent_block_hash"))
-    if not isinstance(size, int) or size <= 0:
-        raise ValueError(f"block_size must be a positive int, not {size!r}")
-    if not isinstance(tokens, list) or len(tokens) != size * len(hashes) \
-            or not all(isinstance(t, int) and 0 <= t < MAX_TOKEN_ID for t in tokens):
-        raise ValueError(f"token_ids must be {size} token ids (0 <= id < 2**32) per block for "
-                         f"{len(hashes)} block(s)")
-    if parent is not None and not isinstance(parent, int | bytes):
-        raise ValueError(f"parent_block_hash must be an int, bytes or null, not {parent!r}")
-    return Stored(hashes, parent, tokens, size, medium)
+        events = _decoder.decode(payload).events
+    except msgspec.DecodeError as e:  # ValidationError too
+        raise ValueError(f"not a KVEventBatch: {e}") from None
+    for event in events:
+        if not isinstance(event, BlockStored):
+            continue
+        size, tokens = event.block_size, event.token_ids
+        if size <= 0 or len(tokens) != size * len(event.block_hashes) \
+                or not all(0 <= t < MAX_TOKEN_ID for t in tokens):
+            raise ValueError(f"BlockStored: token_ids must be block_size={size} (> 0) ids "
+                             f"(0 <= id < 2**32) per block for {len(event.block_hashes)} block(s)")
+    return events
 
 
 class EventSubscriber:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from lmcache.router.events import BlockHash, Cleared, Event, Removed, Stored
+from lmcache.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from lmcache.router.events import Event
 
 # vLLM's own prefix cache publishes medium "GPU" (or none); LMCache's hot tier and the cache server's
 # L1 publish "CPU", disk and remote tiers "STORAGE"
@@ -81,20 +82,20 @@ class KVIndex:
         with self._lock:
             inst = self._instances.setdefault(instance, _Instance())
             for event in events:
-                if isinstance(event, Stored):
+                if isinstance(event, BlockStored):
                     self._store(inst, event)
-                elif isinstance(event, Removed):
+                elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         self._drop(inst, (event.medium, h))
-                elif isinstance(event, Cleared):
+                elif isinstance(event, AllBlocksCleared):
                     self._instances[instance] = inst = _Instance()
 
-    def _store(self, inst: _Instance, event: Stored) -> None:
-        if event.parent is None:
+    def _store(self, inst: _Instance, event: BlockStored) -> None:
+        if event.parent_block_hash is None:
             parent = 0
         else:
-            found = next((inst.entries[(m, event.parent)] for m in (event.medium, *inst.media)
-                          if (m, event.parent) in inst.entries), None)
+            found = next((inst.entries[(m, event.parent_block_hash)] for m in (event.medium, *inst.media)
+                          if (m, event.parent_block_hash) in inst.entries), None)
             if found is None:
                 self.orphans += len(event.block_hashes)
                 return

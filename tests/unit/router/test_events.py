@@ -10,7 +10,8 @@ import msgspec
 import pytest
 import zmq
 
-from lmcache.router.events import Cleared, EventSubscriber, Removed, Stored, decode_batch
+from lmcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from lmcache.router.events import EventSubscriber, decode_batch
 from tests.helpers.servers import free_port
 
 STORED = {"type": "BlockStored", "block_hashes": [b"\x01" * 32, 7], "parent_block_hash": None,
@@ -25,7 +26,8 @@ def batch(*events: dict) -> bytes:
 def test_a_batch_decodes_to_its_events():
     events = decode_batch(batch(STORED, {"type": "BlockRemoved", "block_hashes": [7], "medium": None},
                                 {"type": "AllBlocksCleared"}))
-    assert events == [Stored([b"\x01" * 32, 7], None, [1, 2, 3, 4], 2, "GPU"), Removed([7], None), Cleared()]
+    assert events == [BlockStored([b"\x01" * 32, 7], None, [1, 2, 3, 4], 2, None, "GPU", None),
+                      BlockRemoved([7], None), AllBlocksCleared()]
 
 
 @pytest.mark.parametrize("payload", [
@@ -70,7 +72,7 @@ def test_malformed_messages_are_counted_and_skipped_and_gaps_are_missed_batches(
         send(sock, 1, b"garbage")
         send(sock, 5, batch({"type": "AllBlocksCleared"}))
         wait_for(lambda: sub.batches >= 2 and sub.malformed == 2)
-        assert got[-1] == Cleared() and sub.missed == 3
+        assert got[-1] == AllBlocksCleared() and sub.missed == 3
     finally:
         sub.close()
 

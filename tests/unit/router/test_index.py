@@ -6,14 +6,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache.router.events import Cleared, Removed, Stored
+from lmcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from lmcache.router.index import KVIndex
 
 B = 4  # block size
 
 
-def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str | None = None) -> Stored:
-    return Stored(hashes, parent, tokens, B, medium)
+def stored(hashes: list[int], parent: int | None, tokens: list[int],
+           medium: str | None = None) -> BlockStored:
+    return BlockStored(hashes, parent, tokens, B, None, medium, None)
 
 
 @settings(max_examples=50, deadline=None)
@@ -40,11 +41,11 @@ def test_removal_cuts_the_prefix_and_clear_empties_the_instance():
     tokens = list(range(4 * B))
     index = KVIndex()
     index.apply("a", [stored([10, 11, 12, 13], None, tokens)])
-    index.apply("a", [Removed([12], None)])
+    index.apply("a", [BlockRemoved([12], None)])
     assert index.match("a", tokens).tokens == 2 * B
-    index.apply("a", [Removed([12, 999], "CPU")])  # unknown: ignored
+    index.apply("a", [BlockRemoved([12, 999], "CPU")])  # unknown: ignored
     assert index.blocks("a") == 3
-    index.apply("a", [Cleared()])
+    index.apply("a", [AllBlocksCleared()])
     assert index.match("a", tokens).tokens == 0 and index.blocks("a") == 0
 
 
@@ -56,7 +57,7 @@ def test_a_block_in_several_tiers_weighs_as_its_best_and_its_parent_may_be_in_an
     match = index.match("a", tokens)
     assert match.tokens == 3 * B and match.by_tier == {"GPU": 2 * B, "CPU": B}
     assert match.weighted == 2 * B + 0.5 * B
-    index.apply("a", [Removed([2], "CPU")])
+    index.apply("a", [BlockRemoved([2], "CPU")])
     assert index.match("a", tokens).tokens == B
 
 

@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from lmcache.integration.local_model import local_model_path
+from lmcache.kv_events import BlockStored
 from lmcache.pd.proxy import PROXY, ProxyConfig
 from lmcache.pd.proxy import start as start_pd
-from lmcache.router.events import Stored
 from lmcache.router.server import ROUTER, RouterConfig, build_app
 from lmcache.router.tokens import PromptTokenizer
 from tests.helpers.servers import free_port
@@ -122,7 +122,8 @@ async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_
     async with FakeVLLM("a") as a, FakeVLLM("b", cached=32) as b:
         config = RouterConfig((a.url, b.url), "kv-aware", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model)
         async with Running(config) as r:
-            r.router.index.apply(b.url, [Stored(list(range(2)), None, tokens[:32], 16, "CPU")])
+            held = BlockStored(list(range(2)), None, tokens[:32], 16, None, "CPU", None)
+            r.router.index.apply(b.url, [held])
             for stream in (False, True):
                 status, answer = await r.ask("The old sailor " * 20 + "went home", stream=stream)
                 assert status == 200 and "b" in json.dumps(answer)
@@ -180,7 +181,8 @@ async def test_the_pd_front_picks_the_prefiller_holding_the_prefix_with_kv_aware
         runner = await start_pd(config)
         try:
             app_proxy = runner.app[PROXY]
-            app_proxy.watch.index.apply(p1.url, [Stored([1, 2], None, tokens[:32], 16, None)])
+            held = BlockStored([1, 2], None, tokens[:32], 16, None, None, None)
+            app_proxy.watch.index.apply(p1.url, [held])
             port = runner.addresses[0][1]
             async with aiohttp.ClientSession() as http:
                 for _ in range(3):
