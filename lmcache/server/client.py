@@ -63,10 +63,11 @@ class LMCacheClient:
         answers = self._call([(Op.GET, k, ()) for k in keys])
         return [value if status == Status.OK else None for status, value in answers]
 
-    def get_many_into(self, keys: Sequence[str], read: Callable[[int, SocketStream, int], T]) -> list[T | None]:
+    def get_many_into(self, keys: Sequence[str],
+                      read: Callable[[int, SocketStream, int], T]) -> list[T | None]:
         """Pipelined GETs whose values go from the socket straight into `read(i, stream, length)`
-        (for `keys[i]`), one after another (None for missing keys). `read` may leave part of a value unread (it is
-        skipped); if `read` raises, the connection is closed and the error propagates."""
+        (for `keys[i]`), one after another (None for missing keys). `read` may leave part of a
+        value unread (it is skipped); if `read` raises, the connection is closed and the error propagates."""
         if not keys:
             return []
         requests = b"".join(protocol.pack_request(Op.GET, k.encode(), 0) for k in keys)

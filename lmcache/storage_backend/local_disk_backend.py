@@ -15,7 +15,8 @@ verified read are in `disk_file`. This module keeps the index:
 - A batch of reads (`batched_get`) runs concurrently on the tier's load pool.
 - Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
   counted (`num_corrupt`) and the read is a miss. With sealing on (`kv_encryption_key`) files are
-  sealed (`serde.seal`); one that does not open is removed and counted in `num_forged` too. With a raw serde (`naive`, `fast`) the payload is
+  sealed (`serde.seal`); one that does not open is removed and counted in `num_forged` too.
+  With a raw serde (`naive`, `fast`) the payload is
   read straight into the buffer from `allocate`, with no intermediate copy.
 - What it writes and drops (evicted, removed, corrupt, found gone, cleared) it reports as events
   (`events`) for the keys this process knows, also from the put workers; the storage manager
@@ -242,7 +243,8 @@ class LocalDiskBackend(LowerTierBackend):
         tensor = memory_obj.tensor
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
-        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor), self.sealer)
+        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor),
+                                       self.sealer)
         size = sum(len(p) for p in parts)
         if not self._reserve(size):
             return

@@ -12,7 +12,8 @@ Each instance runs:
 As a tier: `batched_contains` asks the lookup service which live peers hold each key (one
 round trip); `batched_get` pulls the keys in one pipelined batch per peer (peers in parallel,
 each key from the peer holding most of the batch, a second round from other holders for what
-failed). Every value is a keyed blob (sealed for its key with sealing on, `serde.seal`): a value for a key that was not asked for (a confused or
+failed). Every value is a keyed blob (sealed for its key with sealing on, `serde.seal`): a
+value for a key that was not asked for (a confused or
 lying peer) or that does not verify makes the whole batch from that peer a miss. A dead, slow or
 lying peer is a miss within `remote_timeout`, caught by that peer's failure domain (the tier's
 ``failures``; logged once per incident) and then left alone for a backoff delay (a batch routed
@@ -165,8 +166,8 @@ class PeerBackend(StorageBackendInterface):
             i = index.get(found)
             if i is None:
                 raise CorruptBlobError(f"peer {peer} sent a chunk that was not asked for")
-            obj = read_blob_sealed(stream, blob_len, found, self._sealer, SERDE_IDS[SERDE], self._deserializer,
-                                   self.allocate)
+            obj = read_blob_sealed(stream, blob_len, found, self._sealer, SERDE_IDS[SERDE],
+                                   self._deserializer, self.allocate)
             if out[i] is not None:  # a retried exchange: keep the newer copy
                 out[i].ref_count_down()  # type: ignore[union-attr]
             out[i] = obj
@@ -201,7 +202,8 @@ class PeerBackend(StorageBackendInterface):
     def stats(self) -> TierStats:
         with self._lock:
             rejected, forged = self.num_rejected, self.num_forged
-        return TierStats(add_counts({"corrupt": rejected, "forged": forged, "registrations_dropped": self.lookup.num_dropped},
+        return TierStats(add_counts({"corrupt": rejected, "forged": forged,
+                                     "registrations_dropped": self.lookup.num_dropped},
                                     self._peers.counts(), self.lookup.fault_counts()))
 
     def close(self) -> None:

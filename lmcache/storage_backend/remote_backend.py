@@ -44,7 +44,12 @@ from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.blob_stream import ReadStream
-from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer, read_blob_sealed, read_whole_sealed
+from lmcache.storage_backend.serde.seal import (
+    ForgedBlobError,
+    create_sealer,
+    read_blob_sealed,
+    read_whole_sealed,
+)
 from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
@@ -182,7 +187,8 @@ class RemoteBackend(LowerTierBackend):
                 made.append(obj)
             return obj
 
-        def read(chunk_keys: list[bytes], i: int, stream: ReadStream, length: int) -> BlobRead | Future[BlobRead]:
+        def read(chunk_keys: list[bytes], i: int, stream: ReadStream,
+                 length: int) -> BlobRead | Future[BlobRead]:
             if self._decodes is None:
                 return settle(partial(self._read_blob, chunk_keys[i], stream, length))
             try:
@@ -199,8 +205,8 @@ class RemoteBackend(LowerTierBackend):
                 rks = [rk for _, rk in group]
                 chunk_keys = [keys[i].to_string().encode() for i, _ in group]
                 misses: list[BlobRead | Future[BlobRead]] = [None] * len(rks)
-                values = self._call(rks[0], partial(self.connector.get_many_into, rks, partial(read, chunk_keys)),
-                                    misses)
+                get = partial(self.connector.get_many_into, rks, partial(read, chunk_keys))
+                values = self._call(rks[0], get, misses)
                 for (i, rk), value in zip(group, values, strict=True):
                     out[i] = self._verified(rk, partial(_unwrap, value))
             done = True

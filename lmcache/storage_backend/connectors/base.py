@@ -36,7 +36,8 @@ class RemoteConnector(abc.ABC):
         (None for missing keys), in one round trip where the store allows it. `read` may leave part of a value
         unread (the rest is skipped); if it raises, the batch fails with that error. A store that
         can stream values into `read` as they arrive overrides this."""
-        return [None if v is None else read(i, BufferStream(v), len(v)) for i, v in enumerate(self.get_many(keys))]
+        values = self.get_many(keys)
+        return [None if v is None else read(i, BufferStream(v), len(v)) for i, v in enumerate(values)]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Several EXISTS in one round trip where the store allows it."""

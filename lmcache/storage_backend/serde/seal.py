@@ -36,7 +36,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from cryptography.exceptions import InvalidTag
@@ -44,7 +44,13 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde.blob import SEALED_MAGIC
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob, read_exact, read_whole_blob, readinto_exact
+from lmcache.storage_backend.serde.blob_stream import (
+    ReadStream,
+    read_blob,
+    read_exact,
+    read_whole_blob,
+    readinto_exact,
+)
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
 
 MAGIC = SEALED_MAGIC
@@ -57,7 +63,7 @@ OVERHEAD = HEADER_SIZE + TAG_BYTES
 KEY_ENV = "LMCACHE_KV_KEY"
 T = TypeVar("T")
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | memoryview
 
 
 class ForgedBlobError(CorruptBlobError):
@@ -106,13 +112,15 @@ class Sealer:
         read now). Raises ForgedBlobError for a blob that is not sealed for `chunk_key` with one
         of the keys."""
         if length < OVERHEAD:
-            raise ForgedBlobError(f"sealed blob of {length} bytes is shorter than its {OVERHEAD}-byte frame")
+            raise ForgedBlobError(f"sealed blob of {length} bytes is shorter than its "
+                                  f"{OVERHEAD}-byte frame")
         header = bytes(read_exact(stream, HEADER_SIZE))
         magic, version, kid, nonce, sealed_len = _HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise ForgedBlobError("not a sealed blob (sealing is on: unsealed blobs are not served)")
         if sealed_len != length - OVERHEAD:
-            raise ForgedBlobError(f"sealed blob holds {length - OVERHEAD} bytes, its header says {sealed_len}")
+            raise ForgedBlobError(f"sealed blob holds {length - OVERHEAD} bytes, its header says "
+                                  f"{sealed_len}")
         key = self._keys.get(kid)
         if key is None:
             raise ForgedBlobError(f"sealed with key {kid.hex()}, which is not configured (retired?)")
@@ -168,7 +176,8 @@ class OpenedBlob:
         try:
             self._dec.finalize_with_tag(tag)  # type: ignore[attr-defined]
         except InvalidTag:
-            raise ForgedBlobError("sealed blob does not authenticate (forged, moved, or another key)") from None
+            raise ForgedBlobError("sealed blob does not authenticate (forged, moved, or another "
+                                  "key)") from None
 
 
 def read_blob_sealed(stream: ReadStream, length: int, chunk_key: bytes, sealer: Sealer | None, serde_id: int,
@@ -235,10 +244,10 @@ def load_keys(key_file: str | None) -> list[bytes] | None:
             raise ValueError(f"kv_encryption_key {key_file!r}: cannot read the key file: "
                              f"{type(e).__name__}") from None
         return parse_keys(text, f"kv_encryption_key {key_file!r}")
-    text = os.environ.get(KEY_ENV)
-    if not text:
+    env = os.environ.get(KEY_ENV)
+    if not env:
         return None
-    return parse_keys(text, KEY_ENV)
+    return parse_keys(env, KEY_ENV)
 
 
 def _looks_like_keys(value: str) -> bool:
@@ -255,7 +264,7 @@ def write_key_file(path: str) -> str:
     """Write a new key file at `path` (mode 0600; refuses to overwrite) and return its key id.
     To rotate, put its key line first in the engine's key file and keep the old ones after it."""
     key = os.urandom(KEY_BYTES)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write(f"# lmcache kv key, id {key_id(key).hex()}, created {stamp}\n{key.hex()}\n")
