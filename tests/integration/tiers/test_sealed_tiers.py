@@ -67,9 +67,10 @@ def store(request):
 class SealedTier(Tier):
     """A `Tier` whose backend seals with the keys in `key_path` (None: no sealing)."""
 
-    def __init__(self, url: str, key_path: str | None) -> None:
+    def __init__(self, url: str, key_path: str | None, serde: str = "naive") -> None:
         self.alloc = MixedMemoryAllocator(4 << 20)
-        config = LMCacheEngineConfig.from_defaults(remote_url=url, kv_encryption_key=key_path)
+        config = LMCacheEngineConfig.from_defaults(remote_url=url, remote_serde=serde,
+                                                   kv_encryption_key=key_path)
         self.backend = RemoteBackend(config, META, self.alloc.allocate)
 
 
@@ -77,8 +78,8 @@ class SealedTier(Tier):
 def tier():
     made: list[SealedTier] = []
 
-    def make(url: str, key_path: str | None) -> SealedTier:
-        made.append(SealedTier(url, key_path))
+    def make(url: str, key_path: str | None, serde: str = "naive") -> SealedTier:
+        made.append(SealedTier(url, key_path, serde))
         return made[-1]
 
     yield make
@@ -109,6 +110,20 @@ def test_a_value_copied_under_another_key_is_a_counted_deleted_miss(store, tier,
     assert got[0] is not None and got[1] is None
     got[0].ref_count_down()
     assert t.backend.stats().counters["forged"] == 1 and raw.get(key(2).to_string()) is None
+
+
+def test_cachegen_streams_are_sealed_after_encoding_and_a_batch_decodes_them(valkey, tier, tmp_path):
+    t = tier(valkey.url, key_file(tmp_path, "k", K1), serde="cachegen")
+    t.put(0, 1, 2)
+    r = redis.Redis(port=valkey.port)
+    assert all(r.get(key(i).to_string())[:4] == b"LMCS" for i in range(3))
+    r.set(key(2).to_string(), r.get(key(1).to_string()))  # moved
+    batch = t.backend.batched_get([key(i) for i in range(3)])
+    assert batch[2] is None and t.backend.stats().counters["forged"] == 1
+    for i in (0, 1):
+        assert float((batch[i].tensor.float() - data(i).float()).abs().max()) < 1.0  # lossy codec
+        batch[i].ref_count_down()
+    assert t.alloc.used_bytes == 0
 
 
 def test_two_engines_with_different_keys_on_one_valkey_miss_each_others_values(valkey, tier, tmp_path):
