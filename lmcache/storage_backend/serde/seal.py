@@ -22,8 +22,9 @@ rotate: put the new key first, keep the old one until its blobs have aged out.
 
 AES-GCM comes from `cryptography` (OpenSSL underneath), through its streaming GCM cipher rather
 than the one-shot `AESGCM`, which needs the whole blob in one buffer: streaming lets a 6 MB chunk
-be decrypted straight into its arena buffer. Reading is one pass: `Sealer.open` returns a stream of the plaintext, decrypted piece by piece
-straight into the caller's buffer, and its `finish()` checks the tag; nothing read from it may be
+be decrypted straight into its arena buffer. Reading is one pass: `Sealer.open` returns a stream
+of the plaintext, decrypted piece by piece straight into the caller's buffer, and its `finish()`
+checks the tag; nothing read from it may be
 served before `finish()` returned. Random 96-bit nonces: a key seals at most 2**32 blobs before it
 should be rotated (NIST SP 800-38D).
 
