@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import AEADDecryptionContext, Cipher, algorithms, modes
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde.blob import SEALED_MAGIC
@@ -139,7 +139,7 @@ class OpenedBlob:
     """A `ReadStream` of a sealed blob's plaintext (`length` bytes). Unauthenticated until
     `finish()` returns: read all of it (`drain` reads what is left), then call `finish()`."""
 
-    def __init__(self, stream: ReadStream, length: int, decryptor: object) -> None:
+    def __init__(self, stream: ReadStream, length: int, decryptor: AEADDecryptionContext) -> None:
         self._stream = stream
         self.length = length
         self._left = length
@@ -154,7 +154,7 @@ class OpenedBlob:
             self._scratch = bytearray(n)
         cipher = memoryview(self._scratch)[:n]
         readinto_exact(self._stream, cipher)
-        self._dec.update_into(cipher, buffer[:n])  # type: ignore[attr-defined]
+        self._dec.update_into(cipher, buffer[:n])
         self._left -= n
         return n
 
@@ -180,7 +180,7 @@ class OpenedBlob:
             raise ForgedBlobError(f"{self._left} sealed bytes were not read")
         tag = bytes(read_exact(self._stream, TAG_BYTES))
         try:
-            self._dec.finalize_with_tag(tag)  # type: ignore[attr-defined]
+            self._dec.finalize_with_tag(tag)
         except InvalidTag:
             raise ForgedBlobError("sealed blob does not authenticate (forged, moved, or another "
                                   "key)") from None
