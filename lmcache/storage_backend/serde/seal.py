@@ -137,7 +137,7 @@ class Sealer:
 
 class OpenedBlob:
     """A `ReadStream` of a sealed blob's plaintext (`length` bytes). Unauthenticated until
-    `finish()` returns: read all of it (`drain` reads what is left), then call `finish()`."""
+    `finish()` returns: read all of it (through `read`), then call `finish()`."""
 
     def __init__(self, stream: ReadStream, length: int, decryptor: AEADDecryptionContext) -> None:
         self._stream = stream
