@@ -20,7 +20,14 @@ and promotion, without the copy into the paged cache); `1-by-1` is the request-b
 reading raw: for disk, reads into one reused buffer; for the remote stores, one plain GET per chunk
 (one round trip each).
 
+With `--sealed`, it compares instead sealed (`kv_encryption_key`, AES-256-GCM) with unsealed
+disk, Valkey and lm:// tiers, two engines side by side over the same store (the sealed one in its
+own directory / `namespace`), alternating A B A B: `store` is the tier's write path for the whole
+prefix (serialize, seal, write; `submit_put_task` of every chunk, then `flush`; the disk tier is
+emptied before each run, untimed), `retrieve` is `engine.retrieve` as above. Ratios are of medians.
+
     python benchmarks/tier_throughput.py [--reps 5] [--rtt 2]
+    python benchmarks/tier_throughput.py --sealed [--reps 7]
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from lmcache.memory_management import (
     release_all,
 )
 from lmcache.server.client import LMCacheClient
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from lmcache.storage_backend.serde.seal import write_key_file
 from lmcache.token_database import ChunkedTokenDatabase
 from tests.helpers.servers import LatencyProxy, LMServer, Valkey
 
@@ -207,14 +216,127 @@ def redis_clients(port: int) -> tuple[redis.Redis, Callable[[list[str]], list], 
     return r, pipelined, r.get
 
 
+@dataclass
+class SealRow:
+    tier: str
+    store_plain_gbps: float
+    store_sealed_gbps: float
+    store_ratio: float
+    retrieve_plain_gbps: float
+    retrieve_sealed_gbps: float
+    retrieve_ratio: float
+
+
+class TierWrites:
+    """The chunks of a `Setup`, held, to be written to its one lower tier again and again."""
+
+    def __init__(self, s: Setup) -> None:
+        (self.tier,) = s.engine.storage_manager.lower
+        self.keys = s.keys
+        self.objs = s.engine.storage_manager.get_prefix(s.keys)
+        assert len(self.objs) == len(self.keys)
+
+    def write(self) -> None:
+        for key, obj in zip(self.keys, self.objs):
+            self.tier.submit_put_task(key, obj)
+        assert self.tier.puts.flush(120)  # type: ignore[attr-defined]
+
+    def empty(self) -> None:
+        """Empty the disk tier (it skips chunks it holds); a remote put overwrites anyway."""
+        if isinstance(self.tier, LocalDiskBackend):
+            self.tier.clear()
+
+    def close(self) -> None:
+        release_all(self.objs)
+
+
+def bench_sealed(tier: str, plain_cfg: dict, sealed_cfg: dict, tokens: torch.Tensor, reps: int) -> SealRow:
+    setups = [Setup(tokens, **plain_cfg), Setup(tokens, **sealed_cfg)]
+    writes = [TierWrites(x) for x in setups]
+
+    def before_store() -> None:
+        for w in writes:
+            w.empty()
+
+    def before_retrieve() -> None:
+        for x in setups:
+            x.empty_hot()
+
+    t_store = medians([w.write for w in writes], reps, before_store)
+    for w in writes:
+        w.write()  # the disk tier was emptied: the chunks go back for the retrieves
+        w.close()  # and their buffers to the arena, which the retrieves need
+    t_retrieve = medians([x.retrieve for x in setups], reps, before_retrieve)
+    for x in setups:
+        x.check()
+    for x in setups:
+        x.close()
+    total = tokens.shape[0] // CHUNK * CHUNK_BYTES
+
+    def gbps(t: float) -> float:
+        return round(total / t / 1e9, 3)
+
+    return SealRow(tier, gbps(t_store[0]), gbps(t_store[1]), round(t_store[0] / t_store[1], 3),
+                   gbps(t_retrieve[0]), gbps(t_retrieve[1]), round(t_retrieve[0] / t_retrieve[1], 3))
+
+
+def cpu_flags() -> str:
+    """The CPU model and whether it has AES-NI / VAES (what AES-GCM's speed depends on)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = [line.split(":", 1) for line in info.splitlines() if ":" in line]
+    model = next((v.strip() for k, v in fields if k.strip() == "model name"), "?")
+    flags = set(next((v.split() for k, v in fields if k.strip() == "flags"), []))
+    return f"{model}; aes={'aes' in flags} vaes={'vaes' in flags} vpclmulqdq={'vpclmulqdq' in flags}"
+
+
+def main_sealed(tokens: torch.Tensor, reps: int) -> None:
+    n = tokens.shape[0] // CHUNK
+    work = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
+    key_path = str(work / "kv.key")
+    write_key_file(key_path)
+    disk_size = (n + 4) * CHUNK_BYTES * 1.2 / 2**30
+    rows = [bench_sealed("disk", {"local_disk": str(work / "plain"), "max_local_disk_size": disk_size},
+                         {"local_disk": str(work / "sealed"), "max_local_disk_size": disk_size,
+                          "kv_encryption_key": key_path}, tokens, reps)]
+    valkey = Valkey(work).start()
+    lm = LMServer("--max-size-gb", str(2 * (n + 8) * CHUNK_BYTES * 1.2 / 2**30)).start()
+    try:
+        for label, url in (("valkey", f"redis://127.0.0.1:{valkey.port}"), ("lm://", lm.url)):
+            rows.append(bench_sealed(label, {"remote_url": url, "remote_timeout": 30},
+                                     {"remote_url": f"{url}?namespace=sealed", "remote_timeout": 30,
+                                      "kv_encryption_key": key_path}, tokens, reps))
+    finally:
+        valkey.kill()
+        lm.stop()
+    print(f"cpu: {cpu_flags()}")
+    print(f"{'tier':8} {'store plain':>11} {'sealed':>7} {'ratio':>6} {'retrieve plain':>14} {'sealed':>7} "
+          f"{'ratio':>6}   (GB/s; ratio = sealed / plain throughput, medians of {reps})")
+    for x in rows:
+        print(f"{x.tier:8} {x.store_plain_gbps:11.2f} {x.store_sealed_gbps:7.2f} {x.store_ratio:6.2f} "
+              f"{x.retrieve_plain_gbps:14.2f} {x.retrieve_sealed_gbps:7.2f} {x.retrieve_ratio:6.2f}")
+    print("goal (issue 38): sealed store and retrieve >= 0.85x unsealed")
+    OUT.mkdir(exist_ok=True)
+    result = {"cpu": cpu_flags(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+              "tokens": tokens.shape[0], "reps": reps, "dtype": "bfloat16", "rows": [asdict(x) for x in rows]}
+    (OUT / "tier_throughput_sealed.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {OUT / 'tier_throughput_sealed.json'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rtt", type=float, default=2.0, help="injected round-trip time, ms")
+    ap.add_argument("--sealed", action="store_true", help="sealed vs unsealed tiers (see above)")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     tokens = torch.randint(0, 30000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    if args.sealed:
+        main_sealed(tokens, args.reps)
+        return
     n = args.tokens // CHUNK
     work = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
     rows = [bench_disk(tokens, work, args.reps)]

@@ -17,6 +17,17 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from lmcache.storage_backend.serde.seal import write_key_file
+
+    try:
+        kid = write_key_file(args.path)
+    except FileExistsError:
+        raise SystemExit(f"{args.path} exists: refusing to overwrite a key file") from None
+    print(f"wrote KV key {kid} to {args.path} (mode 0600); set kv_encryption_key: {args.path}")
+    return 0
+
+
 def _log_to_stderr() -> None:
     logging.basicConfig(level=os.environ.get("LMCACHE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -267,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "own prefix cache)")
     _add_pd_arguments(r, required=False)
     r.set_defaults(func=_router)
+    k = sub.add_parser("keygen", help="write a new AES-256 KV sealing key file (mode 0600) for "
+                       "kv_encryption_key; refuses to overwrite")
+    k.add_argument("path", help="the key file to create")
+    k.set_defaults(func=_keygen)
     _add_controller_commands(sub)
     from lmcache.verify.run import add_arguments as verify_arguments
 

@@ -28,6 +28,7 @@ from lmcache.observability import log_once
 from lmcache.storage_backend.connectors import parse_remote_url, remote_schemes
 from lmcache.storage_backend.evictor import POLICIES
 from lmcache.storage_backend.serde.registry import serde_names
+from lmcache.storage_backend.serde.seal import load_keys
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("LMCACHE_LOG_LEVEL", "unset (the `lmcache` CLI: INFO)", "level of the `lmcache` loggers"),
     EnvVar("LMCACHE_AUTH_TOKEN", "unset", "shared secret of `lmcache server`, of `lm://` remote URLs "
            "without `?auth_token=` and of the peer servers"),
+    EnvVar("LMCACHE_KV_KEY", "unset", "KV sealing keys (64 hex digits each, comma-separated, the first "
+           "seals) where `kv_encryption_key` names no key file; never logged"),
     EnvVar("LMCACHE_MODEL_DIR", "`~/.cache/lmcache/models`", "where the local SmolLM2 model folder is kept"),
     EnvVar("LMCACHE_NATIVE", "1", "0 turns the compiled kernels off (the Python paths give the same "
            "results)"),
@@ -104,6 +107,11 @@ class LMCacheEngineConfig:
       holds, `integration.vllm.audit`; 0 turns audits off), the audit mismatches after which the
       connector stops serving hits for the model, and where the evenly spread choice of audited
       lookups starts;
+    - `kv_encryption_key`: path of a key file (``lmcache keygen PATH``); with it, or with keys in
+      ``LMCACHE_KV_KEY``, every blob of the disk, remote and peer tiers and every chunk the PD
+      channel sends over TCP is sealed with AES-256-GCM for its chunk key, and one that does not
+      open is a miss (`storage_backend.serde.seal`). The config holds the path only; key material
+      never enters it;
     - `metrics_port`, `metrics_host`: serve the ``lmcache:`` Prometheus metrics there (for
       engines outside vLLM, whose metrics appear in vLLM's own ``/metrics``; port 0 = any).
 
@@ -175,6 +183,7 @@ class LMCacheEngineConfig:
     verify_rate: float = 0.01
     verify_max_mismatches: int = 3
     verify_seed: int = 0
+    kv_encryption_key: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -193,6 +202,7 @@ class LMCacheEngineConfig:
         for name in ("max_local_cpu_size", "max_local_disk_size"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _check(self.local_disk != "", "local_disk", self.local_disk, "must be a path or None")
+        load_keys(self.kv_encryption_key)  # a key file (or LMCACHE_KV_KEY) that does not parse: ValueError
         if self.remote_url is not None:
             scheme = self.remote_url.split("://", 1)[0] if "://" in self.remote_url else ""
             _check(scheme in schemes, "remote_url", self.remote_url,

@@ -5,7 +5,7 @@ Every number the engine and its tiers keep becomes a metric (prefix ``lmcache:``
     engine counters  lmcache:<name>_total             lookup_requests, lookup_hit_tokens,
                                                       stored_tokens, retrieve_hit_tokens, errors, ...
     tier counters    lmcache:tier_<name>_total{tier}  hits, bytes_read, bytes_written, evicted,
-                                                      failures, skipped, corrupt, puts_written,
+                                                      failures, skipped, corrupt, forged, puts_written,
                                                       puts_failed, puts_dropped, ...
     tier gauges      lmcache:tier_<name>{tier}        bytes_used, chunks, files, puts_pending
     histograms       lmcache:<name>                   store_seconds, retrieve_seconds,
@@ -65,6 +65,8 @@ DOCS = {
     "tier_puts_failed": "Chunk writes to a tier that failed",
     "tier_puts_dropped": "Chunk writes to a tier not attempted (queue full or backing off)",
     "tier_corrupt": "Corrupt or unverifiable values a tier detected (each was a miss)",
+    "tier_forged": "Sealed values that did not open (forged, moved, truncated, retired key; each was a "
+                   "miss, also counted as corrupt)",
     "tier_bytes_used": "Bytes a tier holds",
     "store_seconds": "Seconds one store took",
     "retrieve_seconds": "Seconds one retrieve took",

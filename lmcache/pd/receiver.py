@@ -25,6 +25,7 @@ from lmcache.pd import nixl_agent
 from lmcache.pd.wire import (
     MAX_CHUNKS_PER_OFFER,
     Chunk,
+    SocketReader,
     WireError,
     byte_view,
     recv_into,
@@ -32,6 +33,10 @@ from lmcache.pd.wire import (
     reply,
     send_message,
 )
+from lmcache.storage_backend.serde import seal
+from lmcache.storage_backend.serde.blob_stream import readinto_exact
+from lmcache.storage_backend.serde.seal import ForgedBlobError, Sealer
+from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 logger = logging.getLogger(__name__)
 FRAME_TIMEOUT = 30.0  # seconds the bytes of a `written` may take to arrive
@@ -66,8 +71,9 @@ class _Offer:
 
 class ReceiverServer:
     def __init__(self, host: str, port: int, store: SlotStore, channel: str,
-                 nixl_backends: Sequence[str]) -> None:
+                 nixl_backends: Sequence[str], sealer: Sealer | None = None) -> None:
         self.store = store
+        self.sealer = sealer
         self.agent: nixl_agent.NixlAgent | None = None
         try:
             self._listener = socket.create_server((host, port), reuse_port=False)
@@ -82,6 +88,7 @@ class ReceiverServer:
             self._listener.close()
             raise
         self.num_bad_frames = 0
+        self.num_forged = 0  # sealed chunks that did not open (each ended its connection)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -151,6 +158,8 @@ class ReceiverServer:
         return recv_message(conn)
 
     def _hello(self, conn: socket.socket, message: dict[str, Any], peer: str | None) -> str | None:
+        if bool(message.get("sealed")) != (self.sealer is not None):
+            raise WireError("one side seals KV and the other does not: both need the same kv_encryption_key")
         theirs = message.get("nixl")
         if self.agent is None or not isinstance(theirs, str) or peer is not None:
             reply(conn, channel="tcp")
@@ -185,9 +194,9 @@ class ReceiverServer:
             raise WireError("slots not sent inline need the NIXL notification of their write")
         conn.settimeout(FRAME_TIMEOUT)
         for i in sorted(inline):
-            tensor = offer.slots[i][1].tensor
-            assert tensor is not None
-            recv_into(conn, byte_view(tensor))
+            chunk, obj = offer.slots[i]
+            assert obj.tensor is not None
+            self._receive(conn, chunk, byte_view(obj.tensor))
         conn.settimeout(None)
         if len(inline) < len(offer.slots):
             assert self.agent is not None and isinstance(notif, str)
@@ -195,6 +204,22 @@ class ReceiverServer:
                 raise WireError(f"NIXL notification {notif!r} did not arrive in {NOTIF_TIMEOUT:.0f} s")
         chunks, objs = offer.take()
         reply(conn, committed=self.store.commit(chunks, objs))
+
+    def _receive(self, conn: socket.socket, chunk: Chunk, view: memoryview) -> None:
+        """One inline chunk into its slot (opened on the way where sealing is on)."""
+        if self.sealer is None:
+            recv_into(conn, view)
+            return
+        try:
+            key = chunk.key.to_string().encode()
+            opened = self.sealer.open(SocketReader(conn), len(view) + seal.OVERHEAD, key)
+            readinto_exact(opened, view)
+            opened.finish()
+        except ForgedBlobError as e:
+            self.num_forged += 1
+            raise WireError(f"a sealed chunk did not open: {e}") from None
+        except CorruptBlobError as e:  # the connection ended inside the chunk
+            raise ConnectionError(str(e)) from None
 
     def close(self) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import IncidentLog
 from lmcache.pd import nixl_agent
 from lmcache.pd.wire import FOREIGN, HAVE, Chunk, WireError, byte_view, expect_ok, recv_message, send_message
+from lmcache.storage_backend.serde.seal import create_sealer
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0
@@ -69,6 +70,7 @@ class PDSender:
         self.engine = engine
         self.rank = max(rank, 0)
         self.timeout = config.pd_send_timeout
+        self.sealer = create_sealer(config.kv_encryption_key)  # seals the chunks sent inline
         self.agent: nixl_agent.NixlAgent | None = None
         self._arena: tuple[int, int] = (0, 0)
         arena = engine.memory_allocator.arena
@@ -151,7 +153,7 @@ class PDSender:
         """Fill the reserved slots: NIXL writes for objects in the registered arena, the rest
         inline; then the receiver commits them. The bytes written through NIXL."""
         ranges: list[tuple[int, int, int]] = []
-        inline: list[tuple[int, torch.Tensor]] = []
+        inline: list[tuple[int, torch.Tensor]] = []  # (index in `pending`, its tensor)
         lo, size = self._arena
         for i, slot in reserved:
             tensor = pending[i][1].tensor
@@ -170,8 +172,12 @@ class PDSender:
             notif = uuid.uuid4().hex
             self.agent.write(link.nixl_peer, ranges, notif.encode(), NIXL_WRITE_TIMEOUT)
         send_message(link.sock, {"op": "written", "inline": [i for i, _ in inline], "notif": notif})
-        for _, tensor in inline:
-            link.sock.sendall(byte_view(tensor))
+        for i, tensor in inline:
+            parts: list[bytes | memoryview] = [byte_view(tensor)]
+            if self.sealer is not None:
+                parts = self.sealer.seal(pending[i][0].to_string().encode(), parts)
+            for part in parts:
+                link.sock.sendall(part)
         committed = expect_ok(recv_message(link.sock)).get("committed")
         if committed != len(reserved):
             raise WireError(f"the receiver committed {committed} of {len(reserved)} chunks")
@@ -187,7 +193,7 @@ class PDSender:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(REPLY_TIMEOUT)
             link = _Link(sock)
-            hello: dict[str, Any] = {"op": "hello"}
+            hello: dict[str, Any] = {"op": "hello", "sealed": self.sealer is not None}
             if self.agent is not None:
                 hello["nixl"] = self.agent.metadata()
             answer = link.request(hello)

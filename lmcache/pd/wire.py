@@ -21,6 +21,12 @@ chunk after it). `written` ends the offer: the receiver reads the inline bytes, 
 notification `notif` of the others, and only then makes the reserved chunks visible; a
 connection that breaks first frees its reservations, so a half-written chunk is never served.
 A bad frame gets ``{"ok": false, "error": message}`` and the connection is closed.
+
+With sealing on (`kv_encryption_key`), `hello` says ``"sealed": true`` (both sides must agree) and
+every inline chunk goes as a sealed blob for its key (`serde.seal`: header, ciphertext, tag;
+`seal.OVERHEAD` bytes more than the chunk), decrypted straight into its slot; a chunk that does
+not open ends the connection, so its reservation is freed and never served. NIXL writes are not
+sealed (they go between registered memories, not over this connection).
 """
 
 from __future__ import annotations
@@ -126,6 +132,16 @@ def recv_into(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bo
         first = False
         view = view[got:]
     return True
+
+
+class SocketReader:
+    """A socket as a `blob_stream.ReadStream` (for opening a sealed chunk as it arrives)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        return self._sock.recv_into(buffer)
 
 
 def reply(sock: socket.socket, **fields: Any) -> None:

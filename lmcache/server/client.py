@@ -54,7 +54,7 @@ class LMCacheClient:
     def get_into(self, key: str, read: Callable[[SocketStream, int], T]) -> T | None:
         """GET that hands the value to `read(stream, length)` as it arrives on the socket (no
         intermediate buffer); None if the key is missing. See `get_many_into`."""
-        return self.get_many_into([key], read)[0]
+        return self.get_many_into([key], lambda _, stream, length: read(stream, length))[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
         """Pipelined GETs: all requests are sent, then the answers read in order."""
@@ -63,10 +63,11 @@ class LMCacheClient:
         answers = self._call([(Op.GET, k, ()) for k in keys])
         return [value if status == Status.OK else None for status, value in answers]
 
-    def get_many_into(self, keys: Sequence[str], read: Callable[[SocketStream, int], T]) -> list[T | None]:
-        """Pipelined GETs whose values go from the socket straight into `read(stream, length)`,
-        one after another (None for missing keys). `read` may leave part of a value unread (it is
-        skipped); if `read` raises, the connection is closed and the error propagates."""
+    def get_many_into(self, keys: Sequence[str],
+                      read: Callable[[int, SocketStream, int], T]) -> list[T | None]:
+        """Pipelined GETs whose values go from the socket straight into `read(i, stream, length)`
+        (for `keys[i]`), one after another (None for missing keys). `read` may leave part of a
+        value unread (it is skipped); if `read` raises, the connection is closed and the error propagates."""
         if not keys:
             return []
         requests = b"".join(protocol.pack_request(Op.GET, k.encode(), 0) for k in keys)
@@ -74,14 +75,14 @@ class LMCacheClient:
         def exchange(sock: socket.socket) -> list[T | None]:
             sock.sendall(requests)
             out: list[T | None] = []
-            for _ in keys:
+            for i in range(len(keys)):
                 status, value_len = protocol.unpack_response(bytes(_recv_exact(sock, protocol.HEADER_SIZE)))
                 if status != Status.OK:
                     self._check_status(status, _recv_exact(sock, value_len) if value_len else bytearray())
                     out.append(None)
                     continue
                 stream = SocketStream(sock, value_len)
-                out.append(read(stream, value_len))
+                out.append(read(i, stream, value_len))
                 stream.skip_rest()
             return out
 

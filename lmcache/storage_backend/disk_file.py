@@ -8,7 +8,8 @@ One file per chunk, `<stem>.kvc`, holding a keyed blob (`serde.keyed_blob`):
   (`<stem>.<pid>.<token><random>.tmp`), optionally fsyncs it (and the directory), then
   `os.replace`s it onto the final name: a reader sees no file or a complete one, whoever writes
   and however a writer dies. `is_stale_tmp` tells which temporary files a dead writer left.
-- `read_chunk` checks the key, then reads the blob (for a raw serde the payload goes straight into
+- With sealing on (`kv_encryption_key`) the blob is sealed for the key (`serde.seal`).
+- `read_chunk` checks the key, then reads (and opens) the blob (for a raw serde the payload goes straight into
   the new buffer, hashed piece by piece). Anything that does not verify raises CorruptBlobError
   (ForeignSerdeError for an intact file of another serde).
 """
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde import keyed_blob
+from lmcache.storage_backend.serde.seal import Sealer
 from lmcache.storage_backend.serde.serde import AllocateFn, Deserializer
 
 SUFFIX = ".kvc"
@@ -54,11 +56,11 @@ def write_atomic(directory: str, stem: str, parts: Sequence[Buffer], fsync: bool
 
 
 def read_chunk(f: io.FileIO, key_bytes: bytes, serde_id: int, deser: Deserializer,
-               allocate: AllocateFn) -> MemoryObj | None:
+               allocate: AllocateFn, sealer: Sealer | None = None) -> MemoryObj | None:
     """The chunk in `f` (an unbuffered file positioned at 0) in a buffer from `allocate`, or None
     if `allocate` has no room. Raises CorruptBlobError if the file does not verify."""
     file_size = os.fstat(f.fileno()).st_size
-    return keyed_blob.read_keyed_blob(f, file_size, key_bytes, serde_id, deser, allocate)
+    return keyed_blob.read_keyed_blob(f, file_size, key_bytes, serde_id, deser, allocate, sealer)
 
 
 def is_stale_tmp(name: str, mtime: float) -> bool:

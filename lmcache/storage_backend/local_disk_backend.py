@@ -14,7 +14,9 @@ verified read are in `disk_file`. This module keeps the index:
   file whose key a lookup lease pins.
 - A batch of reads (`batched_get`) runs concurrently on the tier's load pool.
 - Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
-  counted (`num_corrupt`) and the read is a miss. With a raw serde (`naive`, `fast`) the payload is
+  counted (`num_corrupt`) and the read is a miss. With sealing on (`kv_encryption_key`) files are
+  sealed (`serde.seal`); one that does not open is removed and counted in `num_forged` too.
+  With a raw serde (`naive`, `fast`) the payload is
   read straight into the buffer from `allocate`, with no intermediate copy.
 - What it writes and drops (evicted, removed, corrupt, found gone, cleared) it reports as events
   (`events`) for the keys this process knows, also from the put workers; the storage manager
@@ -45,6 +47,7 @@ from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools, gath
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS
+from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer
 from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class LocalDiskBackend(LowerTierBackend):
         self.fsync = config.local_disk_fsync
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self.sealer = create_sealer(config.kv_encryption_key)
         self.pins = pins if pins is not None else PinTable()
         self.events: TierEvents = TierEvents(self.name)
         pools = pools or TierPools()
@@ -83,6 +87,7 @@ class LocalDiskBackend(LowerTierBackend):
         self.used_bytes = 0
         self._reserved_bytes = 0
         self.num_corrupt = 0
+        self.num_forged = 0
         self.num_evicted = 0
         self.num_too_large = 0
         self.load_disk()
@@ -175,7 +180,8 @@ class LocalDiskBackend(LowerTierBackend):
     def stats(self) -> TierStats:
         base = super().stats()
         with self._index_lock:
-            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "too_large": self.num_too_large}
+            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "forged": self.num_forged,
+                   "too_large": self.num_too_large}
             return TierStats(add_counts(base.counters, own),
                              {**base.gauges, "files": len(self._index), "bytes_used": self.used_bytes})
 
@@ -238,7 +244,8 @@ class LocalDiskBackend(LowerTierBackend):
         tensor = memory_obj.tensor
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
-        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor))
+        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor),
+                                       self.sealer)
         size = sum(len(p) for p in parts)
         if not self._reserve(size):
             return
@@ -287,13 +294,14 @@ class LocalDiskBackend(LowerTierBackend):
         try:
             with f:
                 obj = disk_file.read_chunk(f, key.to_string().encode(), SERDE_IDS[self.serde_name],
-                                           self.deserializer, self.allocate)
+                                           self.deserializer, self.allocate, self.sealer)
         except ForeignSerdeError:
             return None  # written by a process with another local_disk_serde: a miss, kept
         except CorruptBlobError as e:
             logger.warning("removing corrupt disk cache file %s: %s", path, e)
             with self._index_lock:
                 self.num_corrupt += 1
+                self.num_forged += isinstance(e, ForgedBlobError)
             self._forget(stem, RemovalReason.CORRUPT)
             unlink_quietly(path)
             return None

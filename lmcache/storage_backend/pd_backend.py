@@ -35,6 +35,7 @@ from lmcache.pd.wire import FOREIGN, HAVE, Chunk
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.events import RemovalReason, TierEvents
 from lmcache.storage_backend.registry import register_tier
+from lmcache.storage_backend.serde.seal import create_sealer
 
 UNCLAIMED_TTL = 60.0  # seconds received KV is kept for its request before it may make room
 
@@ -67,7 +68,7 @@ class PDBackend(StorageBackendInterface):
         port = config.pd_peer_init_port + max(md.worker_id, 0)
         try:
             self.server = ReceiverServer(config.pd_peer_host, port, self, config.transfer_channel,
-                                         config.nixl_backends)
+                                         config.nixl_backends, create_sealer(config.kv_encryption_key))
         except BaseException:
             self.allocator.close()
             raise
@@ -233,7 +234,8 @@ class PDBackend(StorageBackendInterface):
     def stats(self) -> TierStats:
         with self._lock:
             chunks = len(self._objs)
-        return TierStats(self.counts.snapshot(), {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
+        counters = {**self.counts.snapshot(), "forged": self.server.num_forged}
+        return TierStats(counters, {"chunks": chunks, "bytes_used": self.allocator.used_bytes,
                                              "reserved": len(self._reserved)})
 
     def check_integrity(self, at_rest: bool = False) -> None:

@@ -12,7 +12,8 @@ Each instance runs:
 As a tier: `batched_contains` asks the lookup service which live peers hold each key (one
 round trip); `batched_get` pulls the keys in one pipelined batch per peer (peers in parallel,
 each key from the peer holding most of the batch, a second round from other holders for what
-failed). Every value is a keyed blob: a value for a key that was not asked for (a confused or
+failed). Every value is a keyed blob (sealed for its key with sealing on, `serde.seal`): a
+value for a key that was not asked for (a confused or
 lying peer) or that does not verify makes the whole batch from that peer a miss. A dead, slow or
 lying peer is a miss within `remote_timeout`, caught by that peer's failure domain (the tier's
 ``failures``; logged once per incident) and then left alone for a backoff delay (a batch routed
@@ -43,7 +44,8 @@ from lmcache.storage_backend.abstract_backend import StorageBackendInterface, Ti
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob
+from lmcache.storage_backend.serde.blob_stream import ReadStream
+from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer, read_blob_sealed
 from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
@@ -69,8 +71,9 @@ class PeerBackend(StorageBackendInterface):
         self.timeout = config.remote_timeout
         self._token = os.environ.get("LMCACHE_AUTH_TOKEN") or None
         serializer, self._deserializer = create_serde(SERDE, config, metadata)
+        self._sealer = create_sealer(config.kv_encryption_key)
         host, _, port = config.distributed_url.rpartition(":")
-        peer_server = PeerServer(read_local, has_local, serializer, auth_token=self._token,
+        peer_server = PeerServer(read_local, has_local, serializer, self._sealer, auth_token=self._token,
                                  frame_timeout=max(self.timeout, 1.0))
         try:
             self.server = ServerThread(peer_server, host, int(port))
@@ -88,6 +91,7 @@ class PeerBackend(StorageBackendInterface):
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="lmcache-peer-pull")
         self.num_rejected = 0  # batches dropped because a value did not verify
+        self.num_forged = 0  # of those, batches with a value that did not open (sealing on)
         logger.info("peer-to-peer sharing: serving chunks on %s, lookups at %s", self.address,
                     config.lookup_url)
 
@@ -157,12 +161,13 @@ class PeerBackend(StorageBackendInterface):
         index = {name.encode(): i for i, name in enumerate(names)}
         out: list[MemoryObj | None] = [None] * len(keys)
 
-        def read(stream: ReadStream, length: int) -> None:
+        def read(_: int, stream: ReadStream, length: int) -> None:
             found, blob_len = keyed_blob.read_key(stream, length)
             i = index.get(found)
             if i is None:
                 raise CorruptBlobError(f"peer {peer} sent a chunk that was not asked for")
-            obj = read_blob(stream, blob_len, SERDE_IDS[SERDE], self._deserializer, self.allocate)
+            obj = read_blob_sealed(stream, blob_len, found, self._sealer, SERDE_IDS[SERDE],
+                                   self._deserializer, self.allocate)
             if out[i] is not None:  # a retried exchange: keep the newer copy
                 out[i].ref_count_down()  # type: ignore[union-attr]
             out[i] = obj
@@ -170,9 +175,10 @@ class PeerBackend(StorageBackendInterface):
         def pull() -> bool:
             try:
                 self._client(peer).get_many_into(names, read)
-            except CorruptBlobError:
+            except CorruptBlobError as e:
                 with self._lock:
                     self.num_rejected += 1
+                    self.num_forged += isinstance(e, ForgedBlobError)
                 raise
             return True
 
@@ -195,8 +201,9 @@ class PeerBackend(StorageBackendInterface):
 
     def stats(self) -> TierStats:
         with self._lock:
-            rejected = self.num_rejected
-        return TierStats(add_counts({"corrupt": rejected, "registrations_dropped": self.lookup.num_dropped},
+            rejected, forged = self.num_rejected, self.num_forged
+        return TierStats(add_counts({"corrupt": rejected, "forged": forged,
+                                     "registrations_dropped": self.lookup.num_dropped},
                                     self._peers.counts(), self.lookup.fault_counts()))
 
     def close(self) -> None:

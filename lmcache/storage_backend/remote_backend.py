@@ -3,7 +3,9 @@
 The store is reached through a `RemoteConnector` (lm://, redis://, rediss://, valkey://,
 redis-sentinel://, redis-cluster://; see `connectors/url.py`); chunks are serialized with
 `remote_serde`, and every blob carries the checksummed header, so a truncated or foreign value is
-a miss (and is deleted, so that it can be stored again).
+a miss (and is deleted, so that it can be stored again). With sealing on (`kv_encryption_key`)
+values are sealed for their chunk key (`serde.seal`); one that does not open is a miss, deleted and
+counted as ``forged`` (and ``corrupt``).
 
 What this process writes, removes and deletes as corrupt it reports as events (`events`); the
 store's own evictions (a Valkey `maxmemory` policy, an lm:// server's LRU) and other instances'
@@ -46,7 +48,13 @@ from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob, read_whole_blob
+from lmcache.storage_backend.serde.blob_stream import ReadStream
+from lmcache.storage_backend.serde.seal import (
+    ForgedBlobError,
+    create_sealer,
+    read_blob_sealed,
+    read_whole_sealed,
+)
 from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
@@ -76,8 +84,10 @@ class RemoteBackend(LowerTierBackend):
         self.serde_name = config.remote_serde or "naive"
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
         self.events: TierEvents = TierEvents(self.name)
+        self.sealer = create_sealer(config.kv_encryption_key)
         self._count_lock = threading.Lock()
         self.num_corrupt = 0
+        self.num_forged = 0
         self.num_foreign = 0  # valid values written with another remote_serde: misses, kept
         # decodes of a batch's values run here while the connector reads the next ones
         self._decodes = None if self.deserializer.raw_payload else \
@@ -120,7 +130,7 @@ class RemoteBackend(LowerTierBackend):
     def stats(self) -> TierStats:
         base = super().stats()
         with self._count_lock:
-            counts = {"corrupt": self.num_corrupt, "foreign": self.num_foreign}
+            counts = {"corrupt": self.num_corrupt, "forged": self.num_forged, "foreign": self.num_foreign}
         return TierStats(add_counts(base.counters, counts, self._domains.counts()), base.gauges)
 
     @property
@@ -147,6 +157,8 @@ class RemoteBackend(LowerTierBackend):
             raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
         rk = self._remote_key(key)
         parts = self.serializer.to_parts(tensor)
+        if self.sealer is not None:
+            parts = self.sealer.seal(key.to_string().encode(), parts)
         self._run(rk, lambda: self.connector.put(rk, parts))
         self.events.stored([key])
 
@@ -154,8 +166,8 @@ class RemoteBackend(LowerTierBackend):
         """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a
         transport fault is a miss, a value that does not verify is deleted."""
         rk = self._remote_key(key)
-        return self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, self._read_blob),
-                                                     None))
+        read = partial(self._read_blob, key.to_string().encode())
+        return self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, read), None))
 
     def _by_domain(self, keys: Sequence[CacheEngineKey]) -> list[list[tuple[int, str]]]:
         """(index, remote key) of `keys`, grouped by failure domain."""
@@ -190,11 +202,12 @@ class RemoteBackend(LowerTierBackend):
                 made.append(obj)
             return obj
 
-        def read(stream: ReadStream, length: int) -> BlobRead | Future[BlobRead]:
+        def read(chunk_keys: list[bytes], i: int, stream: ReadStream,
+                 length: int) -> BlobRead | Future[BlobRead]:
             if self._decodes is None:
-                return settle(partial(self._read_blob, stream, length))
+                return settle(partial(self._read_blob, chunk_keys[i], stream, length))
             try:
-                whole = read_whole_blob(stream, length)
+                whole = read_whole_sealed(stream, length, chunk_keys[i], self.sealer)
             except CorruptBlobError as e:
                 return e
             decode = partial(self.deserializer.from_bytes_to, whole, self.allocate)
@@ -205,8 +218,10 @@ class RemoteBackend(LowerTierBackend):
         try:
             for group in self._by_domain(keys):
                 rks = [rk for _, rk in group]
+                chunk_keys = [keys[i].to_string().encode() for i, _ in group]
                 misses: list[BlobRead | Future[BlobRead]] = [None] * len(rks)
-                values = self._call(rks[0], partial(self.connector.get_many_into, rks, read), misses)
+                get = partial(self.connector.get_many_into, rks, partial(read, chunk_keys))
+                values = self._call(rks[0], get, misses)
                 for (i, rk), value in zip(group, values, strict=True):
                     out[i] = self._verified(rk, partial(_unwrap, value))
             done = True
@@ -216,8 +231,9 @@ class RemoteBackend(LowerTierBackend):
             release_all([obj for obj in made if id(obj) not in kept])
         return out
 
-    def _read_blob(self, stream: ReadStream, length: int) -> MemoryObj | None:
-        return read_blob(stream, length, SERDE_IDS[self.serde_name], self.deserializer, self.allocate)
+    def _read_blob(self, chunk_key: bytes, stream: ReadStream, length: int) -> MemoryObj | None:
+        return read_blob_sealed(stream, length, chunk_key, self.sealer, SERDE_IDS[self.serde_name],
+                                self.deserializer, self.allocate)
 
     def _verified(self, remote_key: str, read: Callable[[], MemoryObj | None]) -> MemoryObj | None:
         """`read()`; a value that does not verify is a miss (a corrupt one is deleted, one written
@@ -235,6 +251,7 @@ class RemoteBackend(LowerTierBackend):
     def _drop_corrupt(self, remote_key: str, error: CorruptBlobError) -> None:
         with self._count_lock:
             self.num_corrupt += 1
+            self.num_forged += isinstance(error, ForgedBlobError)
         logger.warning("deleting corrupt remote value %r: %s", remote_key, error)
         self._call(remote_key, lambda: self.connector.delete(remote_key), False)
         self.events.removed([self._key_of(remote_key)], RemovalReason.CORRUPT)

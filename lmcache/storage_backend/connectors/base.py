@@ -31,12 +31,13 @@ class RemoteConnector(abc.ABC):
         """Several GETs in one round trip where the store allows it."""
         return [self.get(k) for k in keys]
 
-    def get_many_into(self, keys: Sequence[str], read: Callable[[ReadStream, int], T]) -> list[T | None]:
-        """`get_many` that hands each value found to `read(stream, length)` (None for missing
-        keys), in one round trip where the store allows it. `read` may leave part of a value
+    def get_many_into(self, keys: Sequence[str], read: Callable[[int, ReadStream, int], T]) -> list[T | None]:
+        """`get_many` that hands the value of each `keys[i]` found to `read(i, stream, length)`
+        (None for missing keys), in one round trip where the store allows it. `read` may leave part of a value
         unread (the rest is skipped); if it raises, the batch fails with that error. A store that
         can stream values into `read` as they arrive overrides this."""
-        return [None if v is None else read(BufferStream(v), len(v)) for v in self.get_many(keys)]
+        values = self.get_many(keys)
+        return [None if v is None else read(i, BufferStream(v), len(v)) for i, v in enumerate(values)]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Several EXISTS in one round trip where the store allows it."""

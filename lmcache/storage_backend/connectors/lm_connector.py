@@ -33,7 +33,7 @@ class LMConnector(RemoteConnector):
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         return list(self.client.get_many(keys))
 
-    def get_many_into(self, keys: Sequence[str], read: Callable[[ReadStream, int], T]) -> list[T | None]:
+    def get_many_into(self, keys: Sequence[str], read: Callable[[int, ReadStream, int], T]) -> list[T | None]:
         return self.client.get_many_into(keys, read)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

@@ -106,9 +106,9 @@ class RedisConnector(RedisClientConnector):
         self.client = redis.Redis(connection_pool=pool)
 
     def get_into(self, key: str, read: Callable[[ReadStream, int], T]) -> T | None:
-        return self.get_many_into([key], read)[0]
+        return self.get_many_into([key], lambda _, stream, length: read(stream, length))[0]
 
-    def get_many_into(self, keys: Sequence[str], read: Callable[[ReadStream, int], T]) -> list[T | None]:
+    def get_many_into(self, keys: Sequence[str], read: Callable[[int, ReadStream, int], T]) -> list[T | None]:
         """Pipelined GETs whose values go from the socket straight into `read` (no `bytes` in
         between), on a connection borrowed from redis-py's pool; any error drops the
         connection."""
@@ -124,12 +124,12 @@ class RedisConnector(RedisClientConnector):
             conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
             reply = RespBulkReply(sock)
             out: list[T | None] = []
-            for _ in keys:
+            for i in range(len(keys)):
                 length = reply.header()
                 if length is None:
                     out.append(None)
                     continue
-                out.append(read(reply, length))
+                out.append(read(i, reply, length))
                 reply.skip_rest()
                 reply.finish()
             reply.check_drained()

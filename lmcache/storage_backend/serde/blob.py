@@ -31,6 +31,7 @@ import xxhash
 from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 MAGIC = b"LMCB"
+SEALED_MAGIC = b"LMCS"  # a sealed blob (`serde.seal`) around one of these
 VERSION = 1
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBB8QQ")
@@ -94,6 +95,8 @@ def parse_header(head: bytes | bytearray | memoryview, serde: str | None = None)
         raise CorruptBlobError(f"blob of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, serde_id, dtype_code, ndim, *rest = _FIXED.unpack_from(view)
     dims, payload_len = rest[:MAX_NDIM], rest[MAX_NDIM]
+    if magic == SEALED_MAGIC:
+        raise ForeignSerdeError("a sealed blob: reading it needs kv_encryption_key (or LMCACHE_KV_KEY)")
     if magic != MAGIC:
         raise CorruptBlobError("not an LMCache blob (bad magic)")
     if version != VERSION:

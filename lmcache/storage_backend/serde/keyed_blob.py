@@ -2,6 +2,8 @@
 
     b"LMCK" | u32 key length | key (UTF-8) | blob (serde header with checksum + payload)
 
+With sealing on (`seal`), the blob is sealed for the key (the key is associated data).
+
 A reader passes the key it asked for: a value holding another key (a renamed file, a confused or
 lying peer) is rejected, so it can never be served as the wrong chunk.
 """
@@ -13,7 +15,8 @@ from collections.abc import Sequence
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde import blob as blob_header
-from lmcache.storage_backend.serde.blob_stream import ReadStream, read_blob, read_exact
+from lmcache.storage_backend.serde.blob_stream import ReadStream, read_exact
+from lmcache.storage_backend.serde.seal import Sealer, read_blob_sealed
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
 
 MAGIC = b"LMCK"
@@ -24,8 +27,10 @@ MIN_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
 Buffer = bytes | memoryview
 
 
-def keyed_parts(key_bytes: bytes, blob_parts: Sequence[Buffer]) -> list[Buffer]:
-    """The pieces of a keyed blob, in order (the blob parts are not copied)."""
+def keyed_parts(key_bytes: bytes, blob_parts: Sequence[Buffer], sealer: Sealer | None = None) -> list[Buffer]:
+    """The pieces of a keyed blob, in order (unsealed, the blob parts are not copied)."""
+    if sealer is not None:
+        blob_parts = sealer.seal(key_bytes, blob_parts)
     return [_PREFIX.pack(MAGIC, len(key_bytes)), key_bytes, *blob_parts]
 
 
@@ -41,11 +46,12 @@ def read_key(stream: ReadStream, length: int) -> tuple[bytes, int]:
 
 
 def read_keyed_blob(stream: ReadStream, length: int, key_bytes: bytes, serde_id: int, deser: Deserializer,
-                    allocate: AllocateFn) -> MemoryObj | None:
+                    allocate: AllocateFn, sealer: Sealer | None = None) -> MemoryObj | None:
     """The keyed blob of `length` bytes at the head of `stream`, checked to hold `key_bytes`, in
     a buffer from `allocate` (None if it has no room). Raises CorruptBlobError if it does not
-    verify (ForeignSerdeError for an intact blob of another serde)."""
+    verify (ForgedBlobError if it does not open with `sealer`, ForeignSerdeError for an intact
+    blob of another serde)."""
     found, blob_len = read_key(stream, length)
     if found != key_bytes:
         raise CorruptBlobError("the blob holds a different key")
-    return read_blob(stream, blob_len, serde_id, deser, allocate)
+    return read_blob_sealed(stream, blob_len, key_bytes, sealer, serde_id, deser, allocate)

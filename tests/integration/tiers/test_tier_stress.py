@@ -1,7 +1,8 @@
 """Tiers under concurrent load: evictions (hot and disk), peer publishing and peer reads, lookups
 with leases, prefetches and retrieves from several threads at once, against a real Valkey lookup
-service. Nothing deadlocks (every thread finishes within a bound), nothing wrong is served, and
-afterwards every engine is at rest with its books balanced (no reference leaked)."""
+service, unsealed and sealed (`kv_encryption_key`). Nothing deadlocks (every thread finishes
+within a bound), nothing wrong is served, no value fails to verify, and afterwards every engine
+is at rest with its books balanced (no reference leaked)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import pytest
 import torch
 
+from lmcache.storage_backend.serde.seal import write_key_file
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 pytestmark = pytest.mark.integration
@@ -33,17 +35,22 @@ def source(seq: int) -> tuple[torch.Tensor, PagedKV, torch.Tensor]:
     return tokens, kv, kv.slots_for(n)
 
 
-def engine_for(lookup_url: str, disk: str | None):
+def engine_for(lookup_url: str, disk: str | None, key_path: str | None):
     extra = {"local_disk": disk, "max_local_disk_size": 40 * 512 / 2**30} if disk else {}
     return build_engine(CHUNK, cpu_bytes=24 * 512, enable_p2p=True, lookup_url=lookup_url,
                         distributed_url="127.0.0.1:0", p2p_ttl=5.0, remote_timeout=2.0,
-                        error_handling=False, **extra)
+                        error_handling=False, kv_encryption_key=key_path, **extra)
 
 
-def test_evictions_peer_publishing_and_concurrent_lookups_neither_deadlock_nor_leak(valkey, tmp_path):
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_evictions_peer_publishing_and_concurrent_lookups_neither_deadlock_nor_leak(valkey, tmp_path, sealed):
     url = f"redis://127.0.0.1:{valkey.port}"
-    owner = engine_for(url, str(tmp_path / "disk"))  # stores; small tiers: constant eviction
-    reader = engine_for(url, None)  # reads the owner's chunks through its peer tier
+    key_path = None
+    if sealed:  # disk files and peer transfers sealed (kv_encryption_key)
+        key_path = str(tmp_path / "kv.key")
+        write_key_file(key_path)
+    owner = engine_for(url, str(tmp_path / "disk"), key_path)  # stores; small tiers: constant eviction
+    reader = engine_for(url, None, key_path)  # reads the owner's chunks through its peer tier
     sources = [source(s) for s in range(SEQUENCES)]
     deadline = time.monotonic() + RUN_SECONDS
     errors: list[BaseException] = []
@@ -99,6 +106,9 @@ def test_evictions_peer_publishing_and_concurrent_lookups_neither_deadlock_nor_l
     assert stats["Hot"].counters.get("evicted", 0) > 0 and stats["LocalDiskBackend"].counters["evicted"] > 0
     assert reader.storage_manager.stats()["PeerBackend"].counters.get("hits", 0) > 0
     assert served[0] > 0
+    for engine, tier in ((owner, "LocalDiskBackend"), (reader, "PeerBackend")):
+        counters = engine.storage_manager.stats()[tier].counters
+        assert counters.get("forged", 0) == 0 and counters.get("corrupt", 0) == 0
     assert owner.storage_manager.backends["LocalDiskBackend"].puts.flush(10)
     for engine in (owner, reader):
         engine.check_integrity()

