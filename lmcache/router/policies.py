@@ -9,7 +9,8 @@ and, if it cannot be reached, retries the next). The policies:
 - ``kv-aware``: the instance with the least estimated work before this request's first token:
   ``backlog + request_cost * in_flight + (prompt tokens - cached prefix weighted by tier)``, where
   the cached prefix is the `KVIndex`'s match, ``backlog`` the prompt tokens the instance still has
-  to compute for the requests it is serving (as predicted when they were sent), and
+  to compute for the requests it is serving (as predicted when they were sent, until their first
+  token arrives), and
   ``request_cost`` what a request in flight costs besides (its decode). A miss everywhere is thus
   the least loaded instance.
 
@@ -19,7 +20,7 @@ and, if it cannot be reached, retries the next). The policies:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,16 +37,24 @@ class Instance:
     sent: int = 0
 
     @contextmanager
-    def serving(self, uncached: int) -> Iterator[None]:
-        """Counts a request sent to this instance as its load while the block runs."""
+    def serving(self, uncached: int) -> Iterator[Callable[[], None]]:
+        """Counts a request sent to this instance as its load while the block runs; its `uncached`
+        prompt tokens count in `backlog` until the block calls what it is given (its first token
+        arrived: the prompt is computed) or ends."""
         self.sent += 1
         self.in_flight += 1
         self.backlog += uncached
+        left = [uncached]
+
+        def prefilled() -> None:
+            self.backlog -= left[0]
+            left[0] = 0
+
         try:
-            yield
+            yield prefilled
         finally:
             self.in_flight -= 1
-            self.backlog -= uncached
+            prefilled()
 
 
 @dataclass

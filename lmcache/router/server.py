@@ -155,12 +155,13 @@ class Router:
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:
-            with inst.serving(uncached):
+            with inst.serving(uncached) as prefilled:
                 async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
                     if stream and r.status == 200:
                         first = await r.content.readany()
                         if not first:
                             raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
+                        prefilled()
                         return await relay_stream(request, r, self._chunks(first, r, inst, predicted))
                     answer = await r.read()
         except aiohttp.ClientError as e:
