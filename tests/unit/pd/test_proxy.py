@@ -7,12 +7,11 @@ failing decoder is a 503, bad bodies are a 400, and the proxy keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,18 +22,11 @@ from aiohttp import web
 from lmcache import cli
 from lmcache.pd import proxy
 from lmcache.pd.proxy import HANDOFFS, LMCachePush, ProxyConfig, prefill_body
+from tests.helpers.aio import async_test
 from tests.helpers.servers import free_port
 
 pytestmark = pytest.mark.timeout(30)
 PATH = "/v1/completions"
-
-
-def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-
-    return run
 
 
 class FakeVLLM:

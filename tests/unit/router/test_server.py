@@ -6,9 +6,7 @@ back by its /health, streams relayed with the hits they report."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -21,17 +19,10 @@ from lmcache.pd.proxy import PROXY, ProxyConfig
 from lmcache.pd.proxy import start as start_pd
 from lmcache.router.server import ROUTER, RouterConfig, build_app
 from lmcache.router.tokens import PromptTokenizer
+from tests.helpers.aio import async_test
 from tests.helpers.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(fn(*args, **kwargs))
-
-    return run
 
 
 class FakeVLLM:
