@@ -35,7 +35,7 @@ from lmcache.memory_management import MemoryObj, release_all
 from lmcache.observability import IncidentLog
 from lmcache.pd import nixl_agent
 from lmcache.pd.wire import FOREIGN, HAVE, Chunk, WireError, byte_view, expect_ok, recv_message, send_message
-from lmcache.storage_backend.serde.seal import create_sealer
+from lmcache.storage_backend.serde.seal import create_sealer, sealed_parts
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0
@@ -173,11 +173,9 @@ class PDSender:
             self.agent.write(link.nixl_peer, ranges, notif.encode(), NIXL_WRITE_TIMEOUT)
         send_message(link.sock, {"op": "written", "inline": [i for i, _ in inline], "notif": notif})
         for i, tensor in inline:
-            parts: list[bytes | memoryview] = [byte_view(tensor)]
-            if self.sealer is not None:
-                parts = self.sealer.seal(pending[i][0].to_string().encode(), parts)
-            for part in parts:
-                link.sock.sendall(part)
+            with sealed_parts(self.sealer, pending[i][0].to_string().encode(), [byte_view(tensor)]) as parts:
+                for part in parts:
+                    link.sock.sendall(part)
         committed = expect_ok(recv_message(link.sock)).get("committed")
         if committed != len(reserved):
             raise WireError(f"the receiver committed {committed} of {len(reserved)} chunks")

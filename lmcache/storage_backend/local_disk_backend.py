@@ -47,7 +47,7 @@ from lmcache.storage_backend.lower_tier import LowerTierBackend, TierPools, gath
 from lmcache.storage_backend.registry import register_tier
 from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde, keyed_blob
 from lmcache.storage_backend.serde.blob import SERDE_IDS
-from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer
+from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer, sealed_parts
 from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
@@ -244,17 +244,18 @@ class LocalDiskBackend(LowerTierBackend):
         tensor = memory_obj.tensor
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
-        parts = keyed_blob.keyed_parts(key.to_string().encode(), self.serializer.to_parts(tensor),
-                                       self.sealer)
-        size = sum(len(p) for p in parts)
-        if not self._reserve(size):
-            return
-        stem = self._seen(key)
-        try:
-            disk_file.write_atomic(self.path, stem, parts, self.fsync)
-        finally:
-            with self._index_lock:
-                self._reserved_bytes -= size
+        chunk_key = key.to_string().encode()
+        with sealed_parts(self.sealer, chunk_key, self.serializer.to_parts(tensor)) as blob:
+            parts = keyed_blob.keyed_parts(chunk_key, blob)
+            size = sum(len(p) for p in parts)
+            if not self._reserve(size):
+                return
+            stem = self._seen(key)
+            try:
+                disk_file.write_atomic(self.path, stem, parts, self.fsync)
+            finally:
+                with self._index_lock:
+                    self._reserved_bytes -= size
         self._insert_stem(stem, size)
         self.events.stored([key])
 

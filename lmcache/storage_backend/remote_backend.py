@@ -54,6 +54,7 @@ from lmcache.storage_backend.serde.seal import (
     create_sealer,
     read_blob_sealed,
     read_whole_sealed,
+    sealed_parts,
 )
 from lmcache.storage_backend.serde.serde import AllocateFn
 
@@ -156,10 +157,8 @@ class RemoteBackend(LowerTierBackend):
         if tensor is None:
             raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
         rk = self._remote_key(key)
-        parts = self.serializer.to_parts(tensor)
-        if self.sealer is not None:
-            parts = self.sealer.seal(key.to_string().encode(), parts)
-        self._run(rk, lambda: self.connector.put(rk, parts))
+        with sealed_parts(self.sealer, key.to_string().encode(), self.serializer.to_parts(tensor)) as parts:
+            self._run(rk, lambda: self.connector.put(rk, parts))
         self.events.stored([key])
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:

@@ -45,7 +45,8 @@ class RemoteConnector(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Store the concatenation of `parts` under `key`."""
+        """Store the concatenation of `parts` under `key`. The parts are valid during the call
+        only (a sealed value is a buffer its thread reuses): write them, never keep them."""
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
@@ -53,6 +54,18 @@ def db_number(url: RemoteURL, index: int) -> int:
     return int(url.path[index])
 
 
+def set_command(key: str, parts: Sequence[Buffer], ttl: int | None) -> list[Buffer]:
+    """The RESP of ``SET key value [EX ttl]`` as pieces to send in order, the value being the
+    concatenation of `parts` (not copied)."""
+    k = key.encode()
+    views = [memoryview(p).cast("B") for p in parts]
+    options = [b"EX", str(ttl).encode()] if ttl is not None else []
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(options), len(k), k,
+                                                             sum(len(v) for v in views))
+    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(o), o) for o in options)
+    return [head, *views, tail]
+
+
 class RedisClientConnector(RemoteConnector):
     """Operations over any redis-py client in `self.client`."""
 
@@ -68,8 +81,25 @@ class RedisClientConnector(RemoteConnector):
         return list(self.client.mget(keys)) if keys else []
 
     def put(self, key: str, parts: Sequence[Buffer]) -> None:
-        value = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.client.set(key, value, ex=self.ttl)
+        """SET, its value sent from `parts` as they are. redis-py packs a command's arguments into
+        one new buffer first (hiredis's packer ran at ~0.2 GB/s on 6 MB values here), so on a
+        client with one connection pool (standalone, sentinel) the command is sent packed here;
+        a cluster client routes by key and packs its own."""
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is None:
+            self.client.set(key, parts[0] if len(parts) == 1 else b"".join(parts), ex=self.ttl)
+            return
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(set_command(key, parts, self.ttl))
+            reply = conn.read_response()  # an error reply raises
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if reply not in (b"OK", "OK", True):
+            raise ResponseError(f"SET {key!r} answered {reply!r}")
 
     def exists(self, key: str) -> bool:
         return bool(self.client.exists(key))

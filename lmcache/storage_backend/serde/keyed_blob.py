@@ -28,9 +28,10 @@ Buffer = bytes | memoryview
 
 
 def keyed_parts(key_bytes: bytes, blob_parts: Sequence[Buffer], sealer: Sealer | None = None) -> list[Buffer]:
-    """The pieces of a keyed blob, in order (unsealed, the blob parts are not copied)."""
+    """The pieces of a keyed blob, in order (the blob parts are not copied; sealed where `sealer`
+    is set, into a new buffer: a writer done with them at once seals with `seal.sealed_parts`)."""
     if sealer is not None:
-        blob_parts = sealer.seal(key_bytes, blob_parts)
+        blob_parts = [memoryview(sealer.seal(key_bytes, blob_parts))]
     return [_PREFIX.pack(MAGIC, len(key_bytes)), key_bytes, *blob_parts]
 
 

@@ -20,13 +20,20 @@ corrupt blob (a miss, deleted, counted as ``forged``). A blob sealed with a key 
 configured (retired) is forged too. The first configured key seals; the others only open, so keys
 rotate: put the new key first, keep the old one until its blobs have aged out.
 
-AES-GCM comes from `cryptography` (OpenSSL underneath), through its streaming GCM cipher rather
-than the one-shot `AESGCM`, which needs the whole blob in one buffer: streaming lets a 6 MB chunk
-be decrypted straight into its arena buffer. Reading is one pass: `Sealer.open` returns a stream
-of the plaintext, decrypted piece by piece straight into the caller's buffer, and its `finish()`
-checks the tag; nothing read from it may be
-served before `finish()` returned. Random 96-bit nonces: a key seals at most 2**32 blobs before it
-should be rotated (NIST SP 800-38D).
+AES-GCM comes from `cryptography` (OpenSSL underneath; its calls release the GIL, so the tiers'
+worker threads seal and open side by side), through its streaming GCM cipher rather than the
+one-shot `AESGCM`, which needs the whole blob in one buffer and returns a new one. One pass each
+way, no copy added:
+- Writing, the blob is encrypted straight into one buffer (`seal_into`): a new one the caller owns
+  (`seal`), or, for a writer done with it at once (the disk file, a SET, a socket), this thread's
+  seal buffer, reused chunk after chunk (`sealed`, `sealed_parts`: no fresh 6 MB buffer to fault
+  in per chunk).
+- Reading, `Sealer.open` returns a stream of the plaintext: the ciphertext is read straight into
+  the caller's buffer and decrypted there in place, 256 KiB at a time (still in L2); its
+  `finish()` checks the tag, and nothing read from it may be served before `finish()` returned.
+
+Random 96-bit nonces: a key seals at most 2**32 blobs before it should be rotated (NIST SP
+800-38D).
 
 Key text (a key file, or the value of ``LMCACHE_KV_KEY``): keys of 64 hex digits (32 bytes), one
 per line or separated by commas, newest first; blank lines and ``#`` comments are ignored.
@@ -38,7 +45,9 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -64,7 +73,7 @@ _HEADER = struct.Struct("<4sB3x8s12sQ")
 HEADER_SIZE = _HEADER.size
 OVERHEAD = HEADER_SIZE + TAG_BYTES
 KEY_ENV = "LMCACHE_KV_KEY"
-SEAL_PIECE = 1 << 20  # bytes encrypted into each output piece
+OPEN_PIECE = 256 << 10  # ciphertext read into place, then decrypted there while still in L2
 T = TypeVar("T")
 
 Buffer = bytes | memoryview
@@ -98,20 +107,41 @@ class Sealer:
     def __repr__(self) -> str:
         return f"Sealer(sealing={self.sealing_id.hex()}, keys={len(self._keys)})"
 
-    def seal(self, chunk_key: bytes, parts: Sequence[Buffer]) -> list[Buffer]:
-        """The sealed blob of the blob `parts` (in order) for `chunk_key`, as pieces to write."""
+    def sealed_size(self, parts: Sequence[Buffer]) -> int:
+        return OVERHEAD + sum(memoryview(p).nbytes for p in parts)
+
+    def seal_into(self, chunk_key: bytes, parts: Sequence[Buffer], out: memoryview) -> memoryview:
+        """Seal the blob `parts` (in order) for `chunk_key` into the head of `out` (at least
+        `sealed_size(parts)` bytes): one pass, encrypted straight into place. Returns that head."""
+        size = self.sealed_size(parts)
+        if len(out) < size:
+            raise ValueError(f"a sealed blob of {size} bytes does not fit in {len(out)}")
         nonce = os.urandom(12)
-        header = _HEADER.pack(MAGIC, VERSION, self.sealing_id, nonce, sum(len(p) for p in parts))
+        _HEADER.pack_into(out, 0, MAGIC, VERSION, self.sealing_id, nonce, size - OVERHEAD)
         enc = Cipher(algorithms.AES(self._keys[self.sealing_id]), modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(header + chunk_key)
-        out: list[Buffer] = [header]
+        enc.authenticate_additional_data(bytes(out[:HEADER_SIZE]) + chunk_key)
+        at = HEADER_SIZE
         for part in parts:
             view = memoryview(part).cast("B")
-            for start in range(0, len(view), SEAL_PIECE):  # pieces: fresh buffers that big fault less
-                out.append(enc.update(view[start:start + SEAL_PIECE]))
+            at += enc.update_into(view, out[at:at + len(view)])  # releases the GIL
         enc.finalize()
-        out.append(enc.tag)
+        out[at:size] = enc.tag
+        return out[:size]
+
+    def seal(self, chunk_key: bytes, parts: Sequence[Buffer]) -> bytearray:
+        """The sealed blob of `parts` for `chunk_key`, in a new buffer the caller owns."""
+        out = bytearray(self.sealed_size(parts))
+        self.seal_into(chunk_key, parts, memoryview(out))
         return out
+
+    @contextmanager
+    def sealed(self, chunk_key: bytes, parts: Sequence[Buffer]) -> Iterator[memoryview]:
+        """The sealed blob of `parts` for `chunk_key`, in this thread's seal buffer: valid inside
+        the block only (for a writer that is done with it when the block ends; a buffer that
+        outlives the block comes from `seal`). Reusing one buffer per thread spares a fresh 6 MB
+        buffer's page faults on every chunk."""
+        with _thread_buffer(self.sealed_size(parts)) as scratch:
+            yield self.seal_into(chunk_key, parts, scratch)
 
     def open(self, stream: ReadStream, length: int, chunk_key: bytes) -> OpenedBlob:
         """The plaintext of the sealed blob of `length` bytes at the head of `stream` (its header
@@ -144,17 +174,14 @@ class OpenedBlob:
         self.length = length
         self._left = length
         self._dec = decryptor
-        self._scratch = bytearray()
 
     def readinto(self, buffer: memoryview, /) -> int:
-        n = min(len(buffer), self._left)
+        n = min(len(buffer), self._left, OPEN_PIECE)
         if n == 0:
             return 0
-        if len(self._scratch) < n:
-            self._scratch = bytearray(n)
-        cipher = memoryview(self._scratch)[:n]
-        readinto_exact(self._stream, cipher)
-        self._dec.update_into(cipher, buffer[:n])
+        piece = buffer[:n]
+        readinto_exact(self._stream, piece)  # the ciphertext straight into place,
+        self._dec.update_into(piece, piece)  # decrypted there (in == out: OpenSSL allows it)
         self._left -= n
         return n
 
@@ -184,6 +211,46 @@ class OpenedBlob:
         except InvalidTag:
             raise ForgedBlobError("sealed blob does not authenticate (forged, moved, or another "
                                   "key)") from None
+
+
+_buffers = threading.local()
+
+
+@contextmanager
+def _thread_buffer(n: int) -> Iterator[memoryview]:
+    """This thread's seal buffer (at least `n` bytes; grown, never shrunk) for the block; a
+    nested use in the same thread gets a fresh buffer instead."""
+    slot: _Slot | None = getattr(_buffers, "slot", None)
+    if slot is None:
+        slot = _buffers.slot = _Slot()
+    if slot.busy:
+        yield memoryview(bytearray(n))
+        return
+    if len(slot.buf) < n:
+        slot.buf = bytearray(n)
+    slot.busy = True
+    try:
+        yield memoryview(slot.buf)
+    finally:
+        slot.busy = False
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.busy = False
+
+
+@contextmanager
+def sealed_parts(sealer: Sealer | None, chunk_key: bytes,
+                 parts: Sequence[Buffer]) -> Iterator[Sequence[Buffer]]:
+    """The blob `parts` as written for `chunk_key`: sealed (one piece, in this thread's seal
+    buffer, valid inside the block only) where `sealer` is set, else `parts` themselves."""
+    if sealer is None:
+        yield parts
+        return
+    with sealer.sealed(chunk_key, parts) as blob:
+        yield [blob]
 
 
 def read_blob_sealed(stream: ReadStream, length: int, chunk_key: bytes, sealer: Sealer | None, serde_id: int,

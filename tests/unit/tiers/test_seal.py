@@ -41,7 +41,7 @@ def sealed_blob(sealer: Sealer, meta, seed: int = 0,
                 chunk_key: bytes = CHUNK_KEY) -> tuple[bytes, torch.Tensor]:
     t = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     ser, _ = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
-    return b"".join(bytes(p) for p in sealer.seal(chunk_key, ser.to_parts(t))), t
+    return bytes(sealer.seal(chunk_key, ser.to_parts(t))), t
 
 
 def open_blob(sealer: Sealer | None, blob: bytes, meta, allocator, chunk_key: bytes = CHUNK_KEY):
@@ -63,6 +63,36 @@ def test_two_seals_of_the_same_chunk_differ_by_nonce(meta):
     a, _ = sealed_blob(Sealer([K1]), meta)
     b, _ = sealed_blob(Sealer([K1]), meta)
     assert a != b and len(a) == len(b)
+
+
+def test_the_thread_seal_buffer_and_a_new_one_give_blobs_that_open_alike_and_nesting_is_safe(meta, allocator):
+    """`sealed` (the thread's reused buffer, for writers done with it in the block) and `seal` (a
+    new buffer) give blobs that open alike; a seal nested in another's block gets its own buffer,
+    so the outer blob is not overwritten."""
+    sealer = Sealer([K1])
+    ser, _ = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
+    t1, t2 = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+              for seed in (1, 2))
+    with sealer.sealed(CHUNK_KEY, ser.to_parts(t1)) as outer:
+        before = bytes(outer)
+        with sealer.sealed(OTHER_KEY, ser.to_parts(t2)) as inner:
+            inner_bytes = bytes(inner)
+        assert bytes(outer) == before
+    with sealer.sealed(CHUNK_KEY, ser.to_parts(t2)) as again:  # the thread buffer, reused
+        again_bytes = bytes(again)
+    fresh = bytes(sealer.seal(CHUNK_KEY, ser.to_parts(t1)))
+    assert len(fresh) == len(before) == ser_len(ser, t1) + OVERHEAD
+    for blob, key, t in ((before, CHUNK_KEY, t1), (inner_bytes, OTHER_KEY, t2), (again_bytes, CHUNK_KEY, t2),
+                         (fresh, CHUNK_KEY, t1)):
+        obj = open_blob(sealer, blob, meta, allocator, key)
+        assert torch.equal(obj.tensor, t)
+        obj.ref_count_down()
+    with pytest.raises(ValueError, match="does not fit"):
+        sealer.seal_into(CHUNK_KEY, ser.to_parts(t1), memoryview(bytearray(len(fresh) - 1)))
+
+
+def ser_len(ser, t: torch.Tensor) -> int:
+    return sum(memoryview(p).nbytes for p in ser.to_parts(t))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
