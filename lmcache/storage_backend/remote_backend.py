@@ -18,7 +18,9 @@ its share of the keys. A fault is caught, counted (the tier's ``failures`` / ``s
 logged once per incident there, and nowhere else: a read (`_call`) answers its default (not found)
 for that node's keys; a write raises the `DomainFault` to the put queue, which counts the put as
 failed (or not attempted) and never as written.
-Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain; the
+Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain (a
+batched get's keys go over `READ_STREAMS` connections at once, so that reading, verifying and
+opening sealed values use both cores); the
 values of a batched get are read off the socket straight into arena buffers, or, for a serde that
 decodes (CacheGen), read whole and decoded on the tier's decode thread while the next values
 arrive, so transfer and decode overlap instead of adding up. A write is a plain
@@ -60,6 +62,13 @@ from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+READ_STREAMS = 2  # connections a batch of one failure domain is read over at once
+
+
+def _split(batch: list[T], n: int) -> list[list[T]]:
+    """`batch` in at most `n` contiguous slices of near-equal length."""
+    size = -(-len(batch) // n)
+    return [batch[i:i + size] for i in range(0, len(batch), size)]
 
 
 @register_tier
@@ -93,6 +102,8 @@ class RemoteBackend(LowerTierBackend):
         # decodes of a batch's values run here while the connector reads the next ones
         self._decodes = None if self.deserializer.raw_payload else \
             ThreadPoolExecutor(1, thread_name_prefix="lmcache-remote-decode")
+        # a batch's other streams are read here while the caller's thread reads the first
+        self._streams = ThreadPoolExecutor(READ_STREAMS - 1, thread_name_prefix="lmcache-remote-read")
 
     @classmethod
     def create(cls, ctx: TierContext) -> RemoteBackend | None:
@@ -186,8 +197,9 @@ class RemoteBackend(LowerTierBackend):
         return out
 
     def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """One pipelined request per failure domain; values stream into arena buffers (or are
-        decoded on the decode thread as they arrive, see the module doc)."""
+        """Pipelined requests, `READ_STREAMS` at once per failure domain over as many connections;
+        values stream into arena buffers (or are decoded on the decode thread as they arrive, see
+        the module doc)."""
         out: list[MemoryObj | None] = [None] * len(keys)
         made: list[MemoryObj] = []  # every object read, also by an attempt that failed later
         decoding: list[Future[BlobRead]] = []
@@ -213,16 +225,26 @@ class RemoteBackend(LowerTierBackend):
             decoding.append(self._decodes.submit(settle, decode))
             return decoding[-1]
 
+        def fetch(batch: list[tuple[int, str]]) -> None:
+            rks = [rk for _, rk in batch]
+            chunk_keys = [keys[i].to_string().encode() for i, _ in batch]
+            misses: list[BlobRead | Future[BlobRead]] = [None] * len(rks)
+            get = partial(self.connector.get_many_into, rks, partial(read, chunk_keys))
+            values = self._call(rks[0], get, misses)
+            for (i, rk), value in zip(batch, values, strict=True):
+                out[i] = self._verified(rk, partial(_unwrap, value))
+
+        batches = [b for group in self._by_domain(keys) for b in _split(group, READ_STREAMS)]
         done = False
         try:
-            for group in self._by_domain(keys):
-                rks = [rk for _, rk in group]
-                chunk_keys = [keys[i].to_string().encode() for i, _ in group]
-                misses: list[BlobRead | Future[BlobRead]] = [None] * len(rks)
-                get = partial(self.connector.get_many_into, rks, partial(read, chunk_keys))
-                values = self._call(rks[0], get, misses)
-                for (i, rk), value in zip(group, values, strict=True):
-                    out[i] = self._verified(rk, partial(_unwrap, value))
+            others = [self._streams.submit(fetch, b) for b in batches[1:]]
+            try:
+                if batches:
+                    fetch(batches[0])
+            finally:
+                wait(others)
+            for f in others:
+                f.result()  # the first failure, if any, raises here
             done = True
         finally:
             wait(decoding)  # also those of a batch that failed: their objects are released below
@@ -256,6 +278,7 @@ class RemoteBackend(LowerTierBackend):
         self.events.removed([self._key_of(remote_key)], RemovalReason.CORRUPT)
 
     def _close(self) -> None:
+        self._streams.shutdown(wait=True)
         if self._decodes is not None:
             self._decodes.shutdown(wait=True)
         self.connector.close()
