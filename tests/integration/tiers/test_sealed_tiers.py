@@ -5,6 +5,7 @@ miss, and tenants (different `cache_salt`s, i.e. `extra_key`s) never share a chu
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import redis
@@ -140,8 +141,11 @@ def test_two_engines_with_different_keys_on_one_valkey_miss_each_others_values(v
 # ---- tenants -----------------------------------------------------------------------------------
 
 def engine(tmp_path, valkey, key_path: str):
+    """An engine with every tier: hot, disk, the remote store and peers (found through the same
+    Valkey)."""
     return build_engine(CHUNK, cpu_bytes=1 << 20, local_disk=str(tmp_path / "disk"),
-                        max_local_disk_size=0.01, remote_url=valkey.url, kv_encryption_key=key_path)
+                        max_local_disk_size=0.01, remote_url=valkey.url, kv_encryption_key=key_path,
+                        enable_p2p=True, lookup_url=valkey.url, distributed_url="127.0.0.1:0", p2p_ttl=30.0)
 
 
 def test_tenants_with_different_salts_share_no_chunk_and_miss_each_other_in_every_tier(tmp_path, valkey):
@@ -164,6 +168,12 @@ def test_tenants_with_different_salts_share_no_chunk_and_miss_each_other_in_ever
     stored = {k.decode() for k in redis.Redis(port=valkey.port).keys("*")}
     assert keys_a <= stored and not keys_b & stored
     other = engine(tmp_path, valkey, path)  # a second engine: its hot tier is empty
+    deadline = time.monotonic() + 10  # the owner's chunks reach the peer lookup service
+    while other.lookup(tokens, search_range=["PeerBackend"], extra_key="tenant-a") < len(tokens):
+        assert time.monotonic() < deadline, "the owner's chunks never became visible to its peer"
+        time.sleep(0.05)
+    assert other.lookup(tokens, search_range=["PeerBackend"], extra_key="tenant-b") == 0
+    assert other.lookup(tokens, search_range=["PeerBackend"]) == 0
     target = kv.empty_like()
     got = other.retrieve(tokens, kvcaches=target.layers, slot_mapping=slots, extra_key="tenant-b")
     assert int(got.sum()) == 0
