@@ -119,12 +119,24 @@ class FailureDomains:
         if not domain.backoff.ready():
             self._counts[name].add("skipped")
             raise DomainFault(domain.label, skipped=True)
+        return self._attempt(name, domain, fn, counted=True)
+
+    def probe(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` against domain `name` even while it is backing off: its owner's own check whether
+        the domain works, made on the owner's schedule rather than the backoff's (the cache-server
+        client's attach and heartbeat). As `run`, but a failure is not counted in ``failures`` (no
+        request failed on it): it is logged as part of the incident (a warning if it starts one),
+        and it raises `DomainFault`."""
+        return self._attempt(name, self._get(name), fn, counted=False)
+
+    def _attempt(self, name: str, domain: _Domain, fn: Callable[[], T], counted: bool) -> T:
         try:
             result = fn()
         except self._passthrough:
             raise
         except Exception as e:  # any failure of the store is a fault of the domain
-            self._counts[name].add("failures")
+            if counted:
+                self._counts[name].add("failures")
             domain.backoff.failed()
             domain.incidents.fail(e)
             raise DomainFault(domain.label, skipped=False) from e
@@ -168,9 +180,14 @@ class FailureDomains:
         routes around a domain that is backing off instead of calling into it."""
         if self.ready(name):
             return True
+        self.skip(name)
+        return False
+
+    def skip(self, name: str) -> None:
+        """Count a call into domain `name` not made (``skipped``) because its owner knows the domain
+        is down (a client detached from its server, which its `probe`s re-attach)."""
         self._get(name)
         self._counts[name].add("skipped")
-        return False
 
     def failing(self, name: str | None = None) -> bool:
         """Whether domain `name` (any domain, for None) is failing (being backed off from)."""
