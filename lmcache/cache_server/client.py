@@ -16,6 +16,9 @@ engine. A failed exchange (no answer within `timeout`, the connection dropped, a
 server restarted or forgot this engine) detaches: until the next attach every call answers a miss
 at once (stores are skipped, loads find nothing). A request that is safe to repeat looks once for
 a restarted server (`RETRY_ATTACH_TIMEOUT`).
+Slots of an old attachment are never committed to a new server (its memory is a different
+segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
+given up on a server that is still there (a timeout) is then retired with a ``bye``.
 
 Faults are caught, counted and logged by one `FailureDomains` guard with one domain, the server
 (`lmcache.failures`): a request's exchange goes through `run` (a failed one counted in
@@ -24,9 +27,6 @@ attaches and heartbeats are its `probe`s (not counted: no request failed; an att
 ends the incident), so an outage is one warning, however many requests it turned into misses.
 Being detached, not the guard's backoff, is what keeps requests off an absent server: the
 heartbeat thread looks for it every interval.
-Slots of an old attachment are never committed to a new server (its memory is a different
-segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
-given up on a server that is still there (a timeout) is then retired with a ``bye``.
 """
 
 from __future__ import annotations
