@@ -6,9 +6,9 @@
 - `TierStats`: what one storage tier reports: counters (monotonic) and gauges (current values).
 - `EngineStats`: the one place an engine's numbers are gathered: its own counters, times and
   histograms, and — read when asked — its tiers' `TierStats` and the counters of components
-  that serve through it and keep their own (the PD sender: `include`). `interval()` is what changed since
-  the previous call (counter increments, current gauges, new observations) as plain JSON-able
-  data; `metrics.py` turns either view into Prometheus metrics.
+  that serve through it and keep their own (the PD sender: `include`). `interval()` is what
+  changed since the previous call (counter increments, current gauges, new observations) as
+  plain JSON-able data; `metrics.py` turns either view into Prometheus metrics.
 - `IncidentLog`: a failure is logged once per incident (a warning, with the traceback if there is
   one), then at debug level until the component works again; an incident that flaps warns at most
   once per `LOG_INTERVAL`, the next warning saying how many incidents went unlogged.
