@@ -22,9 +22,17 @@ Every fault is one of three kinds, and each kind is caught in exactly one place:
    - inside a tier whose one batch spans several domains, so that a dead one costs only its
      share: `RemoteBackend` per node of the store (a read answers that node's keys as misses, a
      write raises the `DomainFault` to its put queue), `PeerBackend` per peer (a peer backing off
-     is routed around, counted as skipped) and the peer `LookupService` for its store.
+     is routed around, counted as skipped) and the peer `LookupService` for its store;
+   - the cache-server client (`cache_server/client.py`), one domain for its server: its requests
+     `run` through it; while it is detached a request is not made (`skip`, counted in
+     ``skipped``), and its attaches and heartbeats are the domain's `probe`s, made on the
+     client's schedule (every heartbeat; once, for 0.2 s, by a request that is safe to repeat)
+     instead of the backoff's, not counted, and ending the incident when one works;
+   - the PD sender (`pd/sender.py`), one domain per KV receiver: a send that failed or was not
+     made while the receiver is backed off from sends nothing (the decoder computes the KV).
    A tier's ``failures`` / ``skipped`` in its stats are the sum over the guards that cover it
-   (`observability.add_counts`: merged, never replaced). Exceptions a domain lists in
+   (`observability.add_counts`: merged, never replaced); the PD sender's are the engine's
+   ``pd_send_failures`` / ``pd_send_skipped`` (`EngineStats.include`). Exceptions a domain lists in
    `passthrough` (the store answered, with a bad value: `CorruptBlobError`) reach the tier that
    reads them, which deletes the value and counts it.
 2. **A bug** — anything else raised while serving a request (a copy into the serving engine that
@@ -41,10 +49,11 @@ Servers (the lm:// server, the controller, the vLLM lookup channel, the peer ser
 or failing request with an error reply and keep serving; a client whose server does not answer
 counts a miss (the vLLM lookup channel asks again on the next scheduler step, without backoff).
 Something that does not change while the process runs (a setting, a missing device) is logged
-once per process with `observability.log_once`; running out of room (a CPU arena full of KV in
-use: stores keep fewer chunks) is capacity, not a failure: counted (``store_dropped_tokens``) and
-summarized at most once per interval (`observability.CapacityLog`, info level); every other
-repeated warning is an incident.
+once per process with `observability.log_once`; running out of room is capacity, not a failure:
+counted and summarized at most once per interval (`observability.CapacityLog`, info level) — a
+CPU arena full of KV in use (stores keep fewer chunks: ``store_dropped_tokens``), a full put
+queue (``puts_dropped``), a PD receive buffer still full after ``pd_send_timeout`` (the rest is
+not sent: ``pd_skipped_bytes``); every other repeated warning is an incident.
 """
 
 from __future__ import annotations
@@ -85,7 +94,9 @@ class FailureDomains:
     off it answers `default` at once (counted in ``skipped``); an exception is a failure
     (`default`, counted in ``failures``, backoff doubled, a warning on the first failure of an
     incident); a success ends the incident. `run(name, fn)` is the same but raises `DomainFault`
-    where `call` answers `default`. Domains are created on first use."""
+    where `call` answers `default`. For an owner that tracks whether the domain is up itself (a
+    client attached or not): `probe` (a check made whatever the backoff, not counted) and `skip`
+    (a call it did not make). Domains are created on first use."""
 
     def __init__(self, label: Callable[[str], str], initial: float = 0.5, maximum: float = 30.0,
                  passthrough: tuple[type[BaseException], ...] = (), clock: Clock = time.monotonic,
@@ -119,12 +130,24 @@ class FailureDomains:
         if not domain.backoff.ready():
             self._counts[name].add("skipped")
             raise DomainFault(domain.label, skipped=True)
+        return self._attempt(name, domain, fn, counted=True)
+
+    def probe(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` against domain `name` even while it is backing off: its owner's own check whether
+        the domain works, made on the owner's schedule rather than the backoff's (the cache-server
+        client's attach and heartbeat). As `run`, but a failure is not counted in ``failures`` (no
+        request failed on it): it is logged as part of the incident (a warning if it starts one),
+        and it raises `DomainFault`."""
+        return self._attempt(name, self._get(name), fn, counted=False)
+
+    def _attempt(self, name: str, domain: _Domain, fn: Callable[[], T], counted: bool) -> T:
         try:
             result = fn()
         except self._passthrough:
             raise
         except Exception as e:  # any failure of the store is a fault of the domain
-            self._counts[name].add("failures")
+            if counted:
+                self._counts[name].add("failures")
             domain.backoff.failed()
             domain.incidents.fail(e)
             raise DomainFault(domain.label, skipped=False) from e
@@ -168,9 +191,14 @@ class FailureDomains:
         routes around a domain that is backing off instead of calling into it."""
         if self.ready(name):
             return True
+        self.skip(name)
+        return False
+
+    def skip(self, name: str) -> None:
+        """Count a call into domain `name` not made (``skipped``) because its owner knows the domain
+        is down (a client detached from its server, which its `probe`s re-attach)."""
         self._get(name)
         self._counts[name].add("skipped")
-        return False
 
     def failing(self, name: str | None = None) -> bool:
         """Whether domain `name` (any domain, for None) is failing (being backed off from)."""

@@ -3,7 +3,8 @@
 Every number the engine and its tiers keep becomes a metric (prefix ``lmcache:``):
 
     engine counters  lmcache:<name>_total             lookup_requests, lookup_hit_tokens,
-                                                      stored_tokens, retrieve_hit_tokens, errors, ...
+                                                      stored_tokens, retrieve_hit_tokens, errors,
+                                                      pd_sent_bytes, pd_send_failures, ...
     tier counters    lmcache:tier_<name>_total{tier}  hits, bytes_read, bytes_written, evicted,
                                                       failures, skipped, corrupt, forged, puts_written,
                                                       puts_failed, puts_dropped, ...
@@ -55,6 +56,15 @@ DOCS = {
     "errors": "Requests the cache could not serve because of a failure (each was a miss)",
     "load_error_blocks": "KV blocks reported to vLLM as failed loads (vLLM recomputed them)",
     "kv_events_unknown_chunks": "Chunks left out of vLLM's KV events (their blocks unknown)",
+    "pd_sent_requests": "Prompts whose KV the PD sender offered to a decoder's receiver",
+    "pd_sent_bytes": "Bytes of KV the PD sender wrote into a receiver",
+    "pd_sent_nixl_bytes": "Bytes of KV the PD sender wrote through NIXL (of pd_sent_bytes)",
+    "pd_had_bytes": "Bytes of KV not sent because the receiver held them already",
+    "pd_skipped_bytes": "Bytes of KV not sent: the receive buffer stayed full for pd_send_timeout, or the "
+                        "receiver serves another model (the decoder computed them)",
+    "pd_send_failures": "Sends to a KV receiver that failed (refused, broken, timed out; the decoder "
+                        "computed that KV)",
+    "pd_send_skipped": "Sends not made because the failing receiver was backed off from",
     "tier_hits": "Chunks a tier served",
     "tier_bytes_read": "Bytes of KV a tier served",
     "tier_bytes_written": "Bytes of KV written to a tier",

@@ -5,9 +5,10 @@
   since the last `drain` (for shipping to another process, e.g. vLLM's metrics logger).
 - `TierStats`: what one storage tier reports: counters (monotonic) and gauges (current values).
 - `EngineStats`: the one place an engine's numbers are gathered: its own counters, times and
-  histograms, and — read when asked — its tiers' `TierStats`. `interval()` is what changed since
-  the previous call (counter increments, current gauges, new observations) as plain JSON-able
-  data; `metrics.py` turns either view into Prometheus metrics.
+  histograms, and — read when asked — its tiers' `TierStats` and the counters of components
+  that serve through it and keep their own (the PD sender: `include`). `interval()` is what
+  changed since the previous call (counter increments, current gauges, new observations) as
+  plain JSON-able data; `metrics.py` turns either view into Prometheus metrics.
 - `IncidentLog`: a failure is logged once per incident (a warning, with the traceback if there is
   one), then at debug level until the component works again; an incident that flaps warns at most
   once per `LOG_INTERVAL`, the next warning saying how many incidents went unlogged.
@@ -108,6 +109,7 @@ class EngineStats:
     def __init__(self, tiers: Callable[[], Mapping[str, TierStats]] | None = None) -> None:
         self._tiers = tiers or dict
         self._counters = Counters()
+        self._included: list[Callable[[], Mapping[str, float]]] = []
         self._seconds = Counters()
         self.histograms = {name: Histogram(b) for name, b in HISTOGRAMS.items()}
         self._lock = threading.Lock()
@@ -116,6 +118,14 @@ class EngineStats:
     def add(self, name: str, n: int = 1) -> None:
         self._counters.add(name, n)
 
+    def include(self, counters: Callable[[], Mapping[str, float]]) -> None:
+        """Counters another component keeps (cumulative), read when asked and added to the
+        engine's own (`add_counts`: merged, never replaced)."""
+        self._included.append(counters)
+
+    def _engine_counters(self) -> dict[str, float]:
+        return add_counts(self._counters.snapshot(), *(read() for read in self._included))
+
     def add_time(self, name: str, seconds: float) -> None:
         self._seconds.add(name, seconds)
 
@@ -123,11 +133,12 @@ class EngineStats:
         self.histograms[name].observe(value)
 
     def get(self, name: str) -> float:
-        return self._counters.get(name)
+        return self._engine_counters().get(name, 0)
 
     def snapshot(self) -> dict[str, float]:
-        """The engine's own counters and accumulated seconds (names ending in ``_s``)."""
-        return {**self._counters.snapshot(), **self._seconds.snapshot()}
+        """The engine's counters (with those `include`d) and accumulated seconds (names ending in
+        ``_s``)."""
+        return {**self._engine_counters(), **self._seconds.snapshot()}
 
     def tiers(self) -> dict[str, TierStats]:
         return dict(self._tiers())
@@ -140,7 +151,7 @@ class EngineStats:
 
     def counters(self) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """Every counter, cumulative: the engine's, and each tier's by tier name."""
-        return self._counters.snapshot(), {name: s.counters for name, s in self.tiers().items()}
+        return self._engine_counters(), {name: s.counters for name, s in self.tiers().items()}
 
     def interval(self) -> dict[str, Any]:
         """What happened since the previous call: ``{"counters": {name: increment},

@@ -14,11 +14,19 @@ server has grown (so copies take no page faults), and attaches (again) whenever 
 attached, so a server that starts late, or again after a crash, is used without restarting the
 engine. A failed exchange (no answer within `timeout`, the connection dropped, a reply saying the
 server restarted or forgot this engine) detaches: until the next attach every call answers a miss
-at once (stores are skipped, loads find nothing) and the outage is logged once (`IncidentLog`).
-A request that is safe to repeat looks once for a restarted server (`RETRY_ATTACH_TIMEOUT`).
+at once (stores are skipped, loads find nothing). A request that is safe to repeat looks once for
+a restarted server (`RETRY_ATTACH_TIMEOUT`).
 Slots of an old attachment are never committed to a new server (its memory is a different
 segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
 given up on a server that is still there (a timeout) is then retired with a ``bye``.
+
+Faults are caught, counted and logged by one `FailureDomains` guard with one domain, the server
+(`lmcache.failures`): a request's exchange goes through `run` (a failed one counted in
+``failures``), a call not made while detached is counted in ``skipped`` (`skip`), and the
+attaches and heartbeats are its `probe`s (not counted: no request failed; an attach that works
+ends the incident), so an outage is one warning, however many requests it turned into misses.
+Being detached, not the guard's backoff, is what keeps requests off an absent server: the
+heartbeat thread looks for it every interval.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +49,7 @@ from lmcache.cache_key import CacheEngineKey, dtype_tag
 from lmcache.cache_server import messages as m
 from lmcache.cache_server.shm import SharedArena
 from lmcache.config import LMCacheEngineMetadata
+from lmcache.failures import DomainFault, FailureDomains
 from lmcache.memory_management import (
     MemoryAllocatorInterface,
     MemoryFormat,
@@ -47,13 +57,14 @@ from lmcache.memory_management import (
     MemoryObjMetadata,
     TensorMemoryObj,
 )
-from lmcache.observability import Counters, IncidentLog
+from lmcache.observability import Counters
 
 logger = logging.getLogger(__name__)
 
 PAGE = 4096
 RETRY_SAFE = frozenset({"contains", "lease", "reserve", "get"})
 RETRY_ATTACH_TIMEOUT = 0.2  # a request's one look for a restarted server (a live one answers in ms)
+SERVER = "server"  # the client's one failure domain
 
 
 class ServerAway(ConnectionError):
@@ -207,7 +218,10 @@ class CacheServerClient(MemoryAllocatorInterface):
         self.timeout = timeout
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat = 1.0  # until a server says otherwise
-        self.counts = Counters()
+        self.counts = Counters()  # what is not a fault: attaches, commits, dropped notifications
+        self.faults = FailureDomains(lambda _: f"the cache server at {url}",
+                                     consequence="the engine computes what it would have loaded and "
+                                                 "stores nothing until the server is back")
         self.client_id = uuid.uuid4().hex  # lets the server drop attachments this client gave up on
         self._io = threading.RLock()  # the link and the attachment
         self._zmq = zmq.Context()
@@ -215,9 +229,6 @@ class CacheServerClient(MemoryAllocatorInterface):
         self._ids = itertools.count(1)
         self.attachment: Attachment | None = None
         self._retired: list[Attachment] = []  # detached, waiting to be given back to their server
-        self._incidents = IncidentLog(logger, f"the cache server at {url}",
-                                      consequence="the engine computes what it would have loaded and stores "
-                                                  "nothing until the server is back")
         self._closed = threading.Event()
         self._try_attach()
         self._beats = threading.Thread(target=self._beat, daemon=True, name="lmcache-cache-server")
@@ -236,37 +247,43 @@ class CacheServerClient(MemoryAllocatorInterface):
         if self.attachment is not None or self._closed.is_set():
             return self.attachment
         link = _Link(self._zmq, self.url)
-        hello = {"op": "hello", "pid": os.getpid(), "name": self.name, "client": self.client_id,
-                 "metadata": m.metadata_to_wire(self.metadata)}
+        wait = timeout if timeout is not None else min(self.timeout, max(self.heartbeat, 0.5))
         try:
-            wait = timeout if timeout is not None else min(self.timeout, max(self.heartbeat, 0.5))
-            reply = link.exchange(hello, next(self._ids), wait)
-            arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
-            attachment = Attachment(self, reply["session"], reply["engine"], arena)
-        except (ServerAway, OSError, ValueError, KeyError, TypeError) as e:
+            attachment, heartbeat = self.faults.probe(SERVER, partial(self._hello, link, wait))
+        except DomainFault:
             link.close()
-            with self._io:
-                self._incidents.fail(f"cannot attach: {e}")
             return None
         with self._io:
             if self.attachment is not None or self._closed.is_set():  # attached meanwhile
                 link.send({"op": "bye", "session": attachment.session, "engine": attachment.engine})
                 link.close()
-                arena.close()
+                attachment.arena.close()
                 return self.attachment
             self._link, self.attachment = link, attachment
-            self.heartbeat = float(reply["heartbeat"])
+            self.heartbeat = heartbeat
             self.counts.add("attaches")
             logger.info("attached to the LMCache cache server at %s (session %s, engine %s, L1 %.2f GB)",
-                        self.url, attachment.session, attachment.engine, arena.size / (1 << 30))
-            self._incidents.recover()
+                        self.url, attachment.session, attachment.engine, attachment.arena.size / (1 << 30))
             for old in list(self._retired):
                 self.retire(old)
         return attachment
 
-    def _detach(self, why: BaseException) -> None:
-        """The attachment is gone (the I/O lock held): calls answer misses until the next attach."""
-        self._incidents.fail(why)
+    def _hello(self, link: _Link, wait: float) -> tuple[Attachment, float]:
+        """Attach on `link`: the attachment and the heartbeat interval the server asks for;
+        ServerAway if the server does not answer within `wait` or answers something unusable."""
+        hello = {"op": "hello", "pid": os.getpid(), "name": self.name, "client": self.client_id,
+                 "metadata": m.metadata_to_wire(self.metadata)}
+        try:
+            reply = link.exchange(hello, next(self._ids), wait)
+            heartbeat = float(reply["heartbeat"])
+            arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # ServerAway is an OSError
+            raise ServerAway(f"cannot attach: {e}") from e
+        return Attachment(self, reply["session"], reply["engine"], arena), heartbeat
+
+    def _detach(self) -> None:
+        """The attachment is gone (the I/O lock held; the fault was counted and logged by `faults`):
+        calls answer misses until the next attach."""
         attachment, self.attachment = self.attachment, None
         if self._link is not None:
             self._link.close()
@@ -298,11 +315,12 @@ class CacheServerClient(MemoryAllocatorInterface):
                 if self._closed.is_set() or attachment is not self.attachment or self._link is None:
                     continue
                 self._tell_given_back(attachment)
+                beat = {"op": "heartbeat", "session": attachment.session, "engine": attachment.engine}
                 try:
-                    reply = self._link.exchange({"op": "heartbeat", "session": attachment.session,
-                                                 "engine": attachment.engine}, next(self._ids), self.timeout)
-                except ServerAway as e:
-                    self._detach(e)
+                    reply = self.faults.probe(SERVER, partial(self._link.exchange, beat, next(self._ids),
+                                                              self.timeout))
+                except DomainFault:
+                    self._detach()
                     continue
             attachment.map_pages(reply.get("grown"))
 
@@ -321,15 +339,15 @@ class CacheServerClient(MemoryAllocatorInterface):
             attachment = self.attachment if attempt == 0 else self._try_attach(RETRY_ATTACH_TIMEOUT)
             with self._io:
                 if attachment is None or attachment is not self.attachment or self._link is None:
-                    self.counts.add("skipped")
+                    self.faults.skip(SERVER)
                     return None
                 request = {"op": op, "session": attachment.session, "engine": attachment.engine, **fields}
                 self._tell_given_back(attachment)
+                exchange = partial(self._link.exchange, request, next(self._ids), self.timeout)
                 try:
-                    return self._link.exchange(request, next(self._ids), self.timeout), attachment
-                except ServerAway as e:
-                    self.counts.add("failures")
-                    self._detach(e)
+                    return self.faults.run(SERVER, exchange), attachment
+                except DomainFault:
+                    self._detach()
             if op not in RETRY_SAFE:
                 break
         return None

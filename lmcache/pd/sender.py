@@ -7,11 +7,20 @@ engine's registered arena, or the bytes inline on the TCP connection) and commit
 prefill request returns: when the proxy hears back, the decoder holds the KV.
 
 A full receive buffer makes the sender offer the rest again, with short pauses, for at most
-`pd_send_timeout` seconds, then skip it (counted; the decoder computes it). A receiver that fails
-(refuses the connection, breaks it, answers garbage) is a failure domain (`lmcache.failures`):
-the request's KV is not sent, one warning per incident, and the receiver is backed off from so
-that later prefills do not each wait for it. One connection per receiver, reused; one that broke
-since its last use (the receiver restarted) is replaced at once.
+`pd_send_timeout` seconds, then skip it (the decoder computes it). That is capacity, not a
+failure (the decoder has not yet claimed what it received): counted in ``pd_skipped_bytes`` and
+summarized at most once per interval (`CapacityLog`, info level). Each receiver is a failure
+domain of one `FailureDomains` guard (`lmcache.failures`): the connection and transfer code
+raises, and the guard counts a send that failed (refused or broken connection, a timeout, an
+answer that breaks the protocol: ``pd_send_failures``) and one not made while the receiver is
+backed off from (``pd_send_skipped``), so that later prefills do not each wait for a dead one,
+and logs one warning per incident (a flapping one at most once per interval). One connection
+per receiver, reused; one that broke since its last use (the receiver restarted) is replaced at
+once.
+
+`counters()` is everything the sender counted (bytes sent, through NIXL, held already, skipped;
+requests; the guard's failures and skips); the sender adds it to its engine's `EngineStats`, so
+it appears in the engine's stats and metrics (``lmcache:pd_*_total``).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryObj, release_all
-from lmcache.observability import IncidentLog
+from lmcache.observability import CapacityLog, Counters, add_counts
 from lmcache.pd import nixl_agent
 from lmcache.pd.wire import FOREIGN, HAVE, Chunk, WireError, byte_view, expect_ok, recv_message, send_message
 from lmcache.storage_backend.serde.seal import create_sealer, sealed_parts
@@ -81,8 +90,10 @@ class PDSender:
         self._links: dict[str, _Link] = {}
         self._faults = FailureDomains(lambda address: f"the KV receiver at {address}",
                                       consequence="KV not sent; the decoder computes it")
-        self._full = IncidentLog(logger, "sending KV into a full receive buffer",
-                                 consequence="the decoder computes what was not sent")
+        self._full = CapacityLog(logger, "sends found the receive buffer full and skipped chunks after "
+                                 "pd_send_timeout:", "chunks not sent, in pd_skipped_bytes")
+        self._counts = Counters()
+        engine.stats.include(self.counters)
 
     @property
     def channel(self) -> str:
@@ -96,9 +107,21 @@ class PDSender:
         address = _rank_address(receiver, self.rank)
         held = self.engine.held_prefix(tokens, extra_key=extra_key, state_ends=state_ends)
         try:
-            return self._faults.call(address, partial(self._send, address, held), SendResult())
+            result = self._faults.call(address, partial(self._send, address, held), SendResult())
         finally:
             release_all([obj for _, obj in held])
+        for name, n in (("pd_sent_bytes", result.sent), ("pd_sent_nixl_bytes", result.nixl),
+                        ("pd_had_bytes", result.had), ("pd_skipped_bytes", result.skipped),
+                        ("pd_sent_requests", 1)):
+            self._counts.add(name, n)
+        return result
+
+    def counters(self) -> dict[str, float]:
+        """What this sender counted: ``pd_sent_bytes``, ``pd_sent_nixl_bytes``, ``pd_had_bytes``,
+        ``pd_skipped_bytes``, ``pd_sent_requests`` and, summed over its receivers,
+        ``pd_send_failures`` / ``pd_send_skipped`` (its guard's)."""
+        faults = {f"pd_send_{name}": n for name, n in self._faults.counts().items()}
+        return add_counts(self._counts.snapshot(), faults)
 
     def _send(self, address: str, held: list[tuple[CacheEngineKey, MemoryObj]]) -> SendResult:
         reused = address in self._links
@@ -136,13 +159,11 @@ class PDSender:
                 pending = [pending[i] for i, slot in enumerate(slots) if slot is None]
                 if pending and time.monotonic() >= deadline:
                     result.skipped += sum(_chunk(k, o).nbytes for k, o in pending)
-                    self._full.fail(f"{len(pending)} chunks not sent to {address} "
-                                    f"in pd_send_timeout={self.timeout} s")
+                    self._full.note(len(pending))
                     return result
                 if pending:
                     time.sleep(pause)
                     pause = min(2 * pause, 0.1)
-            self._full.recover()
             return result
         except BaseException:
             self._drop(address)

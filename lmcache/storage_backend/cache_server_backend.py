@@ -6,8 +6,9 @@ chunk (`submit_put_task` commits the arena slot the engine's connector filled: n
 again). Lookup leases are taken on the server, which also starts loading the leased chunks from
 its lower tiers into L1.
 
-The client handles its own outages (`CacheServerClient`: one log line per incident, misses while
-the server is away, attaching again by itself), so this tier never raises for one.
+The client guards its own exchanges (`CacheServerClient`: one failure domain for the server, one
+warning per outage, misses while the server is away, attaching again by itself), so this tier
+never raises for an outage; its ``failures`` / ``skipped`` are that guard's counts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.memory_management import MemoryObj
-from lmcache.observability import TierStats
+from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.registry import register_tier
 
@@ -31,7 +32,7 @@ class CacheServerBackend(StorageBackendInterface):
     name = "CacheServer"
     lookup_order = 3  # after the hot tier (which an engine on a server has not), before PD
     is_local = True  # on this host: a store skips what the server holds
-    may_fail = False  # the client turns outages into misses itself
+    may_fail = False  # the client's own failure domain turns outages into misses
     promote_hits = False  # there is no hot tier in the engine: the server's L1 is it
 
     def __init__(self, client: CacheServerClient) -> None:
@@ -96,7 +97,8 @@ class CacheServerBackend(StorageBackendInterface):
         return self.client.attached
 
     def stats(self) -> TierStats:
-        return TierStats(self.client.counts.snapshot(), {"attached": float(self.client.attached)})
+        return TierStats(add_counts(self.client.counts.snapshot(), self.client.faults.counts()),
+                         {"attached": float(self.client.attached)})
 
     def close(self) -> None:
         pass  # the client is the engine's allocator: the engine closes it last

@@ -230,15 +230,8 @@ class LMCacheWorker:
         assert engine is not None and sender is not None and plan.send_to is not None
         tokens = torch.tensor(plan.token_ids[: plan.send_tokens], dtype=torch.int64)
         ends = self.kv.resume_points(plan.send_tokens) if self.states is not None else ()
-        result = engine.bugs.call(f"sending request {plan.req_id}'s KV",
-                                  partial(sender.send, plan.send_to, tokens, extra_key=plan.extra_key,
-                                          state_ends=ends), None)
-        if result is not None:
-            engine.stats.add("pd_sent_bytes", result.sent)
-            engine.stats.add("pd_sent_nixl_bytes", result.nixl)
-            engine.stats.add("pd_had_bytes", result.had)
-            engine.stats.add("pd_skipped_bytes", result.skipped)
-            engine.stats.add("pd_sent_requests")
+        send = partial(sender.send, plan.send_to, tokens, extra_key=plan.extra_key, state_ends=ends)
+        engine.bugs.call(f"sending request {plan.req_id}'s KV", send, None)  # counted by the sender
 
     def stats_interval(self) -> LMCacheKVConnectorStats | None:
         """What the engine counted since the last report (vLLM asks after every step); None when

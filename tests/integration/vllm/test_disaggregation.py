@@ -162,13 +162,16 @@ def test_a_full_receive_buffer_sends_what_fits_and_the_decoder_computes_the_rest
 
 
 def test_a_decoder_that_restarts_gets_the_kv_again_and_a_dead_one_is_a_503(cluster):
-    ref, d_nixl = cluster["ref"], cluster["d_nixl"]
+    ref, p, d_nixl = cluster["ref"], cluster["prefiller"], cluster["d_nixl"]
     proxy = start_proxy(cluster, ["d_nixl"], "proxy-restart.log")
     try:
+        failed = p.metric("lmcache:pd_send_failures_total")
         d_nixl.kill()
         status, body = post(proxy.url, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPTS[2],
                                                            "max_tokens": 4, "temperature": 0})
         assert status == 503 and "decoder" in body["error"]["message"]
+        # the prefiller's send to the dead receiver: one failure, in vLLM's /metrics
+        assert p.wait_metric("lmcache:pd_send_failures_total", failed + 1) == failed + 1
         restarted = OpenAIServer(cluster["model"], cluster["configs"]["d_nixl"],
                                  str(cluster["logs"] / "d_nixl.log"), max_model_len=2048, port=d_nixl.port)
         cluster["d_nixl"] = restarted

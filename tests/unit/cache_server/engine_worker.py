@@ -4,7 +4,8 @@ Its KV cache is token-major and filled from a seed, so any process can tell what
 must be: ``store`` {tokens, seed}; ``retrieve`` {tokens, seed} -> {hit, exact}; ``lookup``
 {tokens} -> {hit}; ``reserve`` {n} (hold n slots, never commit them); ``hold`` {tokens} (load the
 cached prefix and keep it); ``drop`` (let go of what was held); ``attached`` -> {attached};
-``close``. Arguments: the server's URL and, optionally, the model's name (default "test-model").
+``faults`` -> {failures, skipped} (the cache-server tier's counters); ``close``. Arguments: the
+server's URL and, optionally, the model's name (default "test-model").
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def run(engine: LMCacheEngine, cmd: dict) -> dict:
         return {"dropped": dropped}
     if op == "attached":
         return {"attached": engine.memory_allocator.available}
+    if op == "faults":
+        counted = engine.storage_manager.backends["CacheServer"].stats().counters
+        return {name: counted[name] for name in ("failures", "skipped")}
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -245,12 +245,17 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
     server = CacheServerProcess(url).start()
     a, b = workers(), workers()
     a.ask("store", tokens=DOC, seed=4)
+    assert a.ask("faults") == {"failures": 0, "skipped": 0}
     old = segments()
     server.stop(signal.SIGKILL)
     assert a.ask("store", tokens=DOC[:16], seed=5, timeout=10) == {"stored": True}
     assert a.ask("retrieve", tokens=DOC, seed=4, timeout=10) == {"hit": 0, "exact": True}
     assert b.ask("lookup", tokens=DOC, timeout=10) == {"hit": 0}
     assert a.ask("attached") == {"attached": False}
+    away = a.ask("faults")
+    # one failed request at most (a heartbeat may notice the outage first: not a request, not
+    # counted); every request after it not made
+    assert away["failures"] <= 1 and away["skipped"] >= 2, away
     server = CacheServerProcess(url).start()
     try:
         assert not old & segments(), "the new server removes the dead one's arena"
@@ -258,6 +263,8 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
         b.wait_attached()
         a.ask("store", tokens=DOC, seed=6)
         assert b.ask("retrieve", tokens=DOC, seed=6) == {"hit": 64, "exact": True}
+        assert a.ask("retrieve", tokens=DOC, seed=6) == {"hit": 64, "exact": True}
+        assert a.ask("faults") == away  # back: nothing more counted
     finally:
         logs = a.close()
         b.close()
@@ -275,12 +282,15 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
     try:
         a.ask("store", tokens=DOC, seed=7)  # one failed exchange, then attached to the new server
         a.ask("store", tokens=DOC, seed=7)
+        assert a.ask("faults") == {"failures": 1, "skipped": 0}  # the exchange was asked again
         assert b.ask("retrieve", tokens=DOC, seed=7) == {"hit": 64, "exact": True}
         stats = server.get("/stats")
         assert stats["arena"]["used_bytes"] == 8 * CHUNK_BYTES  # the old slots never reached it
     finally:
-        a.close(), b.close()
+        logs, _ = a.close(), b.close()
         server.stop()
+    warnings = [line for line in logs.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "the cache server at" in warnings[0], logs
 
 
 def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_attachment_held(

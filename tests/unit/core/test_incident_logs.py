@@ -62,6 +62,24 @@ def test_admit_counts_a_call_routed_around_a_domain_that_backs_off():
     assert peers.admit("p") and peers.counts("p")["skipped"] == 1
 
 
+def test_a_probe_is_made_while_backing_off_is_not_counted_and_ends_the_incident_when_it_works(caplog):
+    clock = ManualClock()
+    server = FailureDomains(lambda d: f"the {d}", 30.0, 30.0, clock=clock)
+
+    def down() -> None:
+        raise ConnectionError("no answer")
+
+    with caplog.at_level(logging.WARNING):
+        assert server.call("server", down, None) is None  # a request: one failure, one warning
+        server.skip("server")  # its owner knows it is down: a request not made
+        with pytest.raises(DomainFault):
+            server.probe("server", down)  # tried although backing off; part of the incident
+        assert server.counts() == {"failures": 1, "skipped": 1} and server.failing("server")
+        assert server.probe("server", lambda: "attached") == "attached"  # no wait for the backoff
+    assert not server.failing("server") and server.call("server", lambda: "answer", None) == "answer"
+    assert warnings(caplog) == ["the server failed (treated as a cache miss): no answer"]
+
+
 def test_running_out_of_room_is_summarized_at_most_once_per_interval(caplog):
     clock = ManualClock()
     full = CapacityLog(log, "the arena was full", "tokens dropped", interval=5.0, clock=clock)

@@ -5,6 +5,7 @@ sender wait a bounded time and skip, broken or foreign transfers are never visib
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import socket
 import struct
@@ -32,8 +33,8 @@ def chunk_bytes(engine) -> int:
 
 def receiver_engine(channel="tcp", **cfg):
     cfg.setdefault("pd_buffer_size", 1 << 20)
-    return build_engine(CHUNK, enable_pd=True, pd_role="receiver", pd_peer_init_port=free_port(),
-                        transfer_channel=channel, **cfg)
+    cfg.setdefault("pd_peer_init_port", free_port())
+    return build_engine(CHUNK, enable_pd=True, pd_role="receiver", transfer_channel=channel, **cfg)
 
 
 def room_for_two_chunks() -> int:
@@ -166,17 +167,23 @@ def test_the_receive_buffer_reports_what_arrives_and_what_it_hands_over(monkeypa
         rx.close()
 
 
-def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest():
+def test_a_full_buffer_makes_the_sender_wait_a_bounded_time_then_skip_the_rest(caplog):
     rx = receiver_engine(pd_buffer_size=room_for_two_chunks())
     tx = build_engine(CHUNK, pd_send_timeout=0.3)
     sender = PDSender(tx, tx.config, rank=0)
     try:
         tokens, kv = stored(tx, 40)
         t0 = time.monotonic()
-        first = sender.send(address(rx), tokens)
+        with caplog.at_level(logging.INFO):
+            first = sender.send(address(rx), tokens)
         waited = time.monotonic() - t0
         assert 0.3 <= waited < 2.0
         assert first.sent == 2 * chunk_bytes(tx) and first.skipped == 3 * chunk_bytes(tx)
+        # capacity, not a failure: a summary line, counted as skipped bytes, no fault
+        assert [r.levelname for r in caplog.records if r.name == "lmcache.pd.sender"] == ["INFO"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        counted = tx.stats.snapshot()
+        assert counted["pd_skipped_bytes"] == first.skipped and counted["pd_send_failures"] == 0
         assert rx.lookup(tokens) == 16  # the prefix that arrived
         rx.check_integrity()
         got, n = loaded(rx, tokens)  # the decoder takes it: room again
@@ -255,8 +262,7 @@ def test_a_receiver_that_restarted_on_its_port_gets_the_next_send():
         first, _ = stored(tx, 16, seed=1)
         assert sender.send(address(rx), first).sent == 2 * chunk_bytes(tx)
         rx.close()
-        rx = build_engine(CHUNK, enable_pd=True, pd_role="receiver", pd_peer_init_port=port,
-                          pd_buffer_size=1 << 20)
+        rx = receiver_engine(pd_peer_init_port=port)
         second, kv = stored(tx, 16, seed=2)
         assert sender.send(address(rx), second).sent == 2 * chunk_bytes(tx)  # not lost to the old connection
         got, n = loaded(rx, second)
@@ -266,6 +272,45 @@ def test_a_receiver_that_restarted_on_its_port_gets_the_next_send():
         sender.close()
         tx.close()
         rx.close()
+
+
+def test_a_receiver_that_goes_down_is_one_failure_and_one_warning_then_skipped_until_it_is_back(caplog):
+    rx = receiver_engine()
+    port, at = rx.config.pd_peer_init_port, address(rx)
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    up = True
+
+    def faults() -> tuple[float, float]:
+        counted = tx.stats.snapshot()  # the engine's stats: what its metrics are made from
+        return counted["pd_send_failures"], counted["pd_send_skipped"]
+
+    try:
+        tokens, _ = stored(tx, 16)
+        assert sender.send(at, tokens).sent == 2 * chunk_bytes(tx) and faults() == (0, 0)
+        with caplog.at_level(logging.INFO):
+            rx.close()
+            up = False
+            assert [sender.send(at, tokens).sent for _ in range(3)] == [0, 0, 0]
+            assert faults() == (1, 2)  # one failed send; the next two not tried (backing off)
+            rx, up = receiver_engine(pd_peer_init_port=port), True
+            time.sleep(0.6)  # past the first backoff delay (0.5 s)
+            assert sender.send(at, tokens).sent == 2 * chunk_bytes(tx) and faults() == (1, 2)
+            rx.close()  # down again within a minute: a flapping incident
+            up = False
+            assert sender.send(at, tokens).sent == 0 and faults() == (2, 2)
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and f"the KV receiver at {at} failed" in warned[0], warned
+        assert [r.getMessage() for r in caplog.records
+                if r.levelno == logging.INFO and r.name == "lmcache.failures"] == [
+                    f"the KV receiver at {at} works again"]
+        assert tx.stats.interval()["counters"]["pd_send_failures"] == 2  # shipped to vLLM's metrics too
+        tx.check_integrity()
+    finally:
+        sender.close()
+        tx.close()
+        if up:
+            rx.close()
 
 
 def _frame(message) -> bytes:
