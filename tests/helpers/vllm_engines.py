@@ -56,9 +56,10 @@ def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = 
 
 
 def start_llms(*configs: dict[str, Any]) -> list[Any]:
-    """An engine `start_llm(**config)` for each of `configs`, started at once: each start is mostly
-    its own engine process's work on one core (model load, profiling, warm-up), so they overlap.
-    If one fails, the others are stopped and its error is raised."""
+    """An engine `start_llm(**config)` for each of `configs`, started at once: most of a start is
+    its two spawned processes (engine core, worker) importing vLLM, on one core each, so the
+    starts overlap where cores are free. If one fails, the others are stopped and its error is
+    raised."""
     with ThreadPoolExecutor(len(configs)) as pool:
         futures = [pool.submit(start_llm, **config) for config in configs]
     errors = [f.exception() for f in futures]
