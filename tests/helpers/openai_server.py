@@ -33,10 +33,11 @@ class OpenAIServer:
                  dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
                  extra_args: tuple[str, ...] = (), startup_timeout: float = 300,
                  port: int | None = None, cpus: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, wait: bool = True) -> None:
         """`port`: the HTTP port (default: a free one); `cpus`: the cores its engine binds
         (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1"); `env`: more
-        environment variables for the server."""
+        environment variables for the server. Blocks until the server answers unless `wait` is
+        False (then call `wait_ready`; `start_servers` starts several at once)."""
         self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
@@ -49,16 +50,23 @@ class OpenAIServer:
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=environ,
                                      start_new_session=True)
-        deadline = time.monotonic() + startup_timeout
+        self.log_path = log_path
+        self.startup_deadline = time.monotonic() + startup_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> OpenAIServer:
+        """Block until the server answers ``/health``; stop it and raise if it exits first or
+        does not answer within its `startup_timeout`."""
         while True:
             try:
                 urllib.request.urlopen(self.url("/health"), timeout=2).read()
-                return
+                return self
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is not None or time.monotonic() > self.startup_deadline:
                     self.stop()
-                    raise RuntimeError(f"the server did not start; see {log_path}") from None
-                time.sleep(1)
+                    raise RuntimeError(f"the server did not start; see {self.log_path}") from None
+                time.sleep(0.25)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -93,6 +101,23 @@ class OpenAIServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def start_servers(model: str, specs: list[dict[str, Any]]) -> list[OpenAIServer]:
+    """Servers of `model`, one per dict of `OpenAIServer` arguments (``kv_transfer_config`` and
+    ``log_path`` among them), started at once and returned when all answer: their start-ups
+    (mostly one core each: imports, model load) overlap. If one fails, all are killed."""
+    servers: list[OpenAIServer] = []
+    try:
+        for spec in specs:
+            servers.append(OpenAIServer(model, **spec, wait=False))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers
 
 
 def complete(base_url: str, prompt: str, max_tokens: int = 12, ignore_eos: bool = False) -> Completion:

@@ -8,6 +8,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,23 @@ def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = 
                max_model_len=4096, kv_cache_memory_bytes=kv_bytes,
                max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True,
                disable_log_stats=False, kv_transfer_config=kv_transfer_config, **engine_args)
+
+
+def start_llms(*configs: dict[str, Any]) -> list[Any]:
+    """An engine `start_llm(**config)` for each of `configs`, started at once: most of a start is
+    its two spawned processes (engine core, worker) importing vLLM, on one core each, so the
+    starts overlap where cores are free. If one fails, the others are stopped and its error is
+    raised."""
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(start_llm, **config) for config in configs]
+    errors = [f.exception() for f in futures]
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for future, error in zip(futures, errors):
+            if error is None:
+                stop_llm(future.result())
+        raise failed
+    return [f.result() for f in futures]
 
 
 @contextlib.contextmanager

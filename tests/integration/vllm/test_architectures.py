@@ -57,7 +57,7 @@ from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
     sentence_text,
-    start_llm,
+    start_llms,
     stderr_to,
     stop_llm,
 )
@@ -153,15 +153,32 @@ class Pair:
 @pytest.fixture(scope="module", params=[(b, a) for b in TEST_BUILDS for a in sorted(ARCHS)],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def arch(request, tmp_path_factory):
-    """Reference outputs of the engine without a connector, then the engine with LMCache, both
-    on kernel build `build`."""
+    """The engine without a connector and the engine with LMCache, both on kernel build `build`
+    and started at once; the reference outputs of the first, which then stops."""
     build, name = request.param
     model, dtype = tiny_model_path(name), ARCHS[name].dtype
     ids = texts(model)
-    engine_args = ENGINE_ARGS.get(name, {})
     log = tmp_path_factory.mktemp("logs") / "engine.log"
-    with environment(build_env(build)), stderr_to(str(log)):
-        ref = start_llm(None, dtype=dtype, model=model, max_num_batched_tokens=MNBT, **engine_args)
+    disk = tmp_path_factory.mktemp("disk")
+    tiers = {"local_disk": str(disk), "max_local_disk_size": 0.5}
+    server = None
+    if name in ON_A_CACHE_SERVER:  # the same tiers, in a cache server's process
+        config = tmp_path_factory.mktemp("server") / "tiers.yaml"
+        config.write_text(json.dumps(tiers))
+        server = CacheServerProcess(f"ipc://{config.parent}/cache.sock", "--config", str(config),
+                                    size_gb=0.25).start()
+        transfer = lmcache_transfer_config(cache_server_url=server.url)
+    else:
+        transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
+    engine = {"dtype": dtype, "model": model, "max_num_batched_tokens": MNBT, **ENGINE_ARGS.get(name, {})}
+    try:
+        with environment(build_env(build)), stderr_to(str(log)):
+            ref, llm = start_llms({"kv_transfer_config": None, **engine},
+                                  {"kv_transfer_config": transfer, **engine})
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     ps = {key: ids[key][:n] for key, n in LENGTHS.items()}
     if name in NO_PREFIX_CACHE:
         ps = {key: decisive_prompt(ref, ids[key], n, key in EXTENDED) for key, n in LENGTHS.items()}
@@ -174,19 +191,6 @@ def arch(request, tmp_path_factory):
         if key in REPEATED:
             again[key] = forced_decode(ref, p) if name in NO_PREFIX_CACHE else run(ref, p)
     stop_llm(ref)
-    disk = tmp_path_factory.mktemp("disk")
-    tiers = {"local_disk": str(disk), "max_local_disk_size": 0.5}
-    server = None
-    if name in ON_A_CACHE_SERVER:  # the same tiers, in a cache server's process
-        config = tmp_path_factory.mktemp("server") / "tiers.yaml"
-        config.write_text(json.dumps(tiers))
-        server = CacheServerProcess(f"ipc://{config.parent}/cache.sock", "--config", str(config),
-                                    size_gb=0.25).start()
-        transfer = lmcache_transfer_config(cache_server_url=server.url)
-    else:
-        transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
-    with environment(build_env(build)), stderr_to(str(log)):
-        llm = start_llm(transfer, dtype=dtype, model=model, max_num_batched_tokens=MNBT, **engine_args)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
     yield Pair(build, name, ps, cold, repeat, again, llm, log, client, server)
     client.close()

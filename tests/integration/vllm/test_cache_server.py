@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
-from tests.helpers.openai_server import OpenAIServer, prompt_sources
+from tests.helpers.openai_server import OpenAIServer, prompt_sources, start_servers
 from tests.helpers.servers import CacheServerProcess
 from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text
 
@@ -30,10 +30,9 @@ def test_two_vllm_instances_share_one_cache_server_and_outlive_it(tmp_path):
     url = f"ipc://{tmp_path}/cache.sock"
     cache = CacheServerProcess(url, size_gb=1, heartbeat=0.5).start()
     transfer = lmcache_transfer_config(cache_server_url=url)
-    a = OpenAIServer(model, transfer, str(tmp_path / "a.log"))
-    b = None
+    a, b = start_servers(model, [{"kv_transfer_config": transfer, "log_path": str(tmp_path / f"{name}.log")}
+                                 for name in "ab"])
     try:
-        b = OpenAIServer(model, transfer, str(tmp_path / "b.log"))
         first = a.complete(DOCS[0])
         a.wait_metric("lmcache:stored_tokens_total", 256)
         engines = cache.get("/stats")["engines"]
@@ -60,7 +59,6 @@ def test_two_vllm_instances_share_one_cache_server_and_outlive_it(tmp_path):
         assert computed(b) - before <= 1
         assert a.metric("lmcache:errors_total") == b.metric("lmcache:errors_total") == 0
     finally:
-        for server in (a, b):
-            if server is not None:
-                server.stop()
+        a.stop()
+        b.stop()
         cache.stop()

@@ -13,6 +13,7 @@ from tests.helpers.vllm_engines import (
     lmcache_transfer_config,
     sentence_text,
     start_llm,
+    start_llms,
     stop_llm,
 )
 
@@ -36,14 +37,6 @@ def greedy(llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def baseline():
-    llm = start_llm(None, max_num_batched_tokens=MNBT)
-    texts = {name: out.outputs[0].text for name, out in zip(PROMPTS, greedy(llm, list(PROMPTS.values())))}
-    stop_llm(llm)
-    return texts
-
-
-@pytest.fixture(scope="module")
 def disk_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("lmcache-disk"))
 
@@ -58,15 +51,31 @@ def kv_key(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(disk_dir, kv_key):
+def engines(disk_dir, kv_key):
+    """vLLM without a connector and with LMCache, started at once: the first's answers to
+    `PROMPTS` (then it stops), the second and its lookup client."""
     transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0,
                                        kv_encryption_key=kv_key)
-    llm = start_llm(transfer, max_num_batched_tokens=MNBT)
+    ref, llm = start_llms({"kv_transfer_config": None, "max_num_batched_tokens": MNBT},
+                          {"kv_transfer_config": transfer, "max_num_batched_tokens": MNBT})
+    try:
+        texts = {name: out.outputs[0].text for name, out in zip(PROMPTS, greedy(ref, list(PROMPTS.values())))}
+    finally:
+        stop_llm(ref)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
-    yield llm, client
+    yield texts, (llm, client)
     client.close()
-    if llm is not None:
-        stop_llm(llm)
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def baseline(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines[1]
 
 
 def worker_stats(client):

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
 from lmcache.pd import nixl_agent
-from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete, prompt_sources
+from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete, prompt_sources, start_servers
 from tests.helpers.servers import REPO, free_port, wait_port
 from tests.helpers.vllm_engines import (
     kv_bytes_per_token,
@@ -99,10 +99,9 @@ def cluster(tmp_path_factory):
                                          pd_peer_init_port=kv_tcp, pd_buffer_size=2 * chunk_bytes + 4096,
                                          **common),
     }
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = {name: pool.submit(OpenAIServer, model, cfg, str(logs / f"{name}.log"), max_model_len=2048)
-                   for name, cfg in configs.items()}
-        servers = {name: f.result() for name, f in futures.items()}
+    started = start_servers(model, [{"kv_transfer_config": cfg, "log_path": str(logs / f"{name}.log"),
+                                     "max_model_len": 2048} for name, cfg in configs.items()])
+    servers: dict = dict(zip(configs, started))
     servers["kv_ports"] = {"d_nixl": kv_nixl, "d_tcp": kv_tcp}
     servers["logs"] = logs
     servers["model"] = model
@@ -208,12 +207,11 @@ def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
     """The proxy's NixlConnector hand-off with vLLM's own connector: the decoder reads each
     prompt's KV from the prefiller. Its two instances run only for this test (NIXL's progress
     thread keeps a core busy in each, idle or not)."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(OpenAIServer, cluster["model"], nixl_connector_config(role),
-                               str(cluster["logs"] / f"nixl-{role}.log"), max_model_len=2048, cpus=cpus,
-                               env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-                   for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))]
-        prefiller, decoder = (f.result() for f in futures)
+    prefiller, decoder = start_servers(cluster["model"], [
+        {"kv_transfer_config": nixl_connector_config(role),
+         "log_path": str(cluster["logs"] / f"nixl-{role}.log"), "max_model_len": 2048, "cpus": cpus,
+         "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}}
+        for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))])
     proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
                   str(cluster["logs"] / "proxy-nixl.log"))
     try:

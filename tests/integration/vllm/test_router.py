@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
-from tests.helpers.openai_server import MODEL_NAME, OpenAIServer
+from tests.helpers.openai_server import MODEL_NAME, start_servers
 from tests.helpers.servers import REPO, free_port, wait_port
 from tests.helpers.vllm_engines import sentence_text
 
@@ -49,11 +49,9 @@ def fleet(tmp_path_factory):
     logs = tmp_path_factory.mktemp("router")
     model = local_model_path("float32")
     events = [free_port(), free_port()]
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(OpenAIServer, model, None, str(logs / f"vllm{i}.log"), max_model_len=1024,
-                               kv_bytes=64 << 20, cpus=str(i), extra_args=kv_events_args(events[i]))
-                   for i in range(2)]
-        servers = [f.result() for f in futures]
+    servers = start_servers(model, [{"kv_transfer_config": None, "log_path": str(logs / f"vllm{i}.log"),
+                                     "max_model_len": 1024, "kv_bytes": 64 << 20, "cpus": str(i),
+                                     "extra_args": kv_events_args(events[i])} for i in range(2)])
     port = free_port()
     log = open(logs / "router.log", "ab")
     router = subprocess.Popen(

@@ -67,9 +67,12 @@ def server(url):
 
 class Worker:
     def __init__(self, url: str, model: str = "test-model") -> None:
+        """Starts the engine worker; `wait_ready` waits for it."""
         env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING"}
         self.proc = subprocess.Popen([sys.executable, str(WORKER), url, model], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def wait_ready(self) -> None:
         assert self._line(60) == {"ready": True}
 
     def _line(self, timeout: float) -> dict:
@@ -107,16 +110,31 @@ class Worker:
         self.proc.communicate(timeout=30)
 
 
+class Workers:
+    """A test's engine workers (`url` unless named `at`); those still running at its end are killed."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.made: list[Worker] = []
+
+    def __call__(self, at: str | None = None, model: str = "test-model") -> Worker:
+        (worker,) = self.start(1, at, model)
+        return worker
+
+    def start(self, n: int, at: str | None = None, model: str = "test-model") -> list[Worker]:
+        """`n` workers started at once (their start-ups, mostly imports, overlap), once all are ready."""
+        new = [Worker(at or self.url, model) for _ in range(n)]
+        self.made += new
+        for worker in new:
+            worker.wait_ready()
+        return new
+
+
 @pytest.fixture
 def workers(url):
-    made: list[Worker] = []
-
-    def make(at: str | None = None, model: str = "test-model") -> Worker:
-        made.append(Worker(at or url, model))
-        return made[-1]
-
-    yield make
-    for w in made:
+    made = Workers(url)
+    yield made
+    for w in made.made:
         if w.proc.poll() is None:
             w.kill()
 
@@ -158,7 +176,7 @@ def hello(sock: zmq.Socket, pid: int | None) -> dict:
 # ---- sharing ------------------------------------------------------------------------------------
 
 def test_what_one_engine_stored_is_a_hit_for_another_with_one_copy(server, workers):
-    a, b = workers(), workers()
+    a, b = workers.start(2)
     a.ask("store", tokens=DOC, seed=1)
     used = server.get("/stats")["arena"]["used_bytes"]
     assert used == 8 * CHUNK_BYTES
@@ -175,7 +193,7 @@ def test_what_one_engine_stored_is_a_hit_for_another_with_one_copy(server, worke
 
 
 def test_a_prefix_of_another_engines_prompt_is_served_and_a_longer_one_only_up_to_it(server, workers):
-    a, b = workers(), workers()
+    a, b = workers.start(2)
     a.ask("store", tokens=DOC[:32], seed=2)
     assert b.ask("retrieve", tokens=DOC, seed=2) == {"hit": 32, "exact": True}
     a.close(), b.close()
@@ -184,7 +202,7 @@ def test_a_prefix_of_another_engines_prompt_is_served_and_a_longer_one_only_up_t
 # ---- engine faults ------------------------------------------------------------------------------
 
 def test_an_engine_killed_holding_slots_and_reads_is_reaped_and_its_memory_reclaimed(server, workers):
-    a, b = workers(), workers()
+    a, b = workers.start(2)
     a.ask("store", tokens=DOC, seed=3)
     committed = server.get("/stats")["arena"]["used_bytes"]
     assert b.ask("reserve", n=5) == {"slots": 5}
@@ -243,7 +261,7 @@ def test_a_reserved_slot_is_invisible_until_committed(server, url):
 
 def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(url, workers):
     server = CacheServerProcess(url).start()
-    a, b = workers(), workers()
+    a, b = workers.start(2)
     a.ask("store", tokens=DOC, seed=4)
     assert a.ask("faults") == {"failures": 0, "skipped": 0}
     old = segments()
@@ -275,7 +293,7 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
 
 def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, workers):
     server = CacheServerProcess(url, heartbeat=30).start()  # no heartbeat comes in between
-    a, b = workers(), workers()
+    a, b = workers.start(2)
     assert a.ask("reserve", n=2) == {"slots": 2}  # slots of the first server, held across the restart
     server.stop(signal.SIGKILL)
     server = CacheServerProcess(url, heartbeat=30).start()
@@ -347,7 +365,7 @@ def test_a_second_server_on_the_same_socket_is_refused(url):
 def test_a_full_l1_drops_stores_at_once(url, workers):
     server = CacheServerProcess(url, size_gb=16 * CHUNK_BYTES / (1 << 30)).start()
     try:
-        a, b = workers(), workers()
+        a, b = workers.start(2)
         a.ask("store", tokens=DOC + [d + 100 for d in DOC], seed=8)  # 16 chunks: full
         assert a.ask("hold", tokens=DOC + [d + 100 for d in DOC]) == {"held": 16}  # nothing evictable
         t0 = time.monotonic()
@@ -497,7 +515,7 @@ def test_engines_attach_over_tcp_too(workers):
     url = f"tcp://127.0.0.1:{free_port()}"
     server = CacheServerProcess(url).start()
     try:
-        a, b = workers(url), workers(url)
+        a, b = workers.start(2, url)
         a.ask("store", tokens=DOC, seed=12)
         assert b.ask("retrieve", tokens=DOC, seed=12) == {"hit": 64, "exact": True}
         a.close(), b.close()
