@@ -1,9 +1,10 @@
-"""A remote tier's batched get over one connection or over `READ_STREAMS` (2) at once.
+"""A remote tier's batched get over one connection or over `SEALED_READ_STREAMS` (2) at once.
 
 `engine.retrieve` of an 8,192-token prefix (SmolLM2-shaped bf16 KV, 32 chunks of 5.9 MB) from a
 real Valkey and a real lm:// server, plain and sealed (`kv_encryption_key`), with the hot tier
-emptied before each retrieve (as `tier_throughput.py` does); the remote tier's
-`remote_backend.READ_STREAMS` set to 1 and 2 alternately, `--reps` each; medians.
+emptied before each retrieve (as `tier_throughput.py` does); the remote tier's `read_streams` set
+to 1 and 2 alternately, `--reps` each; medians. (The tier reads sealed values over 2 connections,
+unsealed ones over 1: what this measured.)
 
     python benchmarks/remote_read_streams.py [--reps 7]
 """
@@ -43,23 +44,20 @@ def main() -> None:
                 if sealed:
                     cfg["kv_encryption_key"] = key
                 setup = Setup(tokens, **cfg)
-                times: dict[int, list[float]] = {1: [], remote_backend.READ_STREAMS: []}
-                default = remote_backend.READ_STREAMS
-                try:
-                    for _ in range(args.reps):
-                        for streams in times:
-                            remote_backend.READ_STREAMS = streams
-                            setup.empty_hot()
-                            t0 = time.perf_counter()
-                            setup.retrieve()
-                            times[streams].append(time.perf_counter() - t0)
-                finally:
-                    remote_backend.READ_STREAMS = default
+                tier = setup.engine.storage_manager.backends["RemoteBackend"]
+                times: dict[int, list[float]] = {1: [], remote_backend.SEALED_READ_STREAMS: []}
+                for _ in range(args.reps):
+                    for streams in times:
+                        tier.read_streams = streams  # type: ignore[attr-defined]
+                        setup.empty_hot()
+                        t0 = time.perf_counter()
+                        setup.retrieve()
+                        times[streams].append(time.perf_counter() - t0)
                 setup.check()
                 setup.close()
-                one, many = (statistics.median(times[n]) for n in times)
-                print(f"{label:7} {'sealed' if sealed else 'plain':6}  1 stream {one * 1e3:6.0f} ms   "
-                      f"{default} streams {many * 1e3:6.0f} ms   speed-up {one / many:.2f}x")
+                (one, n_one), (many, n_many) = ((statistics.median(t), n) for n, t in times.items())
+                print(f"{label:7} {'sealed' if sealed else 'plain':6}  {n_one} stream {one * 1e3:6.0f} ms   "
+                      f"{n_many} streams {many * 1e3:6.0f} ms   speed-up {one / many:.2f}x")
     finally:
         valkey.kill()
         lm.stop()

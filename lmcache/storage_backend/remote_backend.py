@@ -18,9 +18,10 @@ its share of the keys. A fault is caught, counted (the tier's ``failures`` / ``s
 logged once per incident there, and nowhere else: a read (`_call`) answers its default (not found)
 for that node's keys; a write raises the `DomainFault` to the put queue, which counts the put as
 failed (or not attempted) and never as written.
-Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain (a
-batched get's keys go over `READ_STREAMS` connections at once, so that reading, verifying and
-opening sealed values use both cores); the
+Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain (with
+sealing on, a batched get's keys go over `SEALED_READ_STREAMS` connections at once, so that
+opening values on one core overlaps reading them on the other; unsealed values are read at the
+socket's speed by one, which two only slowed, `benchmarks/RESULTS.md`); the
 values of a batched get are read off the socket straight into arena buffers, or, for a serde that
 decodes (CacheGen), read whole and decoded on the tier's decode thread while the next values
 arrive, so transfer and decode overlap instead of adding up. A write is a plain
@@ -62,7 +63,7 @@ from lmcache.storage_backend.serde.serde import AllocateFn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-READ_STREAMS = 2  # connections a batch of one failure domain is read over at once
+SEALED_READ_STREAMS = 2  # connections a sealed batch of one failure domain is read over at once
 
 
 def _split(batch: list[T], n: int) -> list[list[T]]:
@@ -102,8 +103,10 @@ class RemoteBackend(LowerTierBackend):
         # decodes of a batch's values run here while the connector reads the next ones
         self._decodes = None if self.deserializer.raw_payload else \
             ThreadPoolExecutor(1, thread_name_prefix="lmcache-remote-decode")
-        # a batch's other streams are read here while the caller's thread reads the first
-        self._streams = ThreadPoolExecutor(READ_STREAMS - 1, thread_name_prefix="lmcache-remote-read")
+        # connections a batched get of one failure domain is read over at once; the others than
+        # the caller's thread's are read here
+        self.read_streams = 1 if self.sealer is None else SEALED_READ_STREAMS
+        self._streams = ThreadPoolExecutor(SEALED_READ_STREAMS - 1, thread_name_prefix="lmcache-remote-read")
 
     @classmethod
     def create(cls, ctx: TierContext) -> RemoteBackend | None:
@@ -197,7 +200,7 @@ class RemoteBackend(LowerTierBackend):
         return out
 
     def _read_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Pipelined requests, `READ_STREAMS` at once per failure domain over as many connections;
+        """Pipelined requests, `read_streams` at once per failure domain over as many connections;
         values stream into arena buffers (or are decoded on the decode thread as they arrive, see
         the module doc)."""
         out: list[MemoryObj | None] = [None] * len(keys)
@@ -234,7 +237,7 @@ class RemoteBackend(LowerTierBackend):
             for (i, rk), value in zip(batch, values, strict=True):
                 out[i] = self._verified(rk, partial(_unwrap, value))
 
-        batches = [b for group in self._by_domain(keys) for b in _split(group, READ_STREAMS)]
+        batches = [b for group in self._by_domain(keys) for b in _split(group, self.read_streams)]
         done = False
         try:
             others = [self._streams.submit(fetch, b) for b in batches[1:]]

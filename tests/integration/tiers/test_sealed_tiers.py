@@ -14,7 +14,7 @@ import torch
 from lmcache.config import LMCacheEngineConfig
 from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.server.client import LMCacheClient
-from lmcache.storage_backend.remote_backend import RemoteBackend
+from lmcache.storage_backend.remote_backend import SEALED_READ_STREAMS, RemoteBackend
 from lmcache.storage_backend.serde.seal import OVERHEAD
 from tests.helpers.paged_kv import PagedKV, build_engine
 
@@ -100,6 +100,31 @@ def test_the_store_holds_only_sealed_values_and_they_read_back(store, tier, tmp_
     assert sealed.hit(2)
     assert not sealed.hit(1)  # the unsealed value: forged where sealing is on, and deleted
     assert sealed.backend.stats().counters["forged"] == 1 and raw.get(key(1).to_string()) is None
+
+
+def test_a_sealed_batch_is_read_over_two_connections_at_once_and_reads_back_exactly(store, tier, tmp_path):
+    """Sealed values are opened on the reading thread: a batched get splits its keys over
+    `SEALED_READ_STREAMS` connections (one read on a tier thread), unsealed ones over one."""
+    url, _ = store
+    sealed, plain = tier(url, key_file(tmp_path, "k", K1)), tier(url + "?namespace=plain", None)
+    ids = range(5)
+    for t in (sealed, plain):
+        t.put(*ids)
+        calls: list[list[str]] = []
+        get_many_into = t.backend.connector.get_many_into
+
+        def spy(keys, read, calls=calls, get_many_into=get_many_into):
+            calls.append(list(keys))
+            return get_many_into(keys, read)
+
+        t.backend.connector.get_many_into = spy
+        got = t.backend.batched_get([key(i) for i in ids])
+        assert all(torch.equal(obj.tensor, data(i)) for i, obj in zip(ids, got, strict=True))
+        for obj in got:
+            obj.ref_count_down()
+        expected = SEALED_READ_STREAMS if t is sealed else 1
+        assert len(calls) == expected and sorted(k for c in calls for k in c) == \
+            sorted(t.backend._remote_key(key(i)) for i in ids)
 
 
 def test_a_value_copied_under_another_key_is_a_counted_deleted_miss(store, tier, tmp_path):
