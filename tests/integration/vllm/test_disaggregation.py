@@ -215,14 +215,28 @@ def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
     proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
                   str(cluster["logs"] / "proxy-nixl.log"))
     try:
-        before = prompt_tokens(decoder)
+        # vLLM's NixlConnector gives the decoder's first handshake with the prefiller 5 s (a fixed
+        # ZMQ receive timeout); a prefiller still busy after start-up on a loaded 2-core machine
+        # can miss it, and that request fails (kv_load_failure_policy "fail"). A warm-up request
+        # (another prompt) makes the handshake before the requests this test checks.
+        warm = PROMPTS[2]
+        expected = complete(cluster["ref"].url(""), warm, max_tokens=2).text
+        for _ in range(3):
+            try:
+                if complete(proxy.url, warm, max_tokens=2).text == expected:
+                    break
+            except (OSError, ValueError):  # an error reply for the failed first request
+                pass
+        else:
+            raise AssertionError("the NixlConnector pair never answered the warm-up prompt")
+        before, prefilled = prompt_tokens(decoder), proxy.stats()["prefilled"]
         answers = [complete(proxy.url, prompt, max_tokens=8) for prompt in PROMPTS[:2]]
         decoded = {src: n - before[src] for src, n in prompt_tokens(decoder).items()}
         assert [a.text for a in answers] == [complete(cluster["ref"].url(""), p, max_tokens=8).text
                                              for p in PROMPTS[:2]]
         assert decoded["external_kv_transfer"] >= sum(a.prompt_tokens for a in answers) - len(answers)
         assert decoded["local_compute"] <= len(answers)
-        assert proxy.stats()["prefilled"] == len(answers)
+        assert proxy.stats()["prefilled"] - prefilled == len(answers)
     finally:
         proxy.stop()
         prefiller.stop()
