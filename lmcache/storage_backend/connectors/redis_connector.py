@@ -11,7 +11,8 @@ does the backing off) and with `remote_timeout` as connect and socket timeout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -54,6 +55,20 @@ def db_number(url: RemoteURL, index: int) -> int:
     return int(url.path[index])
 
 
+@contextmanager
+def borrowed(pool: Any) -> Iterator[Any]:
+    """A connection of redis-py's `pool` for the block; dropped (disconnected) if the block
+    raises, so a half-read reply never reaches the next user."""
+    conn = pool.get_connection()
+    try:
+        yield conn
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def set_command(key: str, parts: Sequence[Buffer], ttl: int | None) -> list[Buffer]:
     """The RESP of ``SET key value [EX ttl]`` as pieces to send in order, the value being the
     concatenation of `parts` (not copied)."""
@@ -89,15 +104,9 @@ class RedisClientConnector(RemoteConnector):
         if pool is None:
             self.client.set(key, parts[0] if len(parts) == 1 else b"".join(parts), ex=self.ttl)
             return
-        conn = pool.get_connection()
-        try:
+        with borrowed(pool) as conn:
             conn.send_packed_command(set_command(key, parts, self.ttl))
             reply = conn.read_response()  # an error reply raises
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
         if reply not in (b"OK", "OK", True):
             raise ResponseError(f"SET {key!r} answered {reply!r}")
 
@@ -144,30 +153,27 @@ class RedisConnector(RedisClientConnector):
         connection."""
         if not keys:
             return []
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        sock = getattr(conn, "_sock", None)
-        if sock is None or str(conn.get_protocol() or 2) not in ("2", "3"):  # not a RESP socket we know
-            pool.release(conn)
-            return super().get_many_into(keys, read)
-        try:
-            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
-            reply = RespBulkReply(sock)
-            out: list[T | None] = []
-            for i in range(len(keys)):
-                length = reply.header()
-                if length is None:
-                    out.append(None)
-                    continue
-                out.append(read(i, reply, length))
-                reply.skip_rest()
-                reply.finish()
-            reply.check_drained()
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
+        with borrowed(self.client.connection_pool) as conn:
+            sock = getattr(conn, "_sock", None)
+            if sock is not None and str(conn.get_protocol() or 2) in ("2", "3"):  # a RESP socket we know
+                return self._read_replies(conn, sock, keys, read)
+        return super().get_many_into(keys, read)
+
+    @staticmethod
+    def _read_replies(conn: Any, sock: Any, keys: Sequence[str],
+                      read: Callable[[int, ReadStream, int], T]) -> list[T | None]:
+        conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+        reply = RespBulkReply(sock)
+        out: list[T | None] = []
+        for i in range(len(keys)):
+            length = reply.header()
+            if length is None:
+                out.append(None)
+                continue
+            out.append(read(i, reply, length))
+            reply.skip_rest()
+            reply.finish()
+        reply.check_drained()
         return out
 
     def close(self) -> None:
