@@ -156,11 +156,12 @@ class PDBackend(StorageBackendInterface):
         return len(objs)
 
     def abort(self, chunks: Sequence[Chunk], objs: Sequence[MemoryObj]) -> None:
-        """A transfer broke: its reservations go, never seen."""
+        """A transfer broke: its reservations go, never seen (their bytes are freed first, so a
+        reader that sees no reservation sees their room free too)."""
+        release_all(list(objs))
         with self._lock:
             for chunk in chunks:
                 self._reserved.discard(chunk.key)
-        release_all(list(objs))
 
     # ---- the tier -------------------------------------------------------------------------------
 
