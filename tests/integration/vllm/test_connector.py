@@ -125,7 +125,13 @@ def test_one_batch_with_different_hit_lengths(baseline, engine):
     assert new == 0
 
 
-def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_dir, kv_key):
+def test_a_restarted_engine_is_served_from_the_disk_tier_and_recomputes_corrupt_files(
+        baseline, engine, disk_dir, kv_key, tmp_path):
+    """A new engine over the files the stopped one wrote (a copy: the HF test below reads the
+    originals) serves a prompt from disk. Then every file is corrupted under it: the lookup still
+    counts another prompt's chunks, their load fails verification, vLLM is told the blocks failed
+    to load and recomputes them, the answer is right and the corrupt files read are gone."""
+    import shutil
     from pathlib import Path
 
     from lmcache.storage_backend.disk_file import SUFFIX
@@ -136,7 +142,9 @@ def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_di
     client.close()
     files = list(Path(disk_dir).glob("*" + SUFFIX))
     assert files and all(MAGIC in f.read_bytes()[:1024] for f in files)  # every file is sealed
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=disk_dir, max_local_disk_size=1.0,
+    copy = tmp_path / "disk"
+    shutil.copytree(disk_dir, copy)
+    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=str(copy), max_local_disk_size=1.0,
                                        kv_encryption_key=kv_key)
     fresh = start_llm(transfer, max_num_batched_tokens=MNBT)
     try:
@@ -144,36 +152,18 @@ def test_restarted_engine_is_served_from_the_disk_tier(baseline, engine, disk_di
         assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
         assert out.kv_transfer_params["lmcache_loaded_tokens"] == len(out.prompt_token_ids) - 1
         assert out.outputs[0].text == baseline["medium"]
+
+        stored = sorted(copy.glob("*" + SUFFIX))
+        for f in stored:
+            data = bytearray(f.read_bytes())
+            data[-100] ^= 0xFF  # inside the sealed payload: only the tag can tell
+            f.write_bytes(bytes(data))
+        (out,) = greedy(fresh, [PROMPTS["new"]])  # stored by the first engine, never read by this one
+        assert out.kv_transfer_params["lmcache_loaded_tokens"] > 0  # the lookup promised a hit
+        assert out.outputs[0].text == baseline["new"]  # ... the load failed, vLLM recomputed
+        assert len(list(copy.glob("*" + SUFFIX))) < len(stored)  # the corrupt files read are gone
     finally:
         stop_llm(fresh)
-
-
-def test_corrupt_cache_files_are_recomputed_not_failed(baseline, disk_dir, kv_key, tmp_path):
-    """The lookup counts chunks whose files then fail verification at load time: vLLM is told the
-    blocks failed to load, recomputes them, and the request completes with the right output."""
-    import shutil
-    from pathlib import Path
-
-    from lmcache.storage_backend.disk_file import SUFFIX
-
-    corrupt_dir = tmp_path / "corrupt"
-    shutil.copytree(disk_dir, corrupt_dir)
-    files = sorted(Path(corrupt_dir).glob("*" + SUFFIX))
-    assert files
-    for f in files:
-        data = bytearray(f.read_bytes())
-        data[-100] ^= 0xFF  # inside the sealed payload: only the tag can tell
-        f.write_bytes(bytes(data))
-    transfer = lmcache_transfer_config(max_local_cpu_size=0.5, local_disk=str(corrupt_dir),
-                                       max_local_disk_size=1.0, kv_encryption_key=kv_key)
-    llm = start_llm(transfer, max_num_batched_tokens=MNBT)
-    try:
-        (out,) = greedy(llm, [PROMPTS["medium"]])
-        assert out.kv_transfer_params["lmcache_loaded_tokens"] > 0  # the lookup promised a hit
-        assert out.outputs[0].text == baseline["medium"]  # ... the load failed, vLLM recomputed
-        assert len(list(corrupt_dir.glob("*" + SUFFIX))) < len(files)  # the corrupt file read is gone
-    finally:
-        stop_llm(llm)
 
 
 def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir, kv_key):
