@@ -35,8 +35,8 @@ def test_a_batch_decodes_to_its_events():
     batch({**STORED, "token_ids": [1, 2, 3]}), batch({**STORED, "token_ids": [1, 2, 3, -4]}),
     batch({**STORED, "token_ids": [1, 2, 3, 1 << 40]}), batch({**STORED, "block_size": 0}),
     batch({**STORED, "block_hashes": "x"}), batch({**STORED, "medium": 3}), batch("not a map"),
-], ids=["bad-msgpack", "not-a-batch", "unknown-type", "short-block", "negative-token", "huge-token",
-        "zero-block-size", "hashes-not-a-list", "medium-not-a-string", "event-not-a-map"])
+], ids=["bad-msgpack", "not-a-batch", "unknown-type", "tokens-not-whole-blocks", "negative-token",
+        "huge-token", "zero-block-size", "hashes-not-a-list", "medium-not-a-string", "event-not-a-map"])
 def test_a_malformed_batch_is_a_value_error(payload):
     with pytest.raises(ValueError):
         decode_batch(payload)
