@@ -43,7 +43,7 @@ unit: install
 	$(PY) -m pytest -q tests/unit
 
 test: lint typecheck
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -n 2 tests
 
 demo: install
 	$(PY) benchmarks/long_doc_qa.py

@@ -1,0 +1,30 @@
+"""Two lanes for ``pytest -n 2`` (pytest-xdist; `make test` runs so).
+
+A vLLM engine's start is mostly its processes importing vLLM one after another, a core at a time,
+so a second lane uses the core one lane leaves idle. The modules in ``tests/integration/vllm_multi``
+run several engines at once (a pair per model family, fleets of OpenAI servers) and make one lane;
+every other test makes the other. Each lane runs its tests one at a time in the usual order, so
+two of those modules never run beside each other. Without ``-n`` the suite runs as one lane.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MULTI_ENGINE_DIR = "tests/integration/vllm_multi/"
+
+
+def lane(nodeid: str) -> str:
+    return "multi-engine" if nodeid.startswith(MULTI_ENGINE_DIR) else "default"
+
+
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        """xdist's scheduling by scope, with a lane as the scope: a worker per lane."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return LaneScheduling(config, log)
