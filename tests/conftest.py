@@ -9,7 +9,10 @@ two of those modules never run beside each other. Without ``-n`` the suite runs 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 MULTI_ENGINE_DIR = "tests/integration/vllm_multi/"
 
@@ -28,3 +31,13 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
             return lane(nodeid)
 
     return LaneScheduling(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_stopped_at_the_end() -> Iterator[None]:
+    """The vLLM engines stopped in the background (`stop_llm(..., wait=False)`) are gone before
+    the session ends."""
+    yield
+    from tests.helpers.vllm_engines import wait_for_stops
+
+    wait_for_stops()

@@ -33,10 +33,12 @@ class OpenAIServer:
                  dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
                  extra_args: tuple[str, ...] = (), startup_timeout: float = 300,
                  port: int | None = None, cpus: str | None = None,
-                 env: dict[str, str] | None = None, wait: bool = True) -> None:
+                 env: dict[str, str] | None = None, nice: int = 0, wait: bool = True) -> None:
         """`port`: the HTTP port (default: a free one); `cpus`: the cores its engine binds
         (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1"); `env`: more
-        environment variables for the server. Blocks until the server answers unless `wait` is
+        environment variables for the server; `nice`: its processes' niceness (lower priority for
+        a server whose threads poll without pause, so they take only the CPU nothing else wants).
+        Blocks until the server answers unless `wait` is
         False (then call `wait_ready`; `start_servers` starts several at once)."""
         self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -45,6 +47,8 @@ class OpenAIServer:
                 "--kv-cache-memory-bytes", str(kv_bytes), *extra_args]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if nice:
+            args = ["nice", "-n", str(nice), *args]
         cpus = cpus or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")
         environ = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.log = open(log_path, "ab")

@@ -25,13 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout: float = 10.0) -> None:
+def wait_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    """Until something listens on `port`: at most `timeout` seconds, or, given the process that
+    will listen, until it does or exits (`timeout` then only bounds a process that hangs: a start
+    on a loaded machine takes what it takes)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
         except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the process to listen on {port} exited ({proc.returncode})") from None
             time.sleep(0.02)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import json
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,14 +56,16 @@ def start_llm(kv_transfer_config: dict[str, Any] | None = None, *, dtype: str = 
                disable_log_stats=False, kv_transfer_config=kv_transfer_config, **engine_args)
 
 
-def start_llms(*configs: dict[str, Any]) -> list[Any]:
+def start_llms(*configs: dict[str, Any], return_exceptions: bool = False) -> list[Any]:
     """An engine `start_llm(**config)` for each of `configs`, started at once: most of a start is
     its two spawned processes (engine core, worker) importing vLLM, on one core each, so the
     starts overlap where cores are free. If one fails, the others are stopped and its error is
-    raised."""
+    raised; with `return_exceptions`, a failed start's error takes its engine's place instead."""
     with ThreadPoolExecutor(len(configs)) as pool:
         futures = [pool.submit(start_llm, **config) for config in configs]
     errors = [f.exception() for f in futures]
+    if return_exceptions:
+        return [error if error is not None else f.result() for f, error in zip(futures, errors)]
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         for future, error in zip(futures, errors):
@@ -86,10 +89,27 @@ def stderr_to(path: str) -> Iterator[None]:
         os.close(saved)
 
 
-def stop_llm(llm: Any) -> None:
+_stopping: list[threading.Thread] = []
+
+
+def stop_llm(llm: Any, wait: bool = True) -> None:
+    """Shut the engine down. Most of it is its processes' interpreters tearing down (~5 s); with
+    `wait=False` (an engine nothing touches any more, nor its files) that goes on in a thread
+    while the caller carries on, and `wait_for_stops` waits for it."""
+    if not wait:
+        thread = threading.Thread(target=stop_llm, args=(llm,), name="stop-llm")
+        thread.start()
+        _stopping.append(thread)
+        return
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def wait_for_stops() -> None:
+    """Wait for the engines `stop_llm(..., wait=False)` is stopping."""
+    while _stopping:
+        _stopping.pop().join()
 
 
 def sentence_text(seed: int, words: int) -> str:

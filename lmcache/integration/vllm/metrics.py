@@ -9,12 +9,14 @@
   names are `lmcache.metrics`'; labels are vLLM's (model name, engine index) plus ``tier`` for the
   tier metrics; audits (`integration.vllm.audit`) are ``lmcache:audits_total`` with ``tier``,
   ``group_kind`` and ``result``. Metrics are created the first time a name is seen; like vLLM's own, they are
-  registered anew when another engine starts in the same process.
+  registered anew when another engine starts in the same process: the newest engine's metrics hold
+  the names, an older engine still running there counts on in metrics no registry exports.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,25 +59,37 @@ class LMCacheKVConnectorStats(KVConnectorStats):
                     or d.get("gauges_by_rank") or d.get("audits"))
 
 
+_names_lock = threading.Lock()
+_names_owner: LMCachePromMetrics | None = None  # the newest engine's metrics in this process
+
+
 class LMCachePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[Any]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        global _names_owner
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        _unregister_lmcache_metrics()  # a newer engine in this process takes the names over, as vLLM does
         self._metrics: dict[str, Any] = {}
         histogram_cls: Any = self._histogram_cls
-        for name, buckets in HISTOGRAMS.items():
-            self._metrics[name] = histogram_cls(name=engine_metric(name), documentation=doc(name),
-                                                labelnames=labelnames, buckets=list(buckets))
+        with _names_lock:  # engines may start at once
+            _unregister_lmcache_metrics()  # a newer engine in this process takes the names over, as vLLM does
+            _names_owner = self
+            for name, buckets in HISTOGRAMS.items():
+                self._metrics[name] = histogram_cls(name=engine_metric(name), documentation=doc(name),
+                                                    labelnames=labelnames, buckets=list(buckets))
 
     def _metric(self, kind: type, full_name: str, documentation: str, tier: bool,
                 extra_labels: tuple[str, ...] = ()) -> Any:
         metric = self._metrics.get(full_name)
         if metric is None:
-            cls = self._counter_cls if kind is Counter else self._gauge_cls
             labels = [*self._labelnames, *(["tier"] if tier else []), *extra_labels]
-            metric = self._metrics[full_name] = cls(name=full_name, documentation=documentation,
-                                                    labelnames=labels)
+            with _names_lock:
+                if _names_owner is self:
+                    cls = self._counter_cls if kind is Counter else self._gauge_cls
+                    metric = cls(name=full_name, documentation=documentation, labelnames=labels)
+                else:  # a newer engine holds the name: count on where no registry exports it
+                    metric = kind(name=full_name, documentation=documentation, labelnames=labels,
+                                  registry=None)
+                self._metrics[full_name] = metric
         return metric
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -87,7 +87,7 @@ class Engine:
 
     def close(self) -> None:
         self.client.close()
-        stop_llm(self.llm)
+        stop_llm(self.llm, wait=False)
 
 
 def totals(report: dict[str, Any], tier: str) -> dict[str, int]:

@@ -7,6 +7,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 from lmcache.integration.vllm.cpu_build import native_build
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from tests.helpers.vllm_engines import (
@@ -14,6 +18,7 @@ from tests.helpers.vllm_engines import (
     sentence_text,
     start_llm,
     start_llms,
+    stderr_to,
     stop_llm,
 )
 
@@ -61,11 +66,11 @@ def engines(disk_dir, kv_key):
     try:
         texts = {name: out.outputs[0].text for name, out in zip(PROMPTS, greedy(ref, list(PROMPTS.values())))}
     finally:
-        stop_llm(ref)
+        stop_llm(ref, wait=False)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
     yield texts, (llm, client)
     client.close()
-    stop_llm(llm)
+    stop_llm(llm, wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +168,7 @@ def test_a_restarted_engine_is_served_from_the_disk_tier_and_recomputes_corrupt_
         assert out.outputs[0].text == baseline["new"]  # ... the load failed, vLLM recomputed
         assert len(list(copy.glob("*" + SUFFIX))) < len(stored)  # the corrupt files read are gone
     finally:
-        stop_llm(fresh)
+        stop_llm(fresh, wait=False)
 
 
 def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir, kv_key):
@@ -194,55 +199,69 @@ def test_hf_transformers_loads_the_kv_that_vllm_stored(disk_dir, kv_key):
         LMCacheEngineBuilder.destroy("hf-reads-vllm")
 
 
-def test_bad_extra_config_fails_at_start_up_with_a_clear_error(capfd):
-    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
-        start_llm(lmcache_transfer_config(max_local_cpu_size=-1))
-    err = capfd.readouterr().err
-    assert "max_local_cpu_size" in err
+@dataclass
+class Refusals:
+    """Engines started with what LMCache or vLLM refuses: each engine, or the error its start
+    raised; `log`: their processes' stderr, one file (each check looks for its own message)."""
+
+    bad_config: Any
+    chunk_size: Any
+    fp8: Any
+    log: Path
 
 
-def test_a_chunk_size_vllm_cannot_use_leaves_the_engine_serving_without_lmcache(baseline, capfd):
-    llm = start_llm(lmcache_transfer_config(chunk_size=100), max_num_batched_tokens=MNBT)
-    try:
-        (out,) = greedy(llm, [PROMPTS["short"]])
-        assert out.outputs[0].text == baseline["short"]
-        assert out.kv_transfer_params is None  # the connector is inactive
-    finally:
-        stop_llm(llm)
-    err = capfd.readouterr().err
-    assert err.count("lmcache.chunk_size=100 is not a multiple of vLLM's block size 128") == 1
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """A bad extra config, a chunk size vLLM cannot use and an fp8 KV cache (tiny bf16 Llama),
+    started at once (their starts are mostly imports, a core each)."""
+    from tests.helpers.tiny_models import tiny_model_path
+
+    log = tmp_path_factory.mktemp("refusals") / "engines.log"
+    with stderr_to(str(log)):
+        started = start_llms(
+            {"kv_transfer_config": lmcache_transfer_config(max_local_cpu_size=-1)},
+            {"kv_transfer_config": lmcache_transfer_config(chunk_size=100), "max_num_batched_tokens": MNBT},
+            {"kv_transfer_config": lmcache_transfer_config(), "dtype": "bfloat16",
+             "model": tiny_model_path("llama"), "kv_cache_dtype": "fp8"},
+            return_exceptions=True)
+    yield Refusals(*started, log=log)
+    for llm in started:
+        if not isinstance(llm, BaseException):
+            stop_llm(llm, wait=False)
+
+
+def test_bad_extra_config_fails_at_start_up_with_a_clear_error(refusals):
+    assert isinstance(refusals.bad_config, Exception)  # vLLM wraps the engine process's error
+    assert "invalid config value max_local_cpu_size=-1.0: must be >= 0" in refusals.log.read_text()
+
+
+def test_a_chunk_size_vllm_cannot_use_leaves_the_engine_serving_without_lmcache(baseline, refusals):
+    (out,) = greedy(refusals.chunk_size, [PROMPTS["short"]])
+    assert out.outputs[0].text == baseline["short"]
+    assert out.kv_transfer_params is None  # the connector is inactive
+    text = refusals.log.read_text()
+    assert text.count("lmcache.chunk_size=100 is not a multiple of vLLM's block size 128") == 1
 
 
 FP8_NEEDS = "needs an AVX-512 kernel build (vLLM-CPU refuses an fp8 KV cache without one)"
 
 
 @pytest.mark.skipif(native_build().name == "avx2", reason=FP8_NEEDS)
-def test_an_fp8_kv_cache_is_refused_at_start_up_and_the_engine_serves(capfd):
+def test_an_fp8_kv_cache_is_refused_at_start_up_and_the_engine_serves(refusals):
     """vLLM-CPU runs an fp8 KV cache (kv_cache_dtype="fp8"); LMCache stores unquantized KV only, so
     it says so once and stays out of the way."""
-    from tests.helpers.tiny_models import tiny_model_path
-
-    llm = start_llm(lmcache_transfer_config(), dtype="bfloat16", model=tiny_model_path("llama"),
-                    kv_cache_dtype="fp8")
-    try:
-        (out,) = greedy(llm, [PROMPTS["short"]])
-        assert len(out.outputs[0].token_ids) == 8 and out.kv_transfer_params is None
-    finally:
-        stop_llm(llm)
-    err = capfd.readouterr().err
-    assert err.count("LMCache cannot serve llama models exactly: a quantized KV cache (FP8") == 1
-    assert "kv_cache_dtype='auto'" in err
+    (out,) = greedy(refusals.fp8, [PROMPTS["short"]])
+    assert len(out.outputs[0].token_ids) == 8 and out.kv_transfer_params is None
+    text = refusals.log.read_text()
+    assert text.count("LMCache cannot serve llama models exactly: a quantized KV cache (FP8") == 1
+    assert "kv_cache_dtype='auto'" in text
 
 
 @pytest.mark.skipif(native_build().name != "avx2", reason="vLLM-CPU runs an fp8 KV cache on this CPU")
-def test_vllm_itself_refuses_an_fp8_kv_cache_on_its_avx2_build(capfd):
+def test_vllm_itself_refuses_an_fp8_kv_cache_on_its_avx2_build(refusals):
     """Without AVX-512 vLLM-CPU does not start an engine with an fp8 KV cache at all, connector or
     not: its own message, nothing of LMCache's."""
-    from tests.helpers.tiny_models import tiny_model_path
-
-    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
-        start_llm(lmcache_transfer_config(), dtype="bfloat16", model=tiny_model_path("llama"),
-                  kv_cache_dtype="fp8")
-    err = capfd.readouterr().err
-    assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in err
-    assert "LMCache cannot serve" not in err
+    assert isinstance(refusals.fp8, Exception)  # vLLM wraps the engine process's error
+    text = refusals.log.read_text()
+    assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in text
+    assert "a quantized KV cache (FP8" not in text

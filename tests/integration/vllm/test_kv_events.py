@@ -75,5 +75,5 @@ def test_lmcache_tiers_in_vllm_kv_events_match_lookup_through_eviction_and_clear
         with sub.lock:
             assert sub.undecodable == 0 and sub.seqs == list(range(len(sub.seqs)))
     finally:
-        stop_llm(llm)
+        stop_llm(llm, wait=False)
         sub.close()

@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from tests.helpers.servers import Valkey
-from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text, start_llm, stop_llm
+from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text, start_llms, stop_llm
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -28,15 +28,18 @@ def test_an_instance_loads_a_document_another_instance_served(tmp_path):
     valkey = Valkey(tmp_path).start()
     p2p = {"enable_p2p": True, "lookup_url": f"127.0.0.1:{valkey.port}", "distributed_url": "127.0.0.1:0",
            "max_local_cpu_size": 0.25}
-    a = b = None
+    b_transfer = lmcache_transfer_config(**p2p, clear_hot_on_reset=True)
     try:
-        a = start_llm(lmcache_transfer_config(**p2p))
+        a, b = start_llms({"kv_transfer_config": lmcache_transfer_config(**p2p)},
+                          {"kv_transfer_config": b_transfer})
+    except BaseException:
+        valkey.kill()
+        raise
+    try:
         first = greedy(a, DOC)
         assert first.num_cached_tokens == 0 and first.kv_transfer_params["lmcache_loaded_tokens"] == 0
         expected = first.outputs[0].text
 
-        b_transfer = lmcache_transfer_config(**p2p, clear_hot_on_reset=True)
-        b = start_llm(b_transfer)
         pulled = greedy(b, DOC)  # b never saw the document: its KV comes from a
         assert pulled.outputs[0].text == expected
         assert pulled.kv_transfer_params["lmcache_loaded_tokens"] >= 256
@@ -57,6 +60,5 @@ def test_an_instance_loads_a_document_another_instance_served(tmp_path):
         client.close()
     finally:
         for llm in (b, a):
-            if llm is not None:
-                stop_llm(llm)
+            stop_llm(llm, wait=False)
         valkey.kill()

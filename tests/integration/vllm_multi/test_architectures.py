@@ -190,11 +190,11 @@ def arch(request, tmp_path_factory):
             repeat[key] = run(ref, [*p, cold[key][0][0]], 2)
         if key in REPEATED:
             again[key] = forced_decode(ref, p) if name in NO_PREFIX_CACHE else run(ref, p)
-    stop_llm(ref)
+    stop_llm(ref, wait=False)
     client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
     yield Pair(build, name, ps, cold, repeat, again, llm, log, client, server)
     client.close()
-    stop_llm(llm)
+    stop_llm(llm, wait=False)
     if server is not None:
         server.stop()
 

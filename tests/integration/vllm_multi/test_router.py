@@ -60,7 +60,7 @@ def fleet(tmp_path_factory):
          "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_port(port, 60)
+        wait_port(port, 300, router)
         yield {"servers": servers, "router": f"http://127.0.0.1:{port}"}
     finally:
         router.terminate()

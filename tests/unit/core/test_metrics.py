@@ -163,3 +163,22 @@ def test_a_second_engine_in_the_process_takes_the_metric_names_over():
 
     labels = {"model_name": "smol", "engine": "0"}
     assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", labels) == 3
+
+
+def test_an_older_engine_still_running_beside_a_newer_one_counts_on_unexported():
+    """Two engines live in one process (started at once, say): the newer one's metrics hold the
+    names; the older one's observations raise nothing and reach no registry."""
+    pytest.importorskip("vllm")
+    from prometheus_client import REGISTRY
+
+    from lmcache.integration.vllm.metrics import LMCachePromMetrics
+
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    old, new = (LMCachePromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["smol", "0"]})
+                for _ in range(2))
+    for prom, n in ((new, 5), (old, 7), (new, 1)):
+        prom.observe({"counters": {"stored_tokens": n}, "observations": {"retrieve_seconds": [0.01]}}, 0)
+    labels = {"model_name": "smol", "engine": "0"}
+    assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", labels) == 6
+    assert REGISTRY.get_sample_value("lmcache:retrieve_seconds_count", labels) == 2
