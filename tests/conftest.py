@@ -21,6 +21,7 @@ def lane(nodeid: str) -> str:
     return "multi-engine" if nodeid.startswith(MULTI_ENGINE_DIR) else "default"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 

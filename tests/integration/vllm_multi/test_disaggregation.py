@@ -52,7 +52,11 @@ class Proxy:
              "--prefiller", ",".join(prefillers), "--decoder", ",".join(d.url("") for d in decoders),
              *handoff],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_port(self.port, 300, self.proc)
+        try:
+            wait_port(self.port, 300, self.proc)
+        except BaseException:
+            self.stop()
+            raise
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stats(self) -> dict:
@@ -216,8 +220,13 @@ def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
          "log_path": str(cluster["logs"] / f"nixl-{role}.log"), "max_model_len": 2048, "cpus": cpus,
          "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, "nice": NIXL_PAIR_NICENESS}
         for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))])
-    proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
-                  str(cluster["logs"] / "proxy-nixl.log"))
+    try:
+        proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
+                      str(cluster["logs"] / "proxy-nixl.log"))
+    except BaseException:
+        prefiller.stop()
+        decoder.stop()
+        raise
     try:
         # vLLM's NixlConnector gives the decoder's first handshake with the prefiller 5 s (a fixed
         # ZMQ receive timeout); a prefiller still busy after start-up on a loaded 2-core machine
