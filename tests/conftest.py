@@ -1,11 +1,12 @@
 """Two lanes for ``pytest -n 2`` (pytest-xdist; `make test` runs so).
 
 A vLLM engine's start is mostly its processes importing vLLM one after another, a core at a time,
-so a second lane uses the core one lane leaves idle. The modules in ``tests/integration/vllm_multi``
-run several engines at once (a pair per model family, fleets of OpenAI servers) and make one lane;
-every other test makes the other. Each lane runs its tests one at a time in the usual order, so
-two of those modules never run beside each other. Without ``-n`` the suite runs as one lane.
-"""
+so a second lane uses what one lane leaves idle (where a module already starts several engines at
+once there is little to gain: `benchmarks/RESULTS.md`, "Test-suite time, third pass"). The modules
+in ``tests/integration/vllm_multi`` start several engines or OpenAI servers each (a pair per model
+family, fleets, a restart) and make one lane, about half the suite's time on 2 cores; every other
+test makes the other. Each lane runs its tests one at a time in the usual order, so no two of those
+modules run beside each other. Without ``-n`` the suite runs as one lane."""
 
 from __future__ import annotations
 
