@@ -38,8 +38,8 @@ class OpenAIServer:
         (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1"); `env`: more
         environment variables for the server; `nice`: its processes' niceness (lower priority for
         a server whose threads poll without pause, so they take only the CPU nothing else wants).
-        Blocks until the server answers unless `wait` is
-        False (then call `wait_ready`; `start_servers` starts several at once)."""
+        Blocks until the server answers unless `wait` is False (then call `wait_ready`;
+        `start_servers` starts several at once)."""
         self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
