@@ -6,7 +6,8 @@ details on) run behind one `lmcache router` process per policy (``round-robin``,
 ``kv-aware``). Setups (one after the other, the instances started afresh for each):
 
     own      each instance with its own LMCache CPU hot tier
-    shared   both instances on one `lmcache cache-server` (shared-memory L1)
+    shared   both instances on one `lmcache cache-server` (shared-memory L1); the routers watch its
+             KV events too (``--shared-kv-events``)
 
 Workloads (chat completions, streamed; users concurrent, each user's rounds in order; each answer
 appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order):
@@ -131,13 +132,14 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -
 
 class Router:
     def __init__(self, policy: str, instances: list[OpenAIServer], events: list[int], model: str,
-                 log: Path) -> None:
+                 log: Path, shared_events: str = "") -> None:
         self.port = free_port()
         self.log = open(log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache.cli", "router", "--policy", policy, "--port", str(self.port),
              "--instance", ",".join(s.url("") for s in instances), "--model", model,
-             "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events)],
+             "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events),
+             "--shared-kv-events", shared_events],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
         wait_port(self.port, 120)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -169,8 +171,11 @@ def sources(instances: list[OpenAIServer]) -> dict[str, float]:
 
 def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, results: list[dict]) -> None:
     cache = None
+    shared_events = ""
     if setup == "shared":
-        cache = CacheServerProcess(f"ipc://{scratch}/cache.sock", size_gb=args.lmcache_gb).start()
+        shared_events = f"ipc://{scratch}/cache-events.sock"
+        cache = CacheServerProcess(f"ipc://{scratch}/cache.sock", "--kv-events", shared_events,
+                                   size_gb=args.lmcache_gb).start()
         transfer = lmcache_transfer_config(cache_server_url=cache.url)
     else:
         transfer = lmcache_transfer_config(max_local_cpu_size=args.lmcache_gb)
@@ -183,7 +188,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, r
                 model, transfer, str(scratch / f"{setup}-vllm{i}.log"), max_model_len=args.max_model_len,
                 kv_bytes=args.kv_tokens * 2 * 30 * 3 * 64 * 4, cpus=str(i % (os.cpu_count() or 1)),
                 extra_args=("--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details")))
-        routers = {p: Router(p, instances, events, model, scratch / f"{setup}-router-{p}.log")
+        routers = {p: Router(p, instances, events, model, scratch / f"{setup}-router-{p}.log", shared_events)
                    for p in args.policies}
         try:
             for rep in range(args.repeats):

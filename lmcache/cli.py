@@ -114,7 +114,7 @@ def _router(args: argparse.Namespace) -> int:
         weights = {k: float(v) for k, _, v in (w.partition("=") for w in _split(args.tier_weights))}
         config = RouterConfig(_split(args.instance), args.policy, _split(args.kv_events), args.model,
                               args.host, args.port, args.request_cost, args.max_blocks,
-                              {**TIER_WEIGHTS, **weights})
+                              {**TIER_WEIGHTS, **weights}, shared_kv_events=_split(args.shared_kv_events))
     except ValueError as e:
         raise SystemExit(f"lmcache router: {e}") from None
     _log_to_stderr()
@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance", help="the vLLM instances' URLs, comma-separated (all but --policy pd)")
     r.add_argument("--kv-events", help="each instance's KV events endpoint (vLLM's --kv-events-config "
                    "endpoint, e.g. tcp://HOST:5557), same order (kv-aware)")
+    r.add_argument("--shared-kv-events", default="", metavar="ENDPOINTS",
+                   help="kv-aware: the KV events endpoints of cache servers every instance is attached to "
+                        "(lmcache cache-server --kv-events), comma-separated: their chunks count as cached "
+                        "on every instance")
     r.add_argument("--request-cost", type=int, default=64,
                    help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")

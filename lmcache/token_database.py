@@ -1,10 +1,8 @@
 """Tokens (+ mask) -> chunk keys.
 
-Tokens are cut into `chunk_size` chunks (the trailing partial chunk is a chunk too). Chunk i's hash
-chains over the previous one: ``h_i = xxh3_128(h_{i-1} || tokens_i as int64 LE)``, seeded by an
-optional `extra_key` (vLLM's cache_salt, a LoRA id) so different salts never share KV. 128 bits make
-an accidental collision (wrong KV returned for other tokens) practically impossible. The hash is
-deterministic across processes; Python's `hash()` is never used.
+Tokens are cut into `chunk_size` chunks (the trailing partial chunk is a chunk too), each named by
+its chained digest (`lmcache.chunk_hash`: deterministic across processes, seeded by an optional
+`extra_key` such as vLLM's cache_salt or a LoRA id, so different salts never share KV).
 """
 
 from __future__ import annotations
@@ -13,14 +11,11 @@ import abc
 from collections.abc import Iterable
 from typing import NamedTuple
 
-import numpy as np
 import torch
-import xxhash
 
 from lmcache.cache_key import CacheEngineKey, dtype_tag
+from lmcache.chunk_hash import chunk_digests
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-
-_ROOT = b"lmcache/chunk-hash/v1"
 
 
 class ChunkSpan(NamedTuple):
@@ -82,17 +77,8 @@ class ChunkedTokenDatabase(TokenDatabase):
             raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
-        data = np.ascontiguousarray(tokens.detach().to("cpu", torch.int64).numpy()).view(np.uint8)
-        prefix = xxhash.xxh3_128_digest(_ROOT + (extra_key or "").encode())
-        step = self.chunk_size * 8
-        out = []
-        for off in range(0, len(data), step):
-            h = xxhash.xxh3_128()
-            h.update(prefix)
-            h.update(data[off : off + step].data)
-            prefix = h.digest()
-            out.append(prefix.hex())
-        return out
+        data = tokens.detach().to("cpu", torch.int64).numpy()
+        return [d.hex() for d in chunk_digests(data, self.chunk_size, extra_key)]
 
     def process_tokens(
         self, tokens: torch.Tensor, mask: torch.Tensor | None = None, *, extra_key: str | None = None

@@ -10,9 +10,11 @@ so each chunk is published as one block: its hash is the chunk's LMCache hash (t
 `chunk_hash`, the chained xxh3-128 over the chunk's tokens of `ChunkedTokenDatabase`, 16 bytes),
 `parent_block_hash` is None, `token_ids` is empty, `block_size` is the model's chunk size, and the
 block's extra keys are the rest of the key, ``(model, fmt, world_size, worker_id, dtype)``. A
-router matches a prompt by computing the same chunk hashes (or by asking the server's ``/lookup``);
-the hashes are not vLLM's block hashes (an engine's own tiers are published with those, by the
-vLLM connector). Memory is bounded by each model's event buffer and the socket's high-water mark.
+router matches a prompt by computing the same chunk digests from its token ids and cache salt
+(`lmcache.chunk_hash`, no seed): ``lmcache router --shared-kv-events`` (`lmcache.router.shared`).
+The digests are not vLLM's block hashes (an engine's own tiers are published with those, by the
+vLLM connector), and a subscriber that needs token ids in ``BlockStored`` cannot use this stream.
+Memory is bounded by each model's event buffer and the socket's high-water mark.
 """
 
 from __future__ import annotations

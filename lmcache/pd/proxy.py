@@ -81,6 +81,7 @@ from lmcache.router.http import (
     sse_error,
 )
 from lmcache.router.policies import POLICIES, Instance, Routed
+from lmcache.router.tokens import extra_key
 from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class Proxy:
         self.counters = Counters()
         self.client = ClientSession()
         self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model)
-        self.prefill_policy = POLICIES[config.prefill_policy](self.watch.index, REQUEST_COST)
+        self.prefill_policy = POLICIES[config.prefill_policy](self.watch, REQUEST_COST)
         self.prefill_load = {url: Instance(url) for url in config.prefillers}
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
@@ -295,7 +296,7 @@ class Proxy:
         headers = passed_on(request)
         decoder = self.decoders.next()
         tokens = await self.watch.tokens(request.path, body) if self.prefill_policy.uses_tokens else None
-        routed = Routed(session_of(request, body), tokens)
+        routed = Routed(session_of(request, body), tokens, extra_key(body))
         rejected, answer = await self._prefill(request.path, body, routed, decoder, headers)
         if rejected is not None:
             return rejected
@@ -318,7 +319,8 @@ class Proxy:
         timeout = self.config.prefill_timeout
         sent = prefill_body(body, self.handoff.prefill_params(body.get("kv_transfer_params"), decoder.kv))
         tokens = routed.tokens
-        uncached = 0 if tokens is None else len(tokens) - self.watch.index.match(prefiller.url, tokens).tokens
+        uncached = 0 if tokens is None else \
+            len(tokens) - self.watch.match(prefiller.url, tokens, routed.extra_key).tokens
         try:
             with self.prefill_load[prefiller.url].serving(uncached):
                 async with self.session.post(prefiller.url + path, json=sent, headers=headers,

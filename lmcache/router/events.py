@@ -5,7 +5,9 @@ vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 endian), payload]``; the payload is msgpack of ``KVEventBatch``. The router decodes it with the
 wire format's own structs (`lmcache.kv_events`, the same as vLLM's: importing vLLM costs ~18 s);
 `decode_batch` raises ValueError on anything that is not such a batch, or whose ``BlockStored``
-does not carry `block_size` token ids (0 <= id < 2**32) per block. `EventSubscriber` runs one
+does not carry `block_size` token ids (0 <= id < 2**32) per block (a cache server's stream, which
+names chunks by their digests and carries no token ids, is read with ``token_ids=False``: its
+blocks must then be digests, bytes). `EventSubscriber` runs one
 thread per instance: a SUB socket with a receive high-water mark (a subscriber that falls behind
 drops batches at the publisher instead of growing memory; the gap in sequence numbers is counted
 as ``missed``), malformed messages counted and skipped.
@@ -31,7 +33,7 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 __all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "decode_batch"]
 
 
-def decode_batch(payload: bytes) -> list[Event]:
+def decode_batch(payload: bytes, token_ids: bool = True) -> list[Event]:
     """The events of one ``KVEventBatch`` payload; ValueError if it is not one."""
     try:
         events = _decoder.decode(payload).events
@@ -41,6 +43,11 @@ def decode_batch(payload: bytes) -> list[Event]:
         if not isinstance(event, BlockStored):
             continue
         size, tokens = event.block_size, event.token_ids
+        if not token_ids:
+            if size <= 0 or not all(isinstance(h, bytes) for h in event.block_hashes):
+                raise ValueError(f"BlockStored of a cache server: block_size={size} must be > 0 and the "
+                                 "block hashes chunk digests (bytes)")
+            continue
         if size <= 0 or len(tokens) != size * len(event.block_hashes) \
                 or not all(0 <= t < MAX_TOKEN_ID for t in tokens):
             raise ValueError(f"BlockStored: token_ids must be block_size={size} (> 0) ids "
@@ -55,8 +62,10 @@ class EventSubscriber:
     or a reconnect, from gaps in the sequence numbers)."""
 
     def __init__(self, endpoint: str, apply: Callable[[list[Event]], None], *, hwm: int = 1000,
-                 topic: str = "") -> None:
+                 topic: str = "", token_ids: bool = True) -> None:
+        """`token_ids`: see `decode_batch`."""
         self.endpoint = endpoint
+        self._token_ids = token_ids
         self.batches = self.malformed = self.missed = 0
         self._apply = apply
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
@@ -88,7 +97,7 @@ class EventSubscriber:
             self.missed += seq - self._last_seq - 1
         self._last_seq = seq
         try:
-            events = decode_batch(frames[2])
+            events = decode_batch(frames[2], self._token_ids)
         except ValueError as e:
             self._skip(str(e))
             return

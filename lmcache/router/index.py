@@ -49,7 +49,17 @@ class Match:
     tokens: int = 0  # the cached prefix, in tokens
     weighted: float = 0.0  # the same, each block weighted by the best tier holding it
     by_tier: dict[str, int] = field(default_factory=dict)  # tokens per best tier ("GPU" for None)
-    block_size: int = 1
+    block_size: int = 1  # of the blocks (chunks) ending the prefix
+
+    def then(self, further: Match) -> Match:
+        """This prefix extended by the tokens `further` (another source's prefix of the same prompt:
+        a shared cache server's) holds beyond it, weighted as `further` weighs them on average and
+        counted in `by_tier` as ``"shared"``."""
+        if further.tokens <= self.tokens:
+            return self
+        extra = further.tokens - self.tokens
+        return Match(further.tokens, self.weighted + extra * further.weighted / further.tokens,
+                     self.by_tier | {"shared": extra}, further.block_size)
 
     def servable(self, prompt_tokens: int) -> int:
         """The cached tokens an engine can use for a prompt of `prompt_tokens`: it computes at least

@@ -8,7 +8,8 @@ and, if it cannot be reached, retries the next). The policies:
   instance it was first given (in turn), until that instance is down; no session: in turn.
 - ``kv-aware``: the instance with the least estimated work before this request's first token:
   ``backlog + request_cost * in_flight + (prompt tokens - cached prefix weighted by tier)``, where
-  the cached prefix is the `KVIndex`'s match, ``backlog`` the prompt tokens the instance still has
+  the cached prefix is the `KVWatch`'s match (the instance's own tiers, then the shared cache
+  servers'), ``backlog`` the prompt tokens the instance still has
   to compute for the requests it is serving (as predicted when they were sent, until their first
   token arrives), and
   ``request_cost`` what a request in flight costs besides (its decode). A miss everywhere is thus
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lmcache.router.index import KVIndex
+from lmcache.router.watch import KVWatch
 
 
 @dataclass
@@ -63,14 +64,15 @@ class Routed:
 
     session: str | None = None
     tokens: list[int] | None = None  # the prompt's token ids (None: not tokenized)
+    extra_key: str | None = None  # what seeds its LMCache chunk hashes (its cache_salt)
 
 
 class Policy:
     name: ClassVar[str]
     uses_tokens: ClassVar[bool] = False
 
-    def __init__(self, index: KVIndex, request_cost: int) -> None:
-        self.index = index
+    def __init__(self, watch: KVWatch, request_cost: int) -> None:
+        self.watch = watch
         self.request_cost = request_cost
         self._turn = 0
 
@@ -95,8 +97,8 @@ class SessionAffinity(Policy):
     name = "session"
     MAX_SESSIONS = 100_000  # the least recently seen are forgotten beyond
 
-    def __init__(self, index: KVIndex, request_cost: int) -> None:
-        super().__init__(index, request_cost)
+    def __init__(self, watch: KVWatch, request_cost: int) -> None:
+        super().__init__(watch, request_cost)
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     def rank(self, request: Routed, live: list[Instance]) -> list[Instance]:
@@ -117,13 +119,15 @@ class KVAware(Policy):
     name = "kv-aware"
     uses_tokens = True
 
-    def cost(self, instance: Instance, tokens: list[int] | None) -> float:
-        uncached = 0.0 if tokens is None else len(tokens) - self.index.match(instance.url, tokens).weighted
+    def cost(self, instance: Instance, request: Routed) -> float:
+        tokens = request.tokens
+        uncached = 0.0 if tokens is None else \
+            len(tokens) - self.watch.match(instance.url, tokens, request.extra_key).weighted
         return instance.backlog + self.request_cost * instance.in_flight + uncached
 
     def rank(self, request: Routed, live: list[Instance]) -> list[Instance]:
         ordered = self.in_turn(live)  # ties go in turn
-        return sorted(ordered, key=lambda i: self.cost(i, request.tokens))
+        return sorted(ordered, key=lambda i: self.cost(i, request))
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, SessionAffinity, KVAware)}

@@ -50,6 +50,7 @@ from lmcache.router.http import (
 )
 from lmcache.router.index import TIER_WEIGHTS
 from lmcache.router.policies import POLICIES, Instance, Policy, Routed
+from lmcache.router.tokens import extra_key
 from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ COUNTERS = ("requests", "bad_requests", "retries", "instance_failures", "unanswe
 @dataclass
 class RouterConfig:
     """`kv_events[i]` is the ZMQ endpoint of `instances[i]`'s KV events (``kv-aware`` needs them and
-    `model`, the tokenizer's folder)."""
+    `model`, the tokenizer's folder); `shared_kv_events` those of cache servers every instance is
+    attached to (``lmcache cache-server --kv-events``): what they hold counts as cached on every
+    instance, beyond the instance's own prefix."""
 
     instances: tuple[str, ...]
     policy: str = "round-robin"
@@ -74,6 +77,7 @@ class RouterConfig:
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(TIER_WEIGHTS))
     probe_interval: float = 1.0
     health_timeout: float = 2.0
+    shared_kv_events: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.instances = tuple(base_url("instances", url) for url in self.instances)
@@ -84,6 +88,9 @@ class RouterConfig:
         if self.kv_events and len(self.kv_events) != len(self.instances):
             raise ValueError(f"kv_events: {len(self.kv_events)} endpoint(s) for {len(self.instances)} "
                              "instance(s); give one per instance, in the same order")
+        for endpoint in self.kv_events + self.shared_kv_events:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
         if POLICIES[self.policy].uses_tokens and not (self.kv_events and self.model):
             raise ValueError(f"policy {self.policy} needs kv_events (one per instance) and model")
         if not 0 <= self.port < 65536:
@@ -99,10 +106,10 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.watch = KVWatch(config.instances, config.kv_events, config.model, config.max_blocks,
-                             config.tier_weights)
+                             config.tier_weights, config.shared_kv_events)
         self.index = self.watch.index
         self.instances = [Instance(url) for url in config.instances]
-        self.policy: Policy = POLICIES[config.policy](self.index, config.request_cost)
+        self.policy: Policy = POLICIES[config.policy](self.watch, config.request_cost)
         self.counters = Counters()
         self.client = ClientSession()
 
@@ -130,7 +137,7 @@ class Router:
             self.counters.add("bad_requests")
             return error_response(400, str(e))
         tokens = await self.watch.tokens(request.path, body)
-        routed = Routed(session_of(request, body), tokens)
+        routed = Routed(session_of(request, body), tokens, extra_key(body))
         tried: set[str] = set()
         while True:
             untried = [i for i in self.instances if i.url not in tried]
@@ -142,16 +149,17 @@ class Router:
             if tried:
                 self.counters.add("retries")
             tried.add(inst.url)
-            answer = await self._forward(request, inst, raw, routed.tokens, bool(body.get("stream")))
+            answer = await self._forward(request, inst, raw, routed, bool(body.get("stream")))
             if answer is not None:
                 return answer
 
-    async def _forward(self, request: web.Request, inst: Instance, raw: bytes, tokens: list[int] | None,
+    async def _forward(self, request: web.Request, inst: Instance, raw: bytes, routed: Routed,
                        stream: bool) -> web.StreamResponse | None:
         """`inst`'s answer relayed, or None if it failed before anything reached the client."""
         predicted = None
+        tokens = routed.tokens
         if tokens is not None:
-            predicted = self.index.match(inst.url, tokens).servable(len(tokens))
+            predicted = self.watch.match(inst.url, tokens, routed.extra_key).servable(len(tokens))
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmcache.chunk_hash import extra_key_of
 from lmcache.router.events import MAX_TOKEN_ID
+
+
+def extra_key(body: dict[str, Any]) -> str | None:
+    """What seeds the request's LMCache chunk hashes as its engine computes them: its ``cache_salt``
+    (vLLM's request field). A LoRA adapter seeds them too, but the router does not know adapter ids:
+    a LoRA request is matched as the base model's (a shared server's prefix is over-estimated)."""
+    salt = body.get("cache_salt")
+    return extra_key_of(salt if isinstance(salt, str) else None)
 
 
 class PromptTokenizer:

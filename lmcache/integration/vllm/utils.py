@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lmcache.chunk_hash import extra_key_of
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.integration.checkpoint import checkpoint_fingerprint, model_name
 from lmcache.integration.vllm.kv_groups import CANONICAL_LAYOUT, ModelKV
@@ -75,11 +76,5 @@ def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: tor
 
 def extra_key(request: Any) -> str | None:
     """What separates caches of the same tokens: vLLM's cache_salt and the LoRA adapter."""
-    parts = []
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(f"salt={salt}")
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={lora.lora_int_id}")
-    return "|".join(parts) or None
+    return extra_key_of(getattr(request, "cache_salt", None), lora.lora_int_id if lora is not None else None)

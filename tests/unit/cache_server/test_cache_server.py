@@ -711,6 +711,50 @@ def test_a_leased_lookup_asks_the_servers_tiers_once(tmp_path, url):
 
 # ---- KV events ----------------------------------------------------------------------------------
 
+def test_a_router_watching_the_servers_events_finds_the_prefix_its_lookup_reports(tmp_path, url):
+    """``lmcache router --shared-kv-events``: the index the router builds from a real server's events
+    gives each prompt the prefix the server's engines look up (whole chunks: a shorter prompt, one
+    that goes on past the stored text, other text, each tenant's salt), and after a clear none,
+    within a second."""
+    from lmcache.chunk_hash import extra_key_of
+    from lmcache.router.watch import KVWatch
+    from tests.unit.cache_server.engine_worker import CHUNK, build, kv_cache
+
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    server = CacheServerProcess(url, "--kv-events", endpoint).start()
+    watch = KVWatch((), (), None, shared=(endpoint,))
+    engine = None
+    try:
+        engine = build(url)
+        time.sleep(0.2)  # the subscription reaches the server's socket (ZMQ drops what precedes it)
+        engine.store(torch.tensor(DOC), kvcaches=kv_cache(41))
+        engine.store(torch.tensor(DOC[:40]), kvcaches=kv_cache(42), extra_key=extra_key_of("tenant-b"))
+        prompts = {"stored": (DOC, None), "shorter": (DOC[:29], None), "longer": (DOC + [7] * 20, None),
+                   "other text": ([5, *DOC[1:]], None), "tenant b": (DOC, "tenant-b"),
+                   "tenant c": (DOC, "tenant-c")}
+        looked_up = {name: engine.lookup(torch.tensor(t), extra_key=extra_key_of(salt)) // CHUNK * CHUNK
+                     for name, (t, salt) in prompts.items()}
+        assert looked_up == {"stored": 64, "shorter": 24, "longer": 64, "other text": 0, "tenant b": 40,
+                             "tenant c": 0}
+
+        def matched() -> dict[str, int]:
+            return {name: watch.shared.match(t, extra_key_of(salt)).tokens
+                    for name, (t, salt) in prompts.items()}
+
+        wait_for(lambda: matched() == looked_up, 10)
+        cleared = time.monotonic()
+        urllib.request.urlopen(urllib.request.Request(server.http + "/clear", data=b'{"tier": "hot"}'),
+                               timeout=10).read()
+        wait_for(lambda: not any(matched().values()), 5)
+        assert time.monotonic() - cleared < 1.0
+        assert watch.subscribers[0].counts()["malformed"] == 0
+    finally:
+        watch.close()
+        if engine is not None:
+            engine.close()
+        server.stop()
+
+
 def test_the_servers_tiers_are_published_as_kv_events_and_a_clear_within_a_second(tmp_path, url):
     """With ``--kv-events`` a subscriber decoding with vLLM's classes sees each stored chunk in
     L1 ("CPU") and on disk ("STORAGE") as the server's lookup does, a clear of L1 within a second

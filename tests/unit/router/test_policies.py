@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lmcache.kv_events import BlockStored
-from lmcache.router.index import KVIndex
 from lmcache.router.policies import Instance, KVAware, Routed
+from lmcache.router.watch import KVWatch
 
 
 def test_the_backlog_counts_a_prompt_until_its_first_token_and_in_flight_until_the_end():
@@ -24,11 +24,11 @@ def test_the_backlog_counts_a_prompt_until_its_first_token_and_in_flight_until_t
 
 
 def test_kv_aware_keeps_a_returning_prompt_where_it_is_cached_once_the_others_prompts_are_computed():
-    index = KVIndex()
+    watch = KVWatch((), (), None)
     tokens = list(range(512))
-    index.apply("http://a", [BlockStored(list(range(31)), None, tokens[:496], 16, None, None, None)])
+    watch.index.apply("http://a", [BlockStored(list(range(31)), None, tokens[:496], 16, None, None, None)])
     a, b = Instance("http://a"), Instance("http://b")
-    policy = KVAware(index, request_cost=64)
+    policy = KVAware(watch, request_cost=64)
     with a.serving(2000) as prefilled:  # another user's long prompt, still being computed on a
         assert policy.rank(Routed(tokens=tokens), [a, b])[0] is b
         prefilled()  # computed: only its decode goes on

@@ -1,0 +1,50 @@
+"""The chained hash that names a chunk of tokens (the `chunk_hash` of LMCache's cache keys).
+
+Tokens are cut into `chunk_size` chunks (a trailing partial chunk is a chunk too). Chunk i's digest
+chains over the previous one: ``h_i = xxh3_128(h_{i-1} || tokens_i as int64 LE)``, the chain seeded by
+an optional `extra_key` (vLLM's cache_salt, a LoRA id) so different salts never share KV. 128 bits
+make an accidental collision (wrong KV returned for other tokens) practically impossible. The hash
+is deterministic across processes (no seed; Python's `hash()` is never used), so anyone holding a
+prompt's token ids (a router) computes the same digests as the engine that stored it. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+ROOT = b"lmcache/chunk-hash/v1"
+
+
+def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None) -> str | None:
+    """The chain's seed for a request: what separates caches of the same tokens."""
+    parts = []
+    if cache_salt:
+        parts.append(f"salt={cache_salt}")
+    if lora_id is not None:
+        parts.append(f"lora={lora_id}")
+    return "|".join(parts) or None
+
+
+def chunk_digests(tokens: np.ndarray | Sequence[int], chunk_size: int, extra_key: str | None = None,
+                  *, whole_only: bool = False) -> list[bytes]:
+    """The 16-byte digest of every chunk of `tokens` (integers), in order; `whole_only`: of the
+    whole chunks only (a trailing partial chunk left out)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size}: must be > 0")
+    data = np.ascontiguousarray(np.asarray(tokens, dtype="<i8")).view(np.uint8)
+    if data.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {np.shape(tokens)}")
+    step = chunk_size * 8
+    end = len(data) - len(data) % step if whole_only else len(data)
+    prefix = xxhash.xxh3_128_digest(ROOT + (extra_key or "").encode())
+    out = []
+    for off in range(0, end, step):
+        h = xxhash.xxh3_128()
+        h.update(prefix)
+        h.update(data[off:off + step].data)
+        prefix = h.digest()
+        out.append(prefix)
+    return out

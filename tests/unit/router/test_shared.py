@@ -1,0 +1,159 @@
+"""A cache server every instance shares, as the router sees it: its events (chunk digests, no token
+ids) in a `SharedIndex`, a prompt matched by the digests the engines compute, and kv-aware routing
+that counts the shared prefix on every instance."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache.cache_key import CacheEngineKey
+from lmcache.cache_server.kv_events import chunk_block
+from lmcache.chunk_hash import chunk_digests, extra_key_of
+from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.kv_events import AllBlocksCleared, KVEventBatch, to_kv_events
+from lmcache.router.events import decode_batch
+from lmcache.router.index import Match
+from lmcache.router.policies import Instance, KVAware, Routed
+from lmcache.router.shared import SharedIndex
+from lmcache.router.watch import KVWatch
+from lmcache.storage_backend.events import EventKind, PublishedEvent, TierEvent
+from lmcache.token_database import ChunkedTokenDatabase
+
+CHUNK = 16
+DOC = list(range(3000, 3000 + 6 * CHUNK))
+
+
+def database(chunk: int = CHUNK) -> ChunkedTokenDatabase:
+    config = LMCacheEngineConfig.from_defaults(chunk_size=chunk)
+    metadata = LMCacheEngineMetadata("m", 1, 0, "vllm", torch.float32, (2, 2, chunk, 1, 4))
+    return ChunkedTokenDatabase(config, metadata)
+
+
+def server_events(kind: EventKind, keys: list[CacheEngineKey], medium: str = "CPU",
+                  chunk: int = CHUNK) -> list:
+    """What a cache server publishes for `keys` (its own translation), through the wire and back as
+    the router decodes it."""
+    published = [PublishedEvent(medium, TierEvent(kind, "Hot", tuple(keys)))]
+    events = to_kv_events(published, lambda k: chunk_block(k, chunk)).events
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))
+    return decode_batch(payload, token_ids=False)
+
+
+def keys_of(tokens: list[int], salt: str | None = None, chunk: int = CHUNK) -> list[CacheEngineKey]:
+    spans = database(chunk).process_tokens(torch.tensor(tokens), extra_key=extra_key_of(salt))
+    return [s.key for s in spans]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=70), st.sampled_from([None, "a", "b|c"]),
+       st.sampled_from([1, 7, 16]))
+def test_the_routers_chunk_digests_are_the_engines_chunk_hashes(tokens, salt, chunk):
+    engine = database(chunk).chunk_hashes(torch.tensor(tokens, dtype=torch.int64), extra_key=salt)
+    assert [d.hex() for d in chunk_digests(tokens, chunk, salt)] == engine
+    assert chunk_digests(tokens, chunk, salt, whole_only=True) == \
+        [bytes.fromhex(h) for h in engine[: len(tokens) // chunk]]
+
+
+def test_a_requests_salt_seeds_the_chain_as_the_vllm_connector_seeds_it():
+    pytest.importorskip("vllm")
+    from lmcache.integration.vllm.utils import extra_key
+
+    request = SimpleNamespace(cache_salt="tenant-a", lora_request=None)
+    assert extra_key(request) == extra_key_of("tenant-a")
+    assert extra_key(SimpleNamespace(cache_salt=None, lora_request=SimpleNamespace(lora_int_id=3))) == \
+        extra_key_of(None, 3)
+
+
+def test_a_server_batch_decodes_only_as_a_server_stream():
+    events = server_events(EventKind.STORED, keys_of(DOC)[:1])
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=events))
+    with pytest.raises(ValueError, match="token_ids"):
+        decode_batch(payload)  # an instance's stream must name its tokens
+    (stored,) = decode_batch(payload, token_ids=False)
+    assert stored.block_hashes == [bytes.fromhex(keys_of(DOC)[0].chunk_hash)]
+    bad = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [7], "token_ids": [],
+                                         "parent_block_hash": None, "block_size": 16, "lora_id": None,
+                                         "medium": "CPU", "lora_name": None}], None])
+    with pytest.raises(ValueError, match="digests"):
+        decode_batch(bad, token_ids=False)
+
+
+def test_the_shared_prefix_is_the_whole_chunks_the_server_holds_of_a_prompt():
+    shared = SharedIndex(tier_weights={"CPU": 0.8, "STORAGE": 0.5})
+    shared.apply(server_events(EventKind.STORED, keys_of(DOC)))
+    assert shared.match(DOC).tokens == len(DOC)
+    assert shared.match(DOC).weighted == pytest.approx(0.8 * len(DOC))
+    assert shared.match(DOC[:40]).tokens == 32  # the partial chunk is other tokens
+    assert shared.match(DOC + [1] * 30).tokens == len(DOC)
+    assert shared.match([0, *DOC[1:]]).tokens == 0
+    assert shared.match(DOC, extra_key_of("another tenant")).tokens == 0
+
+    salted = list(range(100, 100 + 3 * CHUNK))
+    shared.apply(server_events(EventKind.STORED, keys_of(salted, "t1"), medium="STORAGE"))
+    assert shared.match(salted, extra_key_of("t1")).by_tier == {"shared STORAGE": 3 * CHUNK}
+    assert shared.match(salted).tokens == 0
+
+    shared.apply(server_events(EventKind.REMOVED, keys_of(DOC)[2:3]))
+    assert shared.match(DOC).tokens == 2 * CHUNK  # the prefix ends where a chunk was evicted
+    shared.apply([AllBlocksCleared()])
+    assert shared.match(salted, extra_key_of("t1")).tokens == 0 and len(shared) == 0
+
+
+def test_a_digest_stays_held_until_every_store_of_it_is_removed_and_the_best_tier_counts():
+    shared = SharedIndex(tier_weights={"CPU": 0.8, "STORAGE": 0.5})
+    first = keys_of(DOC)[:1]
+    shared.apply(server_events(EventKind.STORED, first) * 2)  # two ranks (the same digest)
+    shared.apply(server_events(EventKind.STORED, first, medium="STORAGE"))
+    shared.apply(server_events(EventKind.REMOVED, first))
+    assert shared.match(DOC).by_tier == {"shared CPU": CHUNK}
+    shared.apply(server_events(EventKind.REMOVED, first))
+    assert shared.match(DOC).by_tier == {"shared STORAGE": CHUNK}
+
+
+def test_the_index_is_bounded_oldest_stored_first():
+    shared = SharedIndex(max_blocks=4)
+    shared.apply(server_events(EventKind.STORED, keys_of(DOC)))
+    assert len(shared) == 4 and shared.evicted == 2
+    assert shared.match(DOC).tokens == 0  # its first chunks went first
+    with pytest.raises(ValueError):
+        SharedIndex(max_blocks=0)
+
+
+def test_every_chunk_size_the_server_published_is_walked():
+    shared = SharedIndex()
+    other = list(range(7000, 7000 + 4 * 32))
+    shared.apply(server_events(EventKind.STORED, keys_of(DOC)))
+    shared.apply(server_events(EventKind.STORED, keys_of(other, chunk=32), chunk=32))
+    assert (shared.match(DOC).tokens, shared.match(DOC).block_size) == (len(DOC), CHUNK)
+    assert (shared.match(other).tokens, shared.match(other).block_size) == (len(other), 32)
+
+
+def test_an_instances_own_prefix_goes_on_with_what_the_shared_server_holds_beyond_it():
+    own = Match(32, 32.0, {"GPU": 32}, 16)
+    assert own.then(Match(16, 12.8, {"shared CPU": 16}, 16)) is own
+    both = own.then(Match(96, 76.8, {"shared CPU": 96}, 32))
+    assert (both.tokens, both.weighted, both.by_tier, both.block_size) == \
+        (96, pytest.approx(32 + 64 * 0.8), {"GPU": 32, "shared": 64}, 32)
+
+
+def test_kv_aware_counts_the_shared_prefix_on_every_instance_and_sends_to_the_less_loaded():
+    watch = KVWatch((), (), None)
+    tokens = DOC + list(range(50, 60))
+    watch.index.apply("http://a", [])
+    policy = KVAware(watch, request_cost=64)
+    a, b = Instance("http://a"), Instance("http://b")
+    with a.serving(60):  # a is a little busy; nothing is cached anywhere: b
+        assert policy.rank(Routed(tokens=tokens), [a, b])[0] is b
+    watch.shared.apply(server_events(EventKind.STORED, keys_of(DOC)))
+    for inst in (a, b):
+        assert watch.match(inst.url, tokens).tokens == len(DOC)
+    assert watch.match("http://a", tokens, extra_key_of("other")).tokens == 0
+    with b.serving(60):  # both can load the document from the server: the less busy one
+        assert policy.rank(Routed(tokens=tokens), [a, b])[0] is a
