@@ -80,6 +80,7 @@ def chat(url: str, user: str, messages: list[dict], answer_tokens: int) -> dict[
     t0 = time.perf_counter()
     ttft, text, usage = None, [], {}
     with urllib.request.urlopen(request, timeout=900) as response:
+        instance = response.headers.get("X-LMCache-Instance")
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -92,6 +93,7 @@ def chat(url: str, user: str, messages: list[dict], answer_tokens: int) -> dict[
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     text.append(content)
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(text),
+            "instance": instance, "start": t0, "prompt_tokens": usage.get("prompt_tokens", 0),
             "completion_tokens": usage.get("completion_tokens", 0),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
@@ -111,7 +113,7 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -
                 messages.append({"role": "user", "content": question})
             out = chat(url, f"{salt}-user{u}", messages, args.answer_tokens)
             messages.append({"role": "assistant", "content": out["text"]})
-            turns[u].append(out | {"round": rnd + 1})
+            turns[u].append(out | {"round": rnd + 1, "user": u})
 
     t0 = time.perf_counter()
     specs = users_of(workload, args)
@@ -127,16 +129,20 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -
     return {"mean_ttft_round2plus": statistics.mean(later),
             "p90_ttft_round2plus": later[min(len(later) - 1, round(0.9 * (len(later) - 1)))],
             "throughput_tokens_per_s": sum(t["completion_tokens"] for t in done) / wall, "wall_s": wall,
-            "served_cached_tokens": sum(t["cached_tokens"] for t in done)}
+            "served_cached_tokens": sum(t["cached_tokens"] for t in done),
+            "turns": [{k: v for k, v in t.items() if k != "text"} | {"start": t["start"] - t0} for t in done]}
 
 
 class Router:
     def __init__(self, policy: str, instances: list[OpenAIServer], events: list[int], model: str,
                  log: Path, shared_events: str = "") -> None:
+        """`policy`: a policy's name, or ``kv-aware@N`` for kv-aware with ``--request-cost N``."""
+        name, _, cost = policy.partition("@")
         self.port = free_port()
         self.log = open(log, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.cli", "router", "--policy", policy, "--port", str(self.port),
+            [sys.executable, "-m", "lmcache.cli", "router", "--policy", name, "--port", str(self.port),
+             *(("--request-cost", cost) if cost else ()),
              "--instance", ",".join(s.url("") for s in instances), "--model", model,
              "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events),
              "--shared-kv-events", shared_events],
@@ -255,6 +261,11 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         "round-robin: shared / own (goal <= 0.6)": ratio("shared/balanced/round-robin",
                                                          "own/balanced/round-robin"),
     }
+    for setup in SETUPS:  # each kv-aware variant against session affinity on the same setup
+        for workload in WORKLOADS:
+            for key in table:
+                if key.startswith(f"{setup}/{workload}/kv-aware"):
+                    goals[f"{key} / {setup}/{workload}/session"] = ratio(key, f"{setup}/{workload}/session")
     for workload in WORKLOADS:
         best = min((k for k in table if f"/{workload}/" in k), key=lambda k: table[k]["mean_ttft_round2plus"],
                    default=None)
@@ -279,7 +290,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated; kv-aware@N is kv-aware with --request-cost N")
     parser.add_argument("--kv-tokens", type=int, default=8192, help="each vLLM's KV pool, in tokens")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--lmcache-gb", type=float, default=1.0, help="each hot tier / the cache server's L1")
@@ -289,8 +301,9 @@ def main() -> None:
         args.repeats, args.setups, args.max_model_len = 1, "own", 2048
     for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS), ("policies", POLICIES)):
         chosen = tuple(getattr(args, name).split(","))
-        if set(chosen) - set(allowed):
-            parser.error(f"--{name}: choose from {', '.join(allowed)}")
+        if {c.partition("@")[0] for c in chosen} - set(allowed) \
+                or not all(c.partition("@")[2].isdigit() for c in chosen if "@" in c):
+            parser.error(f"--{name}: choose from {', '.join(allowed)} (policies: kv-aware@N too)")
         setattr(args, name, chosen)
 
     from lmcache.integration.local_model import local_model_path

@@ -70,8 +70,9 @@ def sse_error(status: int, message: str) -> bytes:
     return f"data: {json.dumps(error_body(status, message))}\n\n".encode()
 
 
-def relayed(status: int, body: bytes, content_type: str | None) -> web.Response:
-    headers = {"Content-Type": content_type or "application/json"}
+def relayed(status: int, body: bytes, content_type: str | None,
+            extra: dict[str, str] | None = None) -> web.Response:
+    headers = {"Content-Type": content_type or "application/json", **(extra or {})}
     return web.Response(body=body, status=status, headers=headers)
 
 
@@ -98,11 +99,13 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def relay_stream(request: web.Request, answer: aiohttp.ClientResponse,
-                       chunks: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Writes `chunks` (of `answer`) to the client as they come; a client that left ends it."""
+async def relay_stream(request: web.Request, answer: aiohttp.ClientResponse, chunks: AsyncIterator[bytes],
+                       extra: dict[str, str] | None = None) -> web.StreamResponse:
+    """Writes `chunks` (of `answer`) to the client as they come, with the `extra` headers; a client
+    that left ends it."""
     content_type = answer.headers.get("Content-Type", "text/event-stream")
-    out = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+    headers = {"Content-Type": content_type, "Cache-Control": "no-cache", **(extra or {})}
+    out = web.StreamResponse(headers=headers)
     try:
         await out.prepare(request)
         async for chunk in chunks:

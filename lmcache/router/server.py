@@ -15,7 +15,8 @@ ranks; a down instance's ``/health`` is probed every ``probe_interval`` seconds 
 it answers 200. A stream that breaks off after its first chunk ends with an SSE error event. When
 no instance answers: 503.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the answer's
+``X-LMCache-Instance`` header names the instance that gave it), ``GET /v1/models``,
 ``GET /health`` (200 when an instance is up), ``GET /stats`` (JSON: counters, decisions per instance,
 predicted vs served hit tokens, the index and the event subscribers), ``GET /metrics``
 (Prometheus text of the same).
@@ -55,6 +56,7 @@ from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
 
+INSTANCE_HEADER = "X-LMCache-Instance"  # names the instance that answered a completion
 COUNTERS = ("requests", "bad_requests", "retries", "instance_failures", "unanswered", "hits_compared",
             "predicted_hit_tokens", "served_hit_tokens")
 
@@ -170,14 +172,15 @@ class Router:
                         if not first:
                             raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
                         prefilled()
-                        return await relay_stream(request, r, self._chunks(first, r, inst, predicted))
+                        return await relay_stream(request, r, self._chunks(first, r, inst, predicted),
+                                                  {INSTANCE_HEADER: inst.url})
                     answer = await r.read()
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             return None
         if r.status == 200:
             self._compare(predicted, _served_hits(answer))
-        return relayed(r.status, answer, r.headers.get("Content-Type"))
+        return relayed(r.status, answer, r.headers.get("Content-Type"), {INSTANCE_HEADER: inst.url})
 
     async def _chunks(self, first: bytes, answer: aiohttp.ClientResponse, inst: Instance,
                       predicted: int | None) -> AsyncIterator[bytes]:

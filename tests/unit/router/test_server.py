@@ -127,6 +127,37 @@ async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_
 
 
 @async_test
+async def test_kv_aware_counts_a_shared_servers_prefix_on_every_instance_and_names_the_instance():
+    """With ``shared_kv_events`` a prefix the cache server holds (under the request's cache_salt) is
+    cached on both instances: requests go in turn, each predicted as served; the answer's header
+    names the instance that gave it."""
+    from lmcache.storage_backend.events import EventKind
+    from tests.unit.router.test_shared import keys_of, server_events
+
+    model = local_model_path("float32")
+    prompt = "The old sailor " * 20
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": prompt})
+    async with FakeVLLM("a", cached=32) as a, FakeVLLM("b", cached=32) as b:
+        config = RouterConfig((a.url, b.url), "kv-aware", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model,
+                              shared_kv_events=("tcp://127.0.0.1:3",))
+        async with Running(config) as r:
+            r.router.watch.shared.apply(server_events(EventKind.STORED, keys_of(tokens[:32], "t")))
+            answered = []
+            for _ in range(4):
+                async with r.http.post(f"http://127.0.0.1:{r.port}/v1/completions",
+                                       json={"prompt": prompt + "went home", "cache_salt": "t"}) as resp:
+                    answered.append((resp.headers["X-LMCache-Instance"],
+                                     (await resp.json())["choices"][0]["text"]))
+            assert sorted(answered) == sorted([(a.url, "a")] * 2 + [(b.url, "b")] * 2)
+            stats = await r.get("/stats")
+            assert stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 4 * 32
+            assert stats["index"]["shared_blocks"] == 2
+            await r.ask(prompt + "went home", cache_salt="another tenant")
+            stats = await r.get("/stats")
+            assert (stats["predicted_hit_tokens"], stats["served_hit_tokens"]) == (4 * 32, 5 * 32)
+
+
+@async_test
 async def test_a_dead_instance_is_retried_around_and_comes_back_when_healthy():
     dead = free_port()
     async with FakeVLLM("a") as a:
@@ -156,7 +187,8 @@ async def test_a_bad_body_is_a_400_and_the_config_is_checked():
         assert "lmcache_router_requests_total 1" in await (await r.http.get(
             f"http://127.0.0.1:{r.port}/metrics")).text()
     for bad in ({"instances": ()}, {"policy": "random"}, {"policy": "kv-aware"},
-                {"kv_events": ("tcp://h:1", "tcp://h:2")}):
+                {"kv_events": ("tcp://h:1", "tcp://h:2")}, {"kv_events": ("h:1",)},
+                {"shared_kv_events": ("http://h:1",)}):
         with pytest.raises(ValueError):
             RouterConfig(**{"instances": ("http://h:1",), **bad})
 
