@@ -10,7 +10,8 @@ details on) run behind one `lmcache router` process per policy (``round-robin``,
              KV events too (``--shared-kv-events``)
 
 Workloads (chat completions, streamed; users concurrent, each user's rounds in order; each answer
-appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order):
+appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order;
+``--think`` adds a random pause, the same for every policy, before each later round):
 
     balanced  --users users, --rounds rounds, a --system-words shared system text and a
               --doc-words document each
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -109,6 +111,7 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -
                     {"role": "user", "content": f"Document {u + 1}:\n{document}\n\nWhat is it about?"}]
         for rnd in range(rounds):
             if rnd:
+                time.sleep(random.Random(f"{u}/{rnd}").uniform(0, args.think))  # the same for every policy
                 question = f"Question {rnd + 1}: and what follows from that?"
                 messages.append({"role": "user", "content": question})
             out = chat(url, f"{salt}-user{u}", messages, args.answer_tokens)
@@ -287,6 +290,9 @@ def main() -> None:
     parser.add_argument("--doc-words", type=int, default=700)
     parser.add_argument("--skew", type=int, default=2, help="skewed: the heavy users' document, x doc-words")
     parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="each user waits a random 0..THINK s before each later round (seeded by user "
+                             "and round: the same for every policy)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
