@@ -7,7 +7,7 @@ Every `INTERVAL` seconds a thread takes what each model's tiers stored and dropp
 
 What a block is here. Engines send the server chunk keys, never tokens, and no vLLM block hashes,
 so each chunk is published as one block: its hash is the chunk's LMCache hash (the key's
-`chunk_hash`, the chained xxh3-128 over the chunk's tokens of `ChunkedTokenDatabase`, 16 bytes),
+`chunk_hash`, the chained xxh3-128 over the chunk's tokens of `lmcache.chunk_hash`, 16 bytes),
 `parent_block_hash` is None, `token_ids` is empty, `block_size` is the model's chunk size, and the
 block's extra keys are the rest of the key, ``(model, fmt, world_size, worker_id, dtype)``. A
 router matches a prompt by computing the same chunk digests from its token ids and cache salt

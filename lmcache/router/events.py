@@ -7,10 +7,10 @@ wire format's own structs (`lmcache.kv_events`, the same as vLLM's: importing vL
 `decode_batch` raises ValueError on anything that is not such a batch, or whose ``BlockStored``
 does not carry `block_size` token ids (0 <= id < 2**32) per block (a cache server's stream, which
 names chunks by their digests and carries no token ids, is read with ``token_ids=False``: its
-blocks must then be digests, bytes). `EventSubscriber` runs one
-thread per instance: a SUB socket with a receive high-water mark (a subscriber that falls behind
-drops batches at the publisher instead of growing memory; the gap in sequence numbers is counted
-as ``missed``), malformed messages counted and skipped.
+blocks must then be digests, bytes). `EventSubscriber` runs one thread per stream: a SUB socket
+with a receive high-water mark (a subscriber that falls behind drops batches at the publisher
+instead of growing memory; the gap in sequence numbers is counted as ``missed``), malformed
+messages counted and skipped.
 """
 
 from __future__ import annotations

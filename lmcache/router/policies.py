@@ -9,9 +9,8 @@ and, if it cannot be reached, retries the next). The policies:
 - ``kv-aware``: the instance with the least estimated work before this request's first token:
   ``backlog + request_cost * in_flight + (prompt tokens - cached prefix weighted by tier)``, where
   the cached prefix is the `KVWatch`'s match (the instance's own tiers, then the shared cache
-  servers'), ``backlog`` the prompt tokens the instance still has
-  to compute for the requests it is serving (as predicted when they were sent, until their first
-  token arrives), and
+  servers'), ``backlog`` the prompt tokens the instance still has to compute for the requests it
+  is serving (as predicted when they were sent, until their first token arrives), and
   ``request_cost`` what a request in flight costs besides (its decode). A miss everywhere is thus
   the least loaded instance.
 
