@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lmcache.cache_key import CacheEngineKey
+from lmcache.chunk_hash import ChunkText
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.controller import Controller
 from lmcache.failures import BugsAsMisses
@@ -125,6 +126,7 @@ class ChunkCopy:
 
     chunk: ChunkSpan
     obj: MemoryObj
+    text: ChunkText | None = None  # on the way into the tiers
 
     @staticmethod
     def columns(copies: list[ChunkCopy]) -> tuple[list[MemoryObj], list[int], list[int]]:
@@ -197,11 +199,23 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         chunks = list(self.token_database.process_tokens(tokens, mask, extra_key=extra_key))
         self.stats.add("store_requests")
-        copied = self.bugs.call("store", partial(self._store_chunks, chunks, kwargs), 0)
+        copied = self.bugs.call("store", partial(self._store_chunks, chunks, kwargs,
+                                                 partial(self._chunk_texts, tokens, chunks, extra_key)), 0)
         self._observe("store", time.perf_counter() - t0, copied)
 
-    def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any]) -> int:
-        """Issue the copy of the chunks not cached yet; returns how many tokens it copies."""
+    def _chunk_texts(self, tokens: torch.Tensor, chunks: list[ChunkSpan], extra_key: str | None,
+                     new: list[ChunkSpan]) -> list[ChunkText]:
+        """The text of each of `new` (some of `chunks`, the chunks of `tokens` a store got)."""
+        digest_ending = {c.end: c.key.chunk_hash for c in chunks}
+        if new and new[0].start > 0 and new[0].start not in digest_ending:  # a masked prefix
+            *_, before = self.token_database.process_tokens(tokens[: new[0].start], extra_key=extra_key)
+            digest_ending[before.end] = before.key.chunk_hash
+        return [ChunkText(digest_ending.get(c.start), tokens[c.start : c.end].tolist()) for c in new]
+
+    def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any],
+                      texts_of: Callable[[list[ChunkSpan]], list[ChunkText]]) -> int:
+        """Issue the copy of the chunks not cached yet; returns how many tokens it copies.
+        `texts_of(chunks)`: their texts, for the tiers."""
         sm = self.storage_manager
         cached = sm.stored_locally([c.key for c in chunks])
         new: list[ChunkSpan] = []
@@ -212,7 +226,8 @@ class LMCacheEngine:
                 new.append(chunk)
         shapes = [self.gpu_connector.get_shape(c.num_tokens) for c in new]
         objs = sm.allocate_many(shapes, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
-        todo = [ChunkCopy(chunk, obj) for chunk, obj in zip(new, objs, strict=False)]
+        todo = [ChunkCopy(chunk, obj, text)
+                for chunk, obj, text in zip(new, objs, texts_of(new[: len(objs)]), strict=False)]
         try:
             if len(todo) < len(new):  # capacity, not a failure: counted and summarized
                 dropped = sum(c.num_tokens for c in new[len(todo):])
@@ -237,7 +252,8 @@ class LMCacheEngine:
         """The copy of `todo` has completed (or failed): the objects enter the tiers."""
         try:
             if error is None:
-                self.storage_manager.put_many([c.chunk.key for c in todo], [c.obj for c in todo])
+                self.storage_manager.put_many([c.chunk.key for c in todo], [c.obj for c in todo],
+                                              [c.text for c in todo])
                 self.stats.add("stored_tokens", sum(c.chunk.num_tokens for c in todo))
         finally:
             release_all([c.obj for c in todo])

@@ -6,16 +6,29 @@ an optional `extra_key` (vLLM's cache_salt, a LoRA id) so different salts never 
 make an accidental collision (wrong KV returned for other tokens) practically impossible. The hash
 is deterministic across processes (no seed; Python's `hash()` is never used), so anyone holding a
 prompt's token ids (a router) computes the same digests as the engine that stored it. No torch here.
+
+`ChunkText` is what a stored chunk holds as text (its token ids and its parent's digest): engines
+send it to a cache server with each commit, so the server's KV events name the tokens
+(`lmcache.cache_server.kv_events`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
 ROOT = b"lmcache/chunk-hash/v1"
+
+
+class ChunkText(NamedTuple):
+    """A chunk's token ids and the hex digest of the chunk before it in its chain (None for the
+    first chunk)."""
+
+    parent: str | None
+    token_ids: Sequence[int]
 
 
 def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None) -> str | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 
@@ -48,8 +50,6 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _cache_server(args: argparse.Namespace) -> int:
-    import signal
-
     from lmcache.cache_server.ops import OpsEndpoint
     from lmcache.cache_server.server import CacheServer
     from lmcache.config import LMCacheEngineConfig
@@ -298,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
     return int(args.func(args))
 
 

@@ -48,6 +48,7 @@ import zmq
 from lmcache.cache_key import CacheEngineKey, dtype_tag
 from lmcache.cache_server import messages as m
 from lmcache.cache_server.shm import SharedArena
+from lmcache.chunk_hash import ChunkText
 from lmcache.config import LMCacheEngineMetadata
 from lmcache.failures import DomainFault, FailureDomains
 from lmcache.memory_management import (
@@ -398,26 +399,31 @@ class CacheServerClient(MemoryAllocatorInterface):
     def free(self, memory_obj: Any) -> None:
         raise AssertionError("a ServerSlot is freed by its attachment")
 
-    def commit(self, keys: Sequence[CacheEngineKey], objs: Sequence[Any]) -> int:
-        """Make the slots `objs` (filled) the server's chunks for `keys`, in one message; how many
-        were committed (not: objects that are not slots of the current attachment, or committed
-        already). The message is one-way: this client's next request is answered after the server
-        applied it; another engine's may be answered before."""
+    def commit(self, keys: Sequence[CacheEngineKey], objs: Sequence[Any],
+               texts: Sequence[ChunkText | None] | None = None) -> int:
+        """Make the slots `objs` (filled) the server's chunks for `keys`, in one message, with their
+        `texts` where given (for the server's KV events); how many were committed (not: objects
+        that are not slots of the current attachment, or committed already). The message is
+        one-way: this client's next request is answered after the server applied it; another
+        engine's may be answered before."""
         with self._io:
             attachment = self.attachment
-            pairs = [(k, o) for k, o in zip(keys, objs, strict=True)
-                     if isinstance(o, ServerSlot) and o.read is None and not o.committed
-                     and o.attachment is attachment]
-            if len(pairs) < len(keys):
-                self.counts.add("commits_dropped", len(keys) - len(pairs))
-            if not pairs or attachment is None:
+            triples = [(k, o, t) for k, o, t in zip(keys, objs, texts or [None] * len(keys), strict=True)
+                       if isinstance(o, ServerSlot) and o.read is None and not o.committed
+                       and o.attachment is attachment]
+            if len(triples) < len(keys):
+                self.counts.add("commits_dropped", len(keys) - len(triples))
+            if not triples or attachment is None:
                 return 0
-            for _, obj in pairs:
+            for _, obj, _ in triples:
                 obj.committed = True
-            self.notify(attachment, "commit", slots=[o.slot for _, o in pairs],
-                        keys=[k.to_string() for k, _ in pairs])
-        self.counts.add("commits", len(pairs))
-        return len(pairs)
+            fields: dict[str, Any] = {"slots": [o.slot for _, o, _ in triples],
+                                      "keys": [k.to_string() for k, _, _ in triples]}
+            if any(t is not None for *_, t in triples):
+                fields["texts"] = [None if t is None else [t.parent, list(t.token_ids)] for *_, t in triples]
+            self.notify(attachment, "commit", **fields)
+        self.counts.add("commits", len(triples))
+        return len(triples)
 
     def get(self, keys: Sequence[CacheEngineKey]) -> list[ServerSlot]:
         """The server's chunks for the cached prefix of `keys` (one reference each, the caller's)."""

@@ -18,7 +18,9 @@ Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fie
   these keys: a leased lookup asks the tiers once); ``unlease`` {lease};
 - ``reserve`` {shapes, dtype} -> {slots: [[slot, offset], ...]}: slots of the arena the engine
   writes chunks into, for the leading shapes that fit (fewer: L1 is full); ``commit`` {slots,
-  keys} makes them those keys' chunks, ``abort`` {slots} gives them back;
+  keys, texts} makes them those keys' chunks (`texts`, optional: per key null or ``[the chunk
+  hash of the chunk before or null, token ids]``, what the server's KV events say the chunk
+  holds), ``abort`` {slots} gives them back;
 - ``get`` {keys} -> {objs: [[read, offset, shape, dtype], ...]}: the cached prefix, held for the
   engine (never evicted or reused) until ``release`` {reads};
 - ``bye`` {}: the engine leaves; everything it held is given back.
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from lmcache.cache_key import CacheEngineKey, dtype_tag
+from lmcache.chunk_hash import ChunkText
 from lmcache.config import LMCacheEngineMetadata
 
 NOTIFICATIONS = frozenset({"commit", "abort", "release", "unlease", "bye"})
@@ -45,6 +48,7 @@ REQUESTS = frozenset({"hello", "heartbeat", "contains", "lease", "reserve", "get
 OPS = NOTIFICATIONS | REQUESTS
 MAX_KEYS = 1 << 16  # keys in one request (a 16M-token prompt at chunk size 256)
 MAX_DIMS = 8
+MAX_TEXT_TOKENS = 1 << 16  # token ids in one chunk's text
 DTYPES = {dtype_tag(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                     torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -130,6 +134,28 @@ def int_list(message: dict[str, Any], name: str) -> list[int]:
     if not isinstance(value, list) or len(value) > MAX_KEYS or not all(_is_int(v) and v >= 0 for v in value):
         raise BadMessage(f"{message['op']}: {name!r} must be a list of ints >= 0")
     return value
+
+
+def texts_field(message: dict[str, Any], n: int) -> list[ChunkText | None] | None:
+    """The optional ``texts`` of a commit: None, or one entry per key, each None or
+    ``[the chunk hash of the chunk before or null, [token id, ...]]``."""
+    value = message.get("texts")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        raise BadMessage(f"{message['op']}: 'texts' must be a list of {n} entries, one per key")
+    return [None if entry is None else _text_of(message, entry) for entry in value]
+
+
+def _text_of(message: dict[str, Any], entry: Any) -> ChunkText:
+    if isinstance(entry, list) and len(entry) == 2:
+        parent, ids = entry
+        if ((parent is None or (isinstance(parent, str) and 0 < len(parent) <= 4096))
+                and isinstance(ids, list) and 0 < len(ids) <= MAX_TEXT_TOKENS
+                and all(_is_int(t) and 0 <= t < 1 << 63 for t in ids)):
+            return ChunkText(parent, ids)
+    raise BadMessage(f"{message['op']}: a text is [the parent's chunk hash or null, "
+                     f"[1 to {MAX_TEXT_TOKENS} token ids >= 0]]")
 
 
 def keys_field(message: dict[str, Any]) -> list[CacheEngineKey]:

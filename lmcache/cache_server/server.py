@@ -420,9 +420,12 @@ class CacheServer:
 
     def _commit(self, engine: Engine, msg: dict[str, Any]) -> None:
         slots, keys = m.int_list(msg, "slots"), m.keys_field(msg)
+        texts = m.texts_field(msg, len(keys))
         if len(slots) != len(keys) or not all(s in engine.reserved for s in slots):
             raise BadMessage(f"commit: {len(slots)} slots (held by the engine?) for {len(keys)} keys")
         objs = [engine.reserved.pop(s) for s in slots]
+        if texts is not None and self.kv_events is not None:
+            self.kv_events.texts.add(keys, texts)  # before the tiers' events are taken
         try:
             engine.model.storage.put_many(keys, objs)
         finally:

@@ -5,9 +5,9 @@ vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 endian), payload]``; the payload is msgpack of ``KVEventBatch``. The router decodes it with the
 wire format's own structs (`lmcache.kv_events`, the same as vLLM's: importing vLLM costs ~18 s);
 `decode_batch` raises ValueError on anything that is not such a batch, or whose ``BlockStored``
-does not carry `block_size` token ids (0 <= id < 2**32) per block (a cache server's stream, which
-names chunks by their digests and carries no token ids, is read with ``token_ids=False``: its
-blocks must then be digests, bytes). `EventSubscriber` runs one thread per stream: a SUB socket
+does not carry `block_size` token ids (0 <= id < 2**32) per block (a cache server's stream, whose
+chunks may come without token ids, is read with ``token_ids=False``: its blocks must then be
+digests, bytes). `EventSubscriber` runs one thread per stream: a SUB socket
 with a receive high-water mark (a subscriber that falls behind drops batches at the publisher
 instead of growing memory; the gap in sequence numbers is counted as ``missed``), malformed
 messages counted and skipped.

@@ -1,12 +1,12 @@
 """`SharedIndex`: the chunks a cache server holds that every instance behind the router loads from
 (``lmcache router --shared-kv-events``, the server's ``lmcache cache-server --kv-events``).
 
-A cache server is told chunk keys, never tokens, so it publishes each chunk as one block named by
-its LMCache digest (`lmcache.cache_server.kv_events`): ``block_hashes = [chunk digest]``, no parent,
-no token ids, ``block_size`` = the chunk size. That digest is a chain over the chunk's tokens with no
-seed (`lmcache.chunk_hash`), so the router computes the same digests from a prompt's token ids (and
-its ``cache_salt``) and walks them: the prefix the server holds, which any instance attached to it
-can load instead of computing.
+A cache server publishes each chunk as one block named by its LMCache digest
+(`lmcache.cache_server.kv_events`): ``block_hashes = [chunk digest]``, ``block_size`` = the chunk
+size, with the chunk's token ids and parent where the server knows them. The router needs neither:
+the digest is a chain over the chunk's tokens with no seed (`lmcache.chunk_hash`), so it computes
+the same digests from a prompt's token ids (and its ``cache_salt``) and walks them: the prefix the
+server holds, which any instance attached to it can load instead of computing.
 
 Held = stored in some tier and not removed since. The server publishes a chunk once per worker of
 a model (tensor-parallel ranks share the digest), and a removal names the digest only, so a digest

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache.cache_key import CacheEngineKey
+from lmcache.chunk_hash import ChunkText
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats
 from lmcache.storage_backend.events import TierEvent, TierEvents
@@ -126,7 +127,10 @@ class StorageBackendInterface(abc.ABC):
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get_blocking(k) for k in keys]
 
-    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
+                    texts: Sequence[ChunkText | None] | None = None) -> None:
+        """`submit_put_task` of each pair; `texts` (the chunks' texts, where known) are for a tier
+        that passes them on (the cache server's)."""
         for key, obj in zip(keys, objs, strict=True):
             self.submit_put_task(key, obj)
 

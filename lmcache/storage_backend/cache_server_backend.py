@@ -1,10 +1,10 @@
 """`CacheServerBackend` ("CacheServer"): the tier of an engine attached to a cache server
 (`config.cache_server_url`; see `lmcache.cache_server`). The server's tiers (its shared-memory L1
 and whatever lies behind it) answer for this one, in one request per call: which keys it holds,
-the cached prefix (chunks the engine's connector copies out of the shared arena), and a stored
-chunk (`submit_put_task` commits the arena slot the engine's connector filled: nothing is copied
-again). Lookup leases are taken on the server, which also starts loading the leased chunks from
-its lower tiers into L1.
+the cached prefix (chunks the engine's connector copies out of the shared arena), and stored
+chunks (`batched_put` commits the arena slots the engine's connector filled: nothing is copied
+again; the chunks' texts go along, for the server's KV events). Lookup leases are taken on the
+server, which also starts loading the leased chunks from its lower tiers into L1.
 
 The client guards its own exchanges (`CacheServerClient`: one failure domain for the server, one
 warning per outage, misses while the server is away, attaching again by itself), so this tier
@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from lmcache.cache_key import CacheEngineKey
+from lmcache.chunk_hash import ChunkText
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
@@ -66,8 +67,9 @@ class CacheServerBackend(StorageBackendInterface):
         self.client.commit([key], [memory_obj])
         return None
 
-    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        self.client.commit(keys, objs)
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
+                    texts: Sequence[ChunkText | None] | None = None) -> None:
+        self.client.commit(keys, objs, texts)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         got = self.batched_get([key])

@@ -7,8 +7,9 @@ tier's ``failures``, logged once per incident, and the tier is backed off from u
 
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
 - `allocate_many(shapes, ...)`: buffers for several chunks at once (as many as fit, in order).
-- `put(key, obj)` / `put_many(keys, objs)`: the hot tier keeps the objects synchronously; lower
-  tiers get them asynchronously.
+- `put(key, obj)` / `put_many(keys, objs, texts)`: the hot tier keeps the objects synchronously;
+  lower tiers get them asynchronously. The chunks' texts (`ChunkText`) go to the tiers too: a
+  cache server's publishes them in its KV events.
 - `stored_locally(keys)`: which keys a local tier holds (or is writing): a store skips them.
 - `locate(keys, search_range)`: the tier holding each key (None: none does): one batched
   existence check per tier, for the keys the tiers before it did not have; keys being loaded into
@@ -48,6 +49,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from lmcache.cache_key import CacheEngineKey
+from lmcache.chunk_hash import ChunkText
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
@@ -188,10 +190,12 @@ class StorageManager:
         self.put_many([key], [memory_obj])
 
     @_then_drain_events
-    def put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        """`put` of each pair, one call per tier."""
+    def put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
+                 texts: Sequence[ChunkText | None] | None = None) -> None:
+        """`put` of each pair, one call per tier; `texts`, each chunk's text (where known), for the
+        tiers that pass it on."""
         for tier in self.tiers:
-            self._guard(tier, tier.batched_put, None, keys, objs)
+            self._guard(tier, tier.batched_put, None, keys, objs, texts)
 
     def _promote(self, keys: list[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
         """Lower-tier hits enter the hot tier."""

@@ -12,6 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -340,22 +341,58 @@ class CacheServerProcess:
 def start_cli(args: list[str], ready: str, timeout: float,
               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, re.Match]:
     """`lmcache <args>` in a subprocess, once it printed a first line matching `ready` (the match);
-    RuntimeError if it did not within `timeout` seconds."""
+    RuntimeError (with the end of its log) if it did not within `timeout` seconds. Its stderr goes
+    to a log file (`LOGS[proc.pid]`) that `stop_process` shows if it will not stop."""
     environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=environ, text=True)
+    fd, log = tempfile.mkstemp(prefix=f"lmcache-{args[0]}-", suffix=".log")
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli", *args], stdout=subprocess.PIPE,
+                                stderr=fd, env=environ, text=True)
+    finally:
+        os.close(fd)
+    LOGS[proc.pid] = Path(log)
+    STARTED.add(proc.pid)
     assert proc.stdout is not None
     got, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if got else ""
     m = re.search(ready, line)
     if m is None:
         proc.kill()
-        raise RuntimeError(f"lmcache {args[0]} did not start: {line!r}")
+        proc.wait(timeout=30)
+        raise RuntimeError(f"lmcache {args[0]} did not start within {timeout:g} s: {line!r}; its log "
+                           f"ends:\n{_tail(proc.pid)}")
     return proc, m
 
 
-def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-    """Send `sig` (if it still runs) and wait for its exit code."""
+LOGS: dict[int, Path] = {}  # the stderr of each `start_cli` process still running, by pid
+STARTED: set[int] = set()  # every process `start_cli` started in this (test) process
+
+
+def _tail(pid: int, lines: int = 60) -> str:
+    path = LOGS.get(pid)
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path else "(no log)"
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    """Send `sig` (if it still runs) and wait for its exit code. One that has not exited within
+    `timeout` seconds is asked for its threads' stacks (SIGUSR1: `lmcache` dumps them to stderr) and
+    killed, and one that exits on SIGTERM with another code than 0 fails the test, with the end of
+    its log."""
     if proc.poll() is None:
         proc.send_signal(sig)
-    return proc.wait(timeout=30)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(f"pid {proc.pid} did not exit within {timeout:g} s of signal {sig}; its "
+                             f"log ends:\n{_tail(proc.pid)}") from None
+    if sig == signal.SIGTERM and code != 0:
+        raise AssertionError(f"pid {proc.pid} exited with {code} on SIGTERM; its log ends:\n"
+                             f"{_tail(proc.pid)}")
+    log = LOGS.pop(proc.pid, None)
+    if log is not None:
+        log.unlink(missing_ok=True)
+    return code

@@ -32,7 +32,7 @@ from lmcache.cache_server import messages as m
 from lmcache.cache_server import shm
 from lmcache.cache_server.server import CacheServer
 from lmcache.config import LMCacheEngineMetadata
-from tests.helpers.servers import REPO, CacheServerProcess, free_port
+from tests.helpers.servers import REPO, STARTED, CacheServerProcess, free_port
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 CHUNK_BYTES = 2 * 2 * 8 * 8 * 2  # [2, layers, chunk, hidden] bf16
@@ -40,7 +40,10 @@ DOC = list(range(1000, 1064))  # 8 chunks
 
 
 def segments() -> set[str]:
-    return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}-*")}
+    """The arenas in /dev/shm of the servers this test process runs or started (not of another
+    test process's, which may run beside it)."""
+    ours = {os.getpid(), *STARTED}
+    return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}-*") if int(p.name.split("-")[2]) in ours}
 
 
 @pytest.fixture(autouse=True)
@@ -257,6 +260,30 @@ def test_a_reserved_slot_is_invisible_until_committed(server, url):
     sock.close()
 
 
+def test_a_commit_with_a_malformed_text_is_refused_and_its_slot_stays_the_engines(server, url):
+    sock = raw_client(url)
+    att = hello(sock, pid=os.getpid())
+    ident = {"session": att["session"], "engine": att["engine"]}
+    key = "kv_blob@test-model@1@0@00ff@bfloat16"
+    reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
+    assert reply is not None
+    ((slot, _),) = reply["slots"]
+    for texts in ("ab", [None, None], [[None, []]], [[None, [-1]]], [[None, [1.5]]], [[None, [True]]],
+                  [[None, [1 << 63]]], [[7, [1]]], [["", [1]]], [["f" * 4097, [1]]], [[None, [1], 2]],
+                  [[None, list(range(m.MAX_TEXT_TOKENS + 1))]]):
+        commit = {"op": "commit", "id": 3, **ident, "slots": [slot], "keys": [key], "texts": texts}
+        reply = ask_raw(sock, commit)
+        assert reply is not None and reply["ok"] is False and "text" in reply["error"], (texts, reply)
+    assert ask_raw(sock, {"op": "contains", "id": 4, **ident, "keys": [key]})["hits"] == [False]
+    (engine,) = server.get("/stats")["engines"].values()
+    assert engine["slots_reserved"] == 1 and "committed" not in engine  # counts show from 1 on
+    ask_raw(sock, {"op": "commit", **ident, "slots": [slot], "keys": [key], "texts": [["00fe", [1] * 8]]},
+            timeout=0.2)  # a notification: no answer
+    assert ask_raw(sock, {"op": "contains", "id": 6, **ident, "keys": [key]})["hits"] == [True]
+    ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
+    sock.close()
+
+
 # ---- server faults ------------------------------------------------------------------------------
 
 def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(url, workers):
@@ -413,7 +440,8 @@ REQUESTS = st.fixed_dictionaries({"op": st.sampled_from(sorted(m.OPS)), "id": st
                                  optional={"session": st.text(max_size=40), "engine": st.text(max_size=20),
                                            "keys": JSONISH, "shapes": JSONISH, "dtype": JSONISH,
                                            "slots": JSONISH, "reads": JSONISH, "metadata": JSONISH,
-                                           "lease": JSONISH, "ttl": JSONISH, "pid": JSONISH, "name": JSONISH})
+                                           "lease": JSONISH, "ttl": JSONISH, "pid": JSONISH, "name": JSONISH,
+                                           "texts": JSONISH})
 FRAMES = st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=3),
                    JSONISH.map(lambda v: [json.dumps(v).encode()]),
                    REQUESTS.map(lambda r: [m.encode(r)]))
@@ -757,11 +785,13 @@ def test_a_router_watching_the_servers_events_finds_the_prefix_its_lookup_report
 
 def test_the_servers_tiers_are_published_as_kv_events_and_a_clear_within_a_second(tmp_path, url):
     """With ``--kv-events`` a subscriber decoding with vLLM's classes sees each stored chunk in
-    L1 ("CPU") and on disk ("STORAGE") as the server's lookup does, a clear of L1 within a second
-    on an idle server, and malformed control messages are still answered."""
+    L1 ("CPU") and on disk ("STORAGE") as the server's lookup does, and finds a prompt's prefix by
+    its token ids and parent chain as it finds vLLM's blocks (a store of a masked prompt too; a
+    trailing partial chunk is no block); a clear of L1 within a second on an idle server, and
+    malformed control messages are still answered."""
     pytest.importorskip("vllm")
     from tests.helpers.kv_events import Subscriber
-    from tests.unit.cache_server.engine_worker import build, kv_cache
+    from tests.unit.cache_server.engine_worker import CHUNK, build, kv_cache
 
     sub = Subscriber()
     config = tmp_path / "disk.yaml"
@@ -774,6 +804,14 @@ def test_the_servers_tiers_are_published_as_kv_events_and_a_clear_within_a_secon
         engine.store(tokens, kvcaches=kv_cache(41))
         chunks = [bytes.fromhex(h) for h in engine.token_database.chunk_hashes(tokens)]
         wait_for(lambda: sub.leading(chunks, "CPU") == sub.leading(chunks, "STORAGE") == 8, 10)
+        assert sub.prefix(DOC, "CPU", CHUNK) == sub.prefix(DOC, "STORAGE", CHUNK) == 64
+
+        other = DOC[:32] + [d + 100 for d in DOC[32:]] + [5, 6, 7]
+        engine.store(torch.tensor(other), torch.tensor([False] * 32 + [True] * 35), kvcaches=kv_cache(43))
+        wait_for(lambda: sub.prefix(other, "CPU", CHUNK) == sub.prefix(other, "STORAGE", CHUNK) == 64, 10)
+        partial = bytes.fromhex(engine.token_database.chunk_hashes(torch.tensor(other))[-1])
+        with sub.lock:
+            assert not any(partial in held for held in sub.held.values())
         (model,) = server.get("/stats")["models"]
         lookup = urllib.request.Request(server.http + "/lookup", data=json.dumps({"tokens": DOC}).encode())
         with urllib.request.urlopen(lookup, timeout=10) as response:

@@ -1,6 +1,6 @@
-"""A cache server every instance shares, as the router sees it: its events (chunk digests, no token
-ids) in a `SharedIndex`, a prompt matched by the digests the engines compute, and kv-aware routing
-that counts the shared prefix on every instance."""
+"""A cache server every instance shares, as the router sees it: its events (chunk digests, with or
+without token ids) in a `SharedIndex`, a prompt matched by the digests the engines compute, and
+kv-aware routing that counts the shared prefix on every instance."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.cache_server.kv_events import chunk_block
-from lmcache.chunk_hash import chunk_digests, extra_key_of
+from lmcache.chunk_hash import ChunkText, chunk_digests, extra_key_of
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.kv_events import AllBlocksCleared, KVEventBatch, to_kv_events
 from lmcache.router.events import decode_batch
@@ -36,12 +36,12 @@ def database(chunk: int = CHUNK) -> ChunkedTokenDatabase:
     return ChunkedTokenDatabase(config, metadata)
 
 
-def server_events(kind: EventKind, keys: list[CacheEngineKey], medium: str = "CPU",
-                  chunk: int = CHUNK) -> list:
-    """What a cache server publishes for `keys` (its own translation), through the wire and back as
-    the router decodes it."""
+def server_events(kind: EventKind, keys: list[CacheEngineKey], medium: str = "CPU", chunk: int = CHUNK,
+                  texts: dict[CacheEngineKey, ChunkText] | None = None) -> list:
+    """What a cache server publishes for `keys` (its own translation; `texts`: the chunks' texts it
+    knows), through the wire and back as the router decodes it."""
     published = [PublishedEvent(medium, TierEvent(kind, "Hot", tuple(keys)))]
-    events = to_kv_events(published, lambda k: chunk_block(k, chunk)).events
+    events = to_kv_events(published, lambda k: chunk_block(k, chunk, (texts or {}).get(k))).events
     payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))
     return decode_batch(payload, token_ids=False)
 
@@ -49,6 +49,13 @@ def server_events(kind: EventKind, keys: list[CacheEngineKey], medium: str = "CP
 def keys_of(tokens: list[int], salt: str | None = None, chunk: int = CHUNK) -> list[CacheEngineKey]:
     spans = database(chunk).process_tokens(torch.tensor(tokens), extra_key=extra_key_of(salt))
     return [s.key for s in spans]
+
+
+def texts_of(tokens: list[int], salt: str | None = None) -> dict[CacheEngineKey, ChunkText]:
+    """The texts an engine commits with the chunks of `tokens`."""
+    keys = keys_of(tokens, salt)
+    parents = [None, *(k.chunk_hash for k in keys)]
+    return {k: ChunkText(parents[i], tokens[i * CHUNK : (i + 1) * CHUNK]) for i, k in enumerate(keys)}
 
 
 @settings(max_examples=50, deadline=None)
@@ -83,6 +90,23 @@ def test_a_server_batch_decodes_only_as_a_server_stream():
                                          "medium": "CPU", "lora_name": None}], None])
     with pytest.raises(ValueError, match="digests"):
         decode_batch(bad, token_ids=False)
+
+
+def test_a_servers_chunks_with_their_texts_chain_as_an_instances_blocks_and_a_partial_one_is_none():
+    tokens = DOC[: 2 * CHUNK + 5]
+    keys = keys_of(tokens)
+    events = server_events(EventKind.STORED, keys, texts=texts_of(tokens))
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=events))
+    first, second = decode_batch(payload)  # as an instance's stream: token ids of every block
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == \
+        ([bytes.fromhex(keys[0].chunk_hash)], None, DOC[:CHUNK])
+    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == \
+        ([bytes.fromhex(keys[1].chunk_hash)], first.block_hashes[0], DOC[CHUNK : 2 * CHUNK])
+    assert second.block_size == CHUNK and second.extra_keys == [("m", "kv_blob", 1, 0, "float32")]
+    assert server_events(EventKind.REMOVED, keys[2:], texts=texts_of(tokens)) == []  # the partial chunk
+    shared = SharedIndex(tier_weights={"CPU": 0.8})
+    shared.apply(events)
+    assert shared.match(DOC).tokens == 2 * CHUNK
 
 
 def test_the_shared_prefix_is_the_whole_chunks_the_server_holds_of_a_prompt():
