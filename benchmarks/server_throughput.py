@@ -6,16 +6,18 @@ copes with processes that die.
    256-token chunks; a `--tokens`-token request in a vLLM-v1 paged cache on CPU, per layer
    [2, num_blocks, 16, 3, 64], its blocks scattered) is stored with `engine.store(tokens,
    kvcaches=..., slot_mapping=...)` and loaded back with `engine.retrieve(...)` into an empty cache
-   of the same shape, by two engines built alike: one attached to a cache server (a subprocess
+   of the same shape, by three engines built alike: one attached to a cache server (a subprocess
    started with the CLI on a temporary ipc socket; its L1 is the server's shared-memory arena), one
-   with its in-process hot tier (`MixedMemoryAllocator`). Both arenas are `--arena-gb` (memory is
-   used as it fills). Each trial uses new tokens (a store really stores), empties the tier first
-   (untimed: the arena's memory is reused, as in a long-running engine) and zeroes the target
-   cache; each call is timed until its copies completed (`engine._copies.wait_idle`; the server's
-   commits are notifications it handles before the engine's next request). Every retrieved value
-   is checked bit for bit against the stored one. `--warmup` untimed trials each, then `--trials`
-   trials alternating between the two, the order flipping every trial. Reported: median GB/s
-   (bytes = the request's KV) and server / in-process ratios of the medians (goal >= 0.85).
+   attached to a second server that publishes KV events (``--kv-events``: each commit then carries
+   the chunks' token ids, which the engine computes), one with its in-process hot tier
+   (`MixedMemoryAllocator`). Every arena is `--arena-gb` (memory is used as it fills). Each trial
+   uses new tokens (a store really stores), empties the tier first (untimed: the arena's memory is
+   reused, as in a long-running engine) and zeroes the target cache; each call is timed until its
+   copies completed (`engine._copies.wait_idle`; the server's commits are notifications it handles
+   before the engine's next request). Every retrieved value is checked bit for bit against the
+   stored one. `--warmup` untimed trials each, then `--trials` trials of the three in turn, the
+   order reversed every trial. Reported: median GB/s (bytes = the request's KV), server /
+   in-process ratios of the medians (goal >= 0.85), and with events / without.
 2. Memory. A new server's resident memory (VmRSS, RssAnon and RssShmem of /proc/<pid>/status)
    and its arena's resident bytes (/stats) with N idle engines attached (`--engines`, separate
    processes that attach and sit idle), read after 4 heartbeats.
@@ -196,12 +198,13 @@ class ServerProcess:
     """`lmcache cache-server` in a subprocess; `started`/`serving`: when it was spawned and when it
     printed its ready line (time.monotonic)."""
 
-    def __init__(self, procs: Processes, url: str, size_gb: float, heartbeat: float) -> None:
+    def __init__(self, procs: Processes, url: str, size_gb: float, heartbeat: float, *extra: str) -> None:
+        """`extra`: more arguments of ``lmcache cache-server``."""
         self.url, self.heartbeat = url, heartbeat
         self.started = time.monotonic()
         self.proc, self.log = procs.start([sys.executable, "-m", "lmcache.cli", "cache-server", "--url", url,
                                            "--size-gb", f"{size_gb:g}", "--heartbeat", f"{heartbeat:g}",
-                                           "--http-port", "0"], "cache-server", server=True)
+                                           "--http-port", "0", *extra], "cache-server", server=True)
         line = read_line(self.proc, 120, "the cache server", self.log)
         self.serving = time.monotonic()
         match = READY.search(line)
@@ -369,20 +372,28 @@ class Throughput:
     server_retrieve_gbps: float
     store_ratio: float
     retrieve_ratio: float
+    events_store_gbps: float  # through a server publishing KV events (commits carry chunk texts)
+    events_retrieve_gbps: float
+    events_store_ratio: float  # / the server without events
+    events_retrieve_ratio: float
 
 
 def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Processes) -> Throughput:
     n = args.tokens
     request = PagedRequest(shape, n, args.block_size)
     server = ServerProcess(procs, f"ipc://{procs.workdir}/throughput.sock", args.arena_gb, args.heartbeat)
+    publishing = ServerProcess(procs, f"ipc://{procs.workdir}/events.sock", args.arena_gb, args.heartbeat,
+                               "--kv-events", f"ipc://{procs.workdir}/kv-events.sock")
     engines = {"in-process": build_engine(shape, arena_gb=args.arena_gb),
-               "server": build_engine(shape, server.url)}
+               "server": build_engine(shape, server.url),
+               "server+events": build_engine(shape, publishing.url)}
     empty: dict[str, Callable[[], object]] = {
-        "in-process": lambda: engines["in-process"].storage_manager.clear("hot"), "server": server.clear}
+        "in-process": lambda: engines["in-process"].storage_manager.clear("hot"), "server": server.clear,
+        "server+events": publishing.clear}
     times: dict[str, dict[str, list[float]]] = {name: {"store": [], "retrieve": []} for name in engines}
     try:
         for trial in range(-args.warmup, args.trials):  # trials < 0: warm-up, untimed
-            names = list(engines) if trial % 2 == 0 else list(reversed(engines))  # alternate the first
+            names = list(engines) if trial % 2 == 0 else list(reversed(engines))  # alternate the order
             for name in names:
                 empty[name]()
                 request.clear_target()
@@ -400,13 +411,15 @@ def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Proce
         for engine in engines.values():
             engine.close()
         server.stop()
+        publishing.stop()
     nbytes = n * shape.bytes_per_token
     gbps = {name: {op: nbytes / statistics.median(t) / 1e9 for op, t in ops.items()}
             for name, ops in times.items()}
-    local, remote = gbps["in-process"], gbps["server"]
+    local, remote, events = gbps["in-process"], gbps["server"], gbps["server+events"]
     return Throughput(n, nbytes, args.trials, args.warmup, local["store"], local["retrieve"], remote["store"],
                       remote["retrieve"], remote["store"] / local["store"],
-                      remote["retrieve"] / local["retrieve"])
+                      remote["retrieve"] / local["retrieve"], events["store"], events["retrieve"],
+                      events["store"] / remote["store"], events["retrieve"] / remote["retrieve"])
 
 
 # ---- 2. memory ----------------------------------------------------------------------------------
@@ -632,6 +645,8 @@ def report(args: argparse.Namespace, shape: ModelShape, tp: Throughput, memory: 
     ok = "met" if min(tp.store_ratio, tp.retrieve_ratio) >= GOAL else "NOT met"
     print(f"   {'server / in-process':<24}{tp.store_ratio:>12.2f}{tp.retrieve_ratio:>15.2f}"
           f"   (goal >= {GOAL}: {ok})")
+    print(f"   {'server with KV events':<24}{tp.events_store_gbps:>12.2f}{tp.events_retrieve_gbps:>15.2f}")
+    print(f"   {'with events / without':<24}{tp.events_store_ratio:>12.2f}{tp.events_retrieve_ratio:>15.2f}")
     print(f"2. server memory with idle engines (after 4 heartbeats of {args.heartbeat:g} s), MB:")
     print(f"   {'engines':>8}{'VmRSS':>9}{'RssAnon':>9}{'RssShmem':>10}{'arena resident':>16}"
           f"{'arena grown':>13}")

@@ -215,7 +215,7 @@ class LMCacheEngine:
     def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any],
                       texts_of: Callable[[list[ChunkSpan]], list[ChunkText]]) -> int:
         """Issue the copy of the chunks not cached yet; returns how many tokens it copies.
-        `texts_of(chunks)`: their texts, for the tiers."""
+        `texts_of(chunks)`: their texts, for the tiers that take them."""
         sm = self.storage_manager
         cached = sm.stored_locally([c.key for c in chunks])
         new: list[ChunkSpan] = []
@@ -224,10 +224,10 @@ class LMCacheEngine:
                 self.stats.add("store_skipped_tokens", chunk.num_tokens)
             else:
                 new.append(chunk)
+        texts = texts_of(new) if sm.takes_texts() else [None] * len(new)
         shapes = [self.gpu_connector.get_shape(c.num_tokens) for c in new]
         objs = sm.allocate_many(shapes, self.metadata.kv_dtype, MemoryFormat.KV_BLOB)
-        todo = [ChunkCopy(chunk, obj, text)
-                for chunk, obj, text in zip(new, objs, texts_of(new[: len(objs)]), strict=False)]
+        todo = [ChunkCopy(chunk, obj, text) for chunk, obj, text in zip(new, objs, texts, strict=False)]
         try:
             if len(todo) < len(new):  # capacity, not a failure: counted and summarized
                 dropped = sum(c.num_tokens for c in new[len(todo):])

@@ -31,8 +31,14 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _log_to_stderr() -> None:
+    """A serving command's logging, to stderr; ``kill -USR1 PID`` writes every thread's stack there
+    too (where a server that will not stop is stuck)."""
     logging.basicConfig(level=os.environ.get("LMCACHE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, OSError):  # stderr is not a file (captured, in a test)
+        pass
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -98,7 +104,7 @@ def _router(args: argparse.Namespace) -> int:
         try:
             pd = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
                                    args.host, args.port, args.prefill_timeout, args.prefill_policy,
-                                   args.prefiller_kv_events or "", args.model)
+                                   args.prefiller_kv_events or "", args.model, args.shared_kv_events)
         except ValueError as e:
             raise SystemExit(f"lmcache {args.command}: {e}") from None
         _log_to_stderr()
@@ -143,6 +149,10 @@ def _add_pd_arguments(x: argparse.ArgumentParser, required: bool) -> None:
                    help="each prefiller's KV events endpoint (vLLM's --kv-events-config), same order")
     x.add_argument("--model", help="the model's folder, for its tokenizer (kv-aware; for the router's other "
                    "policies it lets /stats compare predicted and served hits)")
+    x.add_argument("--shared-kv-events", default="", metavar="ENDPOINTS",
+                   help="kv-aware: the KV events endpoints of cache servers every instance (with --policy "
+                        "pd, every prefiller) is attached to (lmcache cache-server --kv-events), "
+                        "comma-separated: their chunks count as cached on each")
 
 
 def _controller_call(args: argparse.Namespace) -> int:
@@ -270,10 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance", help="the vLLM instances' URLs, comma-separated (all but --policy pd)")
     r.add_argument("--kv-events", help="each instance's KV events endpoint (vLLM's --kv-events-config "
                    "endpoint, e.g. tcp://HOST:5557), same order (kv-aware)")
-    r.add_argument("--shared-kv-events", default="", metavar="ENDPOINTS",
-                   help="kv-aware: the KV events endpoints of cache servers every instance is attached to "
-                        "(lmcache cache-server --kv-events), comma-separated: their chunks count as cached "
-                        "on every instance")
     r.add_argument("--request-cost", type=int, default=64,
                    help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")
@@ -298,7 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
     return int(args.func(args))
 
 

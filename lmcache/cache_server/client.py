@@ -96,11 +96,14 @@ class Attachment:
     `ServerSlot`s viewing that arena (their `free` tells the server). Once detached and no slot
     of it is alive, its arena is unmapped and the client retires it (`CacheServerClient.retire`)."""
 
-    def __init__(self, client: CacheServerClient, session: str, engine: str, arena: SharedArena) -> None:
+    def __init__(self, client: CacheServerClient, session: str, engine: str, arena: SharedArena,
+                 wants_texts: bool = False) -> None:
+        """`wants_texts`: the server publishes KV events, so commits carry the chunks' texts."""
         self.client = client
         self.session = session
         self.engine = engine
         self.arena = arena
+        self.wants_texts = wants_texts
         self.lock = threading.Lock()
         self.live = 0
         self.detached = False
@@ -280,7 +283,8 @@ class CacheServerClient(MemoryAllocatorInterface):
             arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
         except (OSError, ValueError, KeyError, TypeError) as e:  # ServerAway is an OSError
             raise ServerAway(f"cannot attach: {e}") from e
-        return Attachment(self, reply["session"], reply["engine"], arena), heartbeat
+        attachment = Attachment(self, reply["session"], reply["engine"], arena, reply.get("texts") is True)
+        return attachment, heartbeat
 
     def _detach(self) -> None:
         """The attachment is gone (the I/O lock held; the fault was counted and logged by `faults`):
@@ -399,13 +403,19 @@ class CacheServerClient(MemoryAllocatorInterface):
     def free(self, memory_obj: Any) -> None:
         raise AssertionError("a ServerSlot is freed by its attachment")
 
+    @property
+    def wants_texts(self) -> bool:
+        """Whether the server attached to publishes KV events (commits then carry texts)."""
+        attachment = self.attachment
+        return attachment is not None and attachment.wants_texts
+
     def commit(self, keys: Sequence[CacheEngineKey], objs: Sequence[Any],
                texts: Sequence[ChunkText | None] | None = None) -> int:
         """Make the slots `objs` (filled) the server's chunks for `keys`, in one message, with their
-        `texts` where given (for the server's KV events); how many were committed (not: objects
-        that are not slots of the current attachment, or committed already). The message is
-        one-way: this client's next request is answered after the server applied it; another
-        engine's may be answered before."""
+        `texts` where given and the server wants them (for its KV events); how many were committed
+        (not: objects that are not slots of the current attachment, or committed already). The
+        message is one-way: this client's next request is answered after the server applied it;
+        another engine's may be answered before."""
         with self._io:
             attachment = self.attachment
             triples = [(k, o, t) for k, o, t in zip(keys, objs, texts or [None] * len(keys), strict=True)
@@ -419,7 +429,7 @@ class CacheServerClient(MemoryAllocatorInterface):
                 obj.committed = True
             fields: dict[str, Any] = {"slots": [o.slot for _, o, _ in triples],
                                       "keys": [k.to_string() for k, _, _ in triples]}
-            if any(t is not None for *_, t in triples):
+            if attachment.wants_texts and any(t is not None for *_, t in triples):
                 fields["texts"] = [None if t is None else [t.parent, list(t.token_ids)] for *_, t in triples]
             self.notify(attachment, "commit", **fields)
         self.counts.add("commits", len(triples))

@@ -7,9 +7,10 @@ commit, abort, release, unlease, bye). Every request but ``hello`` names the ser
 
 Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fields:
 
-- ``hello`` {pid, name, client, metadata} -> {session, engine, arena, arena_size, heartbeat, grown}:
-  attach (`metadata` is the engine's `LMCacheEngineMetadata`, see `metadata_to_wire`; `client`,
-  optional, names the engine-side client: its earlier attachments that hold nothing are dropped);
+- ``hello`` {pid, name, client, metadata} -> {session, engine, arena, arena_size, heartbeat, grown,
+  texts}: attach (`metadata` is the engine's `LMCacheEngineMetadata`, see `metadata_to_wire`;
+  `client`, optional, names the engine-side client: its earlier attachments that hold nothing are
+  dropped; `texts`: the server publishes KV events, so commits should carry the chunks' texts);
 - ``heartbeat`` {} -> {grown}: (`grown`: the bytes at the arena's start the server hands slots
   out of so far; an engine maps their pages ahead of its first copy);
 - ``contains`` {keys} -> {hits}: which keys a tier of the server holds;

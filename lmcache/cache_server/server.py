@@ -322,7 +322,7 @@ class CacheServer:
                     "" if engine.pidfd is not None else " (its process cannot be watched: heartbeats only)")
         return {"session": self.session, "engine": engine.engine_id, "arena": self.arena.name,
                 "arena_size": self.arena.size, "heartbeat": self.heartbeat,
-                "grown": self.allocator.pin_allocator.grown}
+                "grown": self.allocator.pin_allocator.grown, "texts": self.kv_events is not None}
 
     def _model(self, metadata: LMCacheEngineMetadata) -> Model:
         wire = m.encode(m.metadata_to_wire(metadata))

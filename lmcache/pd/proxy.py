@@ -8,7 +8,8 @@ It stands before 1..N prefill and 1..M decode vLLM instances (xPyD). For each
    are backing off after a failure). The prefiller can instead be picked by another policy of
    `lmcache.router.policies` (``prefill_policy``): ``kv-aware`` ranks the ready prefillers by the
    prompt's prefix each holds (from their KV events, ``prefiller_kv_events``, and the model's
-   tokenizer, ``model``) and their load; ``session`` keeps a session on one prefiller.
+   tokenizer, ``model``; plus what a cache server they share holds, ``shared_kv_events``) and their
+   load; ``session`` keeps a session on one prefiller.
 2. The prefiller is sent the client's body, on the same path, rewritten by `prefill_body`:
    ``max_tokens: 1`` (and ``max_completion_tokens: 1`` if present; ``min_tokens`` dropped),
    ``stream: false`` (``stream_options`` dropped), ``n: 1`` if present, and the
@@ -65,6 +66,7 @@ from aiohttp import web
 
 from lmcache.observability import Counters
 from lmcache.pd.params import with_receiver
+from lmcache.router.events import check_endpoints
 from lmcache.router.http import (
     Backend,
     ClientSession,
@@ -163,6 +165,7 @@ class ProxyConfig:
     prefill_policy: str = "round-robin"
     prefiller_kv_events: tuple[str, ...] = ()  # the prefillers' KV events endpoints, same order
     model: str | None = None  # the tokenizer's folder (kv-aware)
+    shared_kv_events: tuple[str, ...] = ()  # of cache servers every prefiller is attached to (kv-aware)
 
     def __post_init__(self) -> None:
         self.prefillers = tuple(base_url("prefillers", url) for url in self.prefillers)
@@ -184,6 +187,7 @@ class ProxyConfig:
         if self.prefiller_kv_events and len(self.prefiller_kv_events) != len(self.prefillers):
             raise ValueError(f"prefiller_kv_events: {len(self.prefiller_kv_events)} endpoint(s) for "
                              f"{len(self.prefillers)} prefiller(s); give one per prefiller, in order")
+        check_endpoints(self.prefiller_kv_events + self.shared_kv_events)
         if POLICIES[self.prefill_policy].uses_tokens and not (self.prefiller_kv_events and self.model):
             raise ValueError(f"prefill_policy {self.prefill_policy} needs prefiller_kv_events and model")
         if not 0 <= self.port < 65536:
@@ -196,14 +200,15 @@ class ProxyConfig:
     def parse(cls, prefillers: str, decoders: str, decoder_kv: str = "", kv_protocol: str | None = None,
               host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0,
               prefill_policy: str = "round-robin", prefiller_kv_events: str = "",
-              model: str | None = None) -> ProxyConfig:
+              model: str | None = None, shared_kv_events: str = "") -> ProxyConfig:
         """From the command line's comma-separated lists (`kv_protocol` None: the default)."""
         def split(value: str) -> tuple[str, ...]:
             return tuple(part.strip() for part in value.split(",") if part.strip())
 
         return cls(split(prefillers), split(decoders), split(decoder_kv), kv_protocol or LMCachePush.name,
                    host, port, prefill_timeout, prefill_policy=prefill_policy,
-                   prefiller_kv_events=split(prefiller_kv_events), model=model)
+                   prefiller_kv_events=split(prefiller_kv_events), model=model,
+                   shared_kv_events=split(shared_kv_events))
 
 
 def _address(field: str, value: str) -> str:
@@ -264,7 +269,8 @@ class Proxy:
                                     for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
         self.client = ClientSession()
-        self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model)
+        self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model,
+                             shared=config.shared_kv_events)
         self.prefill_policy = POLICIES[config.prefill_policy](self.watch, REQUEST_COST)
         self.prefill_load = {url: Instance(url) for url in config.prefillers}
 

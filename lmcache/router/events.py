@@ -33,6 +33,13 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 __all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "decode_batch"]
 
 
+def check_endpoints(endpoints: tuple[str, ...]) -> None:
+    """ValueError unless each of `endpoints` is a ZMQ endpoint a subscriber can connect to."""
+    for endpoint in endpoints:
+        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
+
+
 def decode_batch(payload: bytes, token_ids: bool = True) -> list[Event]:
     """The events of one ``KVEventBatch`` payload; ValueError if it is not one."""
     try:

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from lmcache.observability import Counters
+from lmcache.router.events import check_endpoints
 from lmcache.router.http import (
     ClientSession,
     base_url,
@@ -90,9 +91,7 @@ class RouterConfig:
         if self.kv_events and len(self.kv_events) != len(self.instances):
             raise ValueError(f"kv_events: {len(self.kv_events)} endpoint(s) for {len(self.instances)} "
                              "instance(s); give one per instance, in the same order")
-        for endpoint in self.kv_events + self.shared_kv_events:
-            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
+        check_endpoints(self.kv_events + self.shared_kv_events)
         if POLICIES[self.policy].uses_tokens and not (self.kv_events and self.model):
             raise ValueError(f"policy {self.policy} needs kv_events (one per instance) and model")
         if not 0 <= self.port < 65536:

@@ -13,7 +13,9 @@ Primitives and when they are called (by the `StorageManager`):
 - `submit_put_task(key, obj)`: store; the backend takes its own reference on `obj` for as long as
   it needs it (the hot tier keeps it; a lower tier drops it once written). Returns a Future for
   asynchronous tiers, None when the put completed (or was dropped) synchronously.
-- `batched_put(keys, objs)`: `submit_put_task` of each pair (a tier may do it in one go).
+- `batched_put(keys, objs, texts)`: `submit_put_task` of each pair (a tier may do it in one go);
+  `texts`, the chunks' texts (`ChunkText`), are given to a tier that `takes_texts` (the cache
+  server's, while its server publishes KV events), None otherwise.
 - `get_blocking(key)` / `batched_get(keys)`: objects with one reference each owned by the caller
   (None for misses); a key still being written is served from memory. A batched get of a remote
   tier is one round trip per failure domain; of the disk tier, concurrent reads.
@@ -93,6 +95,7 @@ class StorageBackendInterface(abc.ABC):
     # `local_keys_changed` whenever the local tiers gain or lose keys
     publishes_local_keys: ClassVar[bool] = False
     promote_hits: bool = True
+    takes_texts: bool = False  # whether `batched_put` wants the chunks' texts (computed for it)
     events: TierEvents | None = None  # set by a tier that reports what it stores and drops
     # the kind of memory the tier keeps chunks in, as vLLM's KV events name it ("CPU", "STORAGE");
     # None: its events are not published to subscribers (`StorageManager.publish_events`)
@@ -129,8 +132,7 @@ class StorageBackendInterface(abc.ABC):
 
     def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
                     texts: Sequence[ChunkText | None] | None = None) -> None:
-        """`submit_put_task` of each pair; `texts` (the chunks' texts, where known) are for a tier
-        that passes them on (the cache server's)."""
+        """`submit_put_task` of each pair (`texts`: see the module doc)."""
         for key, obj in zip(keys, objs, strict=True):
             self.submit_put_task(key, obj)
 

@@ -63,6 +63,10 @@ class CacheServerBackend(StorageBackendInterface):
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return False
 
+    @property
+    def takes_texts(self) -> bool:  # type: ignore[override]
+        return self.client.wants_texts
+
     def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj) -> Future | None:
         self.client.commit([key], [memory_obj])
         return None

@@ -8,8 +8,9 @@ tier's ``failures``, logged once per incident, and the tier is backed off from u
 - `allocate`: a buffer for a new chunk from the engine's CPU arena, evicting from the hot tier.
 - `allocate_many(shapes, ...)`: buffers for several chunks at once (as many as fit, in order).
 - `put(key, obj)` / `put_many(keys, objs, texts)`: the hot tier keeps the objects synchronously;
-  lower tiers get them asynchronously. The chunks' texts (`ChunkText`) go to the tiers too: a
-  cache server's publishes them in its KV events.
+  lower tiers get them asynchronously. The chunks' texts (`ChunkText`) go to the tiers that take
+  them (`takes_texts()`: whether any does, so a store computes them only then): a cache server's
+  publishes them in its KV events.
 - `stored_locally(keys)`: which keys a local tier holds (or is writing): a store skips them.
 - `locate(keys, search_range)`: the tier holding each key (None: none does): one batched
   existence check per tier, for the keys the tiers before it did not have; keys being loaded into
@@ -186,6 +187,10 @@ class StorageManager:
             return self.allocator.allocate_many(shapes, dtype, fmt)
         return allocate_leading(self.hot.allocate, shapes, dtype, fmt)
 
+    def takes_texts(self) -> bool:
+        """Whether a tier wants the chunks' texts with `put_many` (else they need not be computed)."""
+        return any(tier.takes_texts for tier in self.tiers)
+
     def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         self.put_many([key], [memory_obj])
 
@@ -193,9 +198,9 @@ class StorageManager:
     def put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj],
                  texts: Sequence[ChunkText | None] | None = None) -> None:
         """`put` of each pair, one call per tier; `texts`, each chunk's text (where known), for the
-        tiers that pass it on."""
+        tiers that `takes_texts`."""
         for tier in self.tiers:
-            self._guard(tier, tier.batched_put, None, keys, objs, texts)
+            self._guard(tier, tier.batched_put, None, keys, objs, texts if tier.takes_texts else None)
 
     def _promote(self, keys: list[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
         """Lower-tier hits enter the hot tier."""

@@ -520,3 +520,14 @@ def test_cli_nixl_handoff_needs_no_decoder_kv_and_refuses_one(monkeypatch) -> No
                   "--decoder-kv", "d:7000"])
     with pytest.raises(SystemExit, match="kv_protocol='mooncake': expected one of lmcache, nixl"):
         cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--kv-protocol", "mooncake"])
+
+
+def test_cli_passes_the_shared_cache_servers_events_to_the_proxy(monkeypatch) -> None:
+    started: list[ProxyConfig] = []
+    monkeypatch.setattr(proxy, "run", started.append)
+    assert cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--decoder-kv", "d:7000",
+                     "--shared-kv-events", "tcp://s:5600, ipc:///tmp/s.sock"]) == 0
+    assert started[0].shared_kv_events == ("tcp://s:5600", "ipc:///tmp/s.sock")
+    with pytest.raises(SystemExit, match="KV events endpoint 's:5600'"):
+        cli.main(["proxy", "--prefiller", "p:8100", "--decoder", "d:8200", "--decoder-kv", "d:7000",
+                  "--shared-kv-events", "s:5600"])

@@ -217,3 +217,38 @@ async def test_the_pd_front_picks_the_prefiller_holding_the_prefix_with_kv_aware
             await runner.cleanup()
     with pytest.raises(ValueError, match="prefiller_kv_events and model"):
         ProxyConfig(("h:1",), ("h:2",), ("h:3",), prefill_policy="kv-aware")
+
+
+@async_test
+async def test_the_pd_front_counts_what_a_shared_cache_server_publishes_for_every_prefiller(tmp_path):
+    """``shared_kv_events`` on the PD front: the chunks a cache server publishes (its own translation,
+    over ZMQ) are a cached prefix of every prefiller; a bad endpoint is refused."""
+    from lmcache.cache_server.kv_events import chunk_block
+    from lmcache.kv_events import KVEventPublisher, to_kv_events
+    from lmcache.storage_backend.events import EventKind, PublishedEvent, TierEvent
+    from tests.unit.router.test_shared import CHUNK, keys_of
+
+    model = local_model_path("float32")
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": "The old sailor " * 20})
+    publisher = KVEventPublisher(f"ipc://{tmp_path}/events.sock")
+    stored = [PublishedEvent("CPU", TierEvent(EventKind.STORED, "Hot", tuple(keys_of(tokens[: 2 * CHUNK]))))]
+    events = to_kv_events(stored, lambda key: chunk_block(key, CHUNK, None)).events
+    config = ProxyConfig(("http://127.0.0.1:1", "http://127.0.0.1:2"), ("http://127.0.0.1:3",),
+                         ("127.0.0.1:4",), port=0, prefill_policy="kv-aware", model=model,
+                         prefiller_kv_events=("tcp://127.0.0.1:5", "tcp://127.0.0.1:6"),
+                         shared_kv_events=(publisher.endpoint,))
+    runner = await start_pd(config)
+    try:
+        watch = runner.app[PROXY].watch
+        for _ in range(100):  # a subscription takes a moment to reach the publisher: publish until seen
+            publisher.publish(events)
+            await asyncio.sleep(0.05)
+            if watch.match(config.prefillers[0], tokens, None).tokens:
+                break
+        assert [watch.match(url, tokens, None).by_tier for url in config.prefillers] == \
+            [{"shared": 2 * CHUNK}] * 2
+    finally:
+        await runner.cleanup()
+        publisher.close()
+    with pytest.raises(ValueError, match="KV events endpoint 'http://h:7'"):
+        ProxyConfig(("h:1",), ("h:2",), ("h:3",), shared_kv_events=("http://h:7",))
