@@ -16,8 +16,9 @@ copes with processes that die.
    copies completed (`engine._copies.wait_idle`; the server's commits are notifications it handles
    before the engine's next request). Every retrieved value is checked bit for bit against the
    stored one. `--warmup` untimed trials each, then `--trials` trials of the three in turn, the
-   order reversed every trial. Reported: median GB/s (bytes = the request's KV), server /
-   in-process ratios of the medians (goal >= 0.85), and with events / without.
+   order rotated every trial (with a multiple of 3 trials, each takes every place equally often).
+   Reported: median GB/s (bytes = the request's KV), server / in-process ratios of the medians
+   (goal >= 0.85), and with events / without.
 2. Memory. A new server's resident memory (VmRSS, RssAnon and RssShmem of /proc/<pid>/status)
    and its arena's resident bytes (/stats) with N idle engines attached (`--engines`, separate
    processes that attach and sit idle), read after 4 heartbeats.
@@ -393,7 +394,8 @@ def measure_throughput(args: argparse.Namespace, shape: ModelShape, procs: Proce
     times: dict[str, dict[str, list[float]]] = {name: {"store": [], "retrieve": []} for name in engines}
     try:
         for trial in range(-args.warmup, args.trials):  # trials < 0: warm-up, untimed
-            names = list(engines) if trial % 2 == 0 else list(reversed(engines))  # alternate the order
+            order = list(engines)
+            names = order[trial % len(order):] + order[: trial % len(order)]  # each in every place in turn
             for name in names:
                 empty[name]()
                 request.clear_target()

@@ -210,7 +210,8 @@ class LMCacheEngine:
         if new and new[0].start > 0 and new[0].start not in digest_ending:  # a masked prefix
             *_, before = self.token_database.process_tokens(tokens[: new[0].start], extra_key=extra_key)
             digest_ending[before.end] = before.key.chunk_hash
-        return [ChunkText(digest_ending.get(c.start), tokens[c.start : c.end].tolist()) for c in new]
+        ids = tokens.detach().to("cpu", torch.int64).numpy().copy()  # the caller may reuse `tokens`
+        return [ChunkText(digest_ending.get(c.start), ids[c.start : c.end]) for c in new]
 
     def _store_chunks(self, chunks: list[ChunkSpan], kwargs: dict[str, Any],
                       texts_of: Callable[[list[ChunkSpan]], list[ChunkText]]) -> int:

@@ -28,7 +28,7 @@ class ChunkText(NamedTuple):
     first chunk)."""
 
     parent: str | None
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | np.ndarray
 
 
 def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None) -> str | None:

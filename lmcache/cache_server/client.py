@@ -430,7 +430,7 @@ class CacheServerClient(MemoryAllocatorInterface):
             fields: dict[str, Any] = {"slots": [o.slot for _, o, _ in triples],
                                       "keys": [k.to_string() for k, _, _ in triples]}
             if attachment.wants_texts and any(t is not None for *_, t in triples):
-                fields["texts"] = [None if t is None else [t.parent, list(t.token_ids)] for *_, t in triples]
+                fields["texts"] = [m.text_to_wire(t) for *_, t in triples]
             self.notify(attachment, "commit", **fields)
         self.counts.add("commits", len(triples))
         return len(triples)

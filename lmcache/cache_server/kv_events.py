@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,11 +57,13 @@ def chunk_block(key: CacheEngineKey, chunk_size: int, text: ChunkText | None) ->
     if text is None:
         return ChunkBlocks([digest_of(key.chunk_hash)], None, [], chunk_size, extra_keys=extra_keys)
     parent = digest_of(text.parent) if text.parent is not None else None
-    return ChunkBlocks([digest_of(key.chunk_hash)], parent, text.token_ids, chunk_size, extra_keys=extra_keys)
+    return ChunkBlocks([digest_of(key.chunk_hash)], parent, list(text.token_ids), chunk_size,
+                       extra_keys=extra_keys)
 
 
 class ChunkTexts:
-    """The texts of the last `max_chunks` chunks committed (thread-safe)."""
+    """The texts of the last `max_chunks` chunks committed (thread-safe; as the server's messages
+    decode them: token ids in an ``array("q")``, 8 bytes each)."""
 
     def __init__(self, max_chunks: int = MAX_TEXTS) -> None:
         self.max_chunks = max_chunks
@@ -81,7 +82,7 @@ class ChunkTexts:
             for key, text in zip(keys, texts, strict=True):
                 if text is None:
                     continue
-                self._texts[key] = ChunkText(text.parent, array("q", text.token_ids))
+                self._texts[key] = text
                 self._texts.move_to_end(key)
                 if len(self._texts) > self.max_chunks:
                     self._texts.popitem(last=False)

@@ -20,8 +20,8 @@ Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fie
 - ``reserve`` {shapes, dtype} -> {slots: [[slot, offset], ...]}: slots of the arena the engine
   writes chunks into, for the leading shapes that fit (fewer: L1 is full); ``commit`` {slots,
   keys, texts} makes them those keys' chunks (`texts`, optional: per key null or ``[the chunk
-  hash of the chunk before or null, token ids]``, what the server's KV events say the chunk
-  holds), ``abort`` {slots} gives them back;
+  hash of the chunk before or null, base64 of the token ids as little-endian int64]``, what the
+  server's KV events say the chunk holds: `text_to_wire`), ``abort`` {slots} gives them back;
 - ``get`` {keys} -> {objs: [[read, offset, shape, dtype], ...]}: the cached prefix, held for the
   engine (never evicted or reused) until ``release`` {reads};
 - ``bye`` {}: the engine leaves; everything it held is given back.
@@ -33,11 +33,16 @@ attach again) or "bad" (the request is malformed).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import math
+import sys
+from array import array
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmcache.cache_key import CacheEngineKey, dtype_tag
@@ -137,9 +142,18 @@ def int_list(message: dict[str, Any], name: str) -> list[int]:
     return value
 
 
+def text_to_wire(text: ChunkText | None) -> list[Any] | None:
+    """A chunk's text in a commit: ``[parent chunk hash or null, token ids]``, the ids as base64 of
+    little-endian int64s (a JSON list of numbers costs far more to write and check)."""
+    if text is None:
+        return None
+    ids = np.ascontiguousarray(np.asarray(text.token_ids, dtype="<i8"))
+    return [text.parent, base64.b64encode(ids.tobytes()).decode("ascii")]
+
+
 def texts_field(message: dict[str, Any], n: int) -> list[ChunkText | None] | None:
-    """The optional ``texts`` of a commit: None, or one entry per key, each None or
-    ``[the chunk hash of the chunk before or null, [token id, ...]]``."""
+    """The optional ``texts`` of a commit: None, or one entry per key, each None or what
+    `text_to_wire` writes."""
     value = message.get("texts")
     if value is None:
         return None
@@ -150,13 +164,22 @@ def texts_field(message: dict[str, Any], n: int) -> list[ChunkText | None] | Non
 
 def _text_of(message: dict[str, Any], entry: Any) -> ChunkText:
     if isinstance(entry, list) and len(entry) == 2:
-        parent, ids = entry
+        parent, encoded = entry
         if ((parent is None or (isinstance(parent, str) and 0 < len(parent) <= 4096))
-                and isinstance(ids, list) and 0 < len(ids) <= MAX_TEXT_TOKENS
-                and all(_is_int(t) and 0 <= t < 1 << 63 for t in ids)):
-            return ChunkText(parent, ids)
-    raise BadMessage(f"{message['op']}: a text is [the parent's chunk hash or null, "
-                     f"[1 to {MAX_TEXT_TOKENS} token ids >= 0]]")
+                and isinstance(encoded, str) and 0 < len(encoded) <= MAX_TEXT_TOKENS * 8 * 4 // 3 + 4):
+            try:
+                raw = base64.b64decode(encoded, validate=True)
+            except binascii.Error:
+                raw = b""
+            if raw and len(raw) % 8 == 0 and len(raw) <= MAX_TEXT_TOKENS * 8:
+                ids = array("q")
+                ids.frombytes(raw)
+                if sys.byteorder == "big":
+                    ids.byteswap()
+                if min(ids) >= 0:
+                    return ChunkText(parent, ids)
+    raise BadMessage(f"{message['op']}: a text is [the parent's chunk hash or null, base64 of 1 to "
+                     f"{MAX_TEXT_TOKENS} token ids >= 0 as little-endian int64]")
 
 
 def keys_field(message: dict[str, Any]) -> list[CacheEngineKey]:

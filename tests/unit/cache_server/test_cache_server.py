@@ -10,10 +10,12 @@ segment left behind by any test.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -268,17 +270,22 @@ def test_a_commit_with_a_malformed_text_is_refused_and_its_slot_stays_the_engine
     reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
     assert reply is not None
     ((slot, _),) = reply["slots"]
-    for texts in ("ab", [None, None], [[None, []]], [[None, [-1]]], [[None, [1.5]]], [[None, [True]]],
-                  [[None, [1 << 63]]], [[7, [1]]], [["", [1]]], [["f" * 4097, [1]]], [[None, [1], 2]],
-                  [[None, list(range(m.MAX_TEXT_TOKENS + 1))]]):
+    def ids(*tokens: int) -> str:
+        return base64.b64encode(struct.pack(f"<{len(tokens)}q", *tokens)).decode()
+
+    ok = ids(1, 2)
+    too_long = base64.b64encode(bytes(8 * (m.MAX_TEXT_TOKENS + 1))).decode()
+    for texts in ("ab", [None, None], [[None, ""]], [[None, ids(-1)]], [[None, [1, 2]]], [[None, "!!!!"]],
+                  [[None, base64.b64encode(b"1234567").decode()]], [[None, too_long]], [[7, ok]], [["", ok]],
+                  [["f" * 4097, ok]], [[None, ok, 2]]):
         commit = {"op": "commit", "id": 3, **ident, "slots": [slot], "keys": [key], "texts": texts}
         reply = ask_raw(sock, commit)
         assert reply is not None and reply["ok"] is False and "text" in reply["error"], (texts, reply)
     assert ask_raw(sock, {"op": "contains", "id": 4, **ident, "keys": [key]})["hits"] == [False]
     (engine,) = server.get("/stats")["engines"].values()
     assert engine["slots_reserved"] == 1 and "committed" not in engine  # counts show from 1 on
-    ask_raw(sock, {"op": "commit", **ident, "slots": [slot], "keys": [key], "texts": [["00fe", [1] * 8]]},
-            timeout=0.2)  # a notification: no answer
+    commit = {"op": "commit", **ident, "slots": [slot], "keys": [key], "texts": [["00fe", ids(*[1] * 8)]]}
+    ask_raw(sock, commit, timeout=0.2)  # a notification: no answer
     assert ask_raw(sock, {"op": "contains", "id": 6, **ident, "keys": [key]})["hits"] == [True]
     ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
     sock.close()
