@@ -70,9 +70,6 @@ class ChunkTexts:
         self._texts: OrderedDict[CacheEngineKey, ChunkText] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._texts)
-
     def get(self, key: CacheEngineKey) -> ChunkText | None:
         with self._lock:
             return self._texts.get(key)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache.cache_key import CacheEngineKey
-from lmcache.cache_server.kv_events import chunk_block
+from lmcache.cache_server.kv_events import ChunkTexts, chunk_block
 from lmcache.chunk_hash import ChunkText, chunk_digests, extra_key_of
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.kv_events import AllBlocksCleared, KVEventBatch, to_kv_events
@@ -107,6 +107,17 @@ def test_a_servers_chunks_with_their_texts_chain_as_an_instances_blocks_and_a_pa
     shared = SharedIndex(tier_weights={"CPU": 0.8})
     shared.apply(events)
     assert shared.match(DOC).tokens == 2 * CHUNK
+
+
+def test_the_server_keeps_the_texts_of_its_last_chunks_and_publishes_an_older_one_by_its_digest():
+    keys, texts = keys_of(DOC)[:3], ChunkTexts(max_chunks=2)
+    texts.add(keys, [texts_of(DOC)[k] for k in keys])
+    assert [texts.get(k) is not None for k in keys] == [False, True, True]
+    known = {k: text for k in keys if (text := texts.get(k)) is not None}
+    first, second = server_events(EventKind.STORED, keys[:2], texts=known)
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == \
+        ([bytes.fromhex(keys[0].chunk_hash)], None, [])
+    assert second.token_ids == DOC[CHUNK : 2 * CHUNK]
 
 
 def test_the_shared_prefix_is_the_whole_chunks_the_server_holds_of_a_prompt():
