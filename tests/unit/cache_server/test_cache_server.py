@@ -243,14 +243,24 @@ def test_an_engine_that_cannot_be_watched_is_reaped_after_two_missed_heartbeats(
     sock.close()
 
 
-def test_a_reserved_slot_is_invisible_until_committed(server, url):
+RAW_KEY = "kv_blob@test-model@1@0@00ff@bfloat16"
+
+
+def holding_a_slot(url: str) -> tuple[zmq.Socket, dict, dict, int, int]:
+    """A raw engine (this process) attached to the server at `url`, holding one reserved slot: its
+    socket, the server's hello, its ident fields, the slot and its offset in the arena."""
     sock = raw_client(url)
     att = hello(sock, pid=os.getpid())
     ident = {"session": att["session"], "engine": att["engine"]}
-    key = "kv_blob@test-model@1@0@00ff@bfloat16"
     reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
     assert reply is not None
     ((slot, offset),) = reply["slots"]
+    return sock, att, ident, slot, offset
+
+
+def test_a_reserved_slot_is_invisible_until_committed(server, url):
+    sock, att, ident, slot, offset = holding_a_slot(url)
+    key = RAW_KEY
     arena = shm.SharedArena.attach(att["arena"], att["arena_size"])
     arena.tensor[offset: offset + CHUNK_BYTES // 2] = 7  # half written
     assert ask_raw(sock, {"op": "contains", "id": 3, **ident, "keys": [key]})["hits"] == [False]
@@ -263,13 +273,9 @@ def test_a_reserved_slot_is_invisible_until_committed(server, url):
 
 
 def test_a_commit_with_a_malformed_text_is_refused_and_its_slot_stays_the_engines(server, url):
-    sock = raw_client(url)
-    att = hello(sock, pid=os.getpid())
-    ident = {"session": att["session"], "engine": att["engine"]}
-    key = "kv_blob@test-model@1@0@00ff@bfloat16"
-    reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": [[2, 2, 8, 8]], "dtype": "bfloat16"})
-    assert reply is not None
-    ((slot, _),) = reply["slots"]
+    sock, _, ident, slot, _ = holding_a_slot(url)
+    key = RAW_KEY
+
     def ids(*tokens: int) -> str:
         return base64.b64encode(struct.pack(f"<{len(tokens)}q", *tokens)).decode()
 
