@@ -30,7 +30,7 @@ MAX_TOKEN_ID = 1 << 32
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
-__all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "decode_batch"]
+__all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "check_endpoints", "decode_batch"]
 
 
 def check_endpoints(endpoints: tuple[str, ...]) -> None:
