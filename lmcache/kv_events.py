@@ -19,7 +19,8 @@ this module turns them into those events:
 - `KVEventPublisher(endpoint, topic)`: vLLM's `ZmqEventPublisher` framing, a PUB socket sending
   ``(topic, 8-byte big-endian sequence, msgpack KVEventBatch)``; ``tcp://*:PORT`` binds, another
   ``tcp://HOST:PORT`` connects. A subscriber that falls behind costs at most `hwm` batches (ZMQ
-  drops the rest for it; `send` never blocks). No replay socket.
+  drops the rest for it; `send` never blocks). No replay socket. `check_endpoints`: the endpoint
+  forms events travel on (the routers' configs check theirs with it).
 """
 
 from __future__ import annotations
@@ -138,13 +139,19 @@ def to_kv_events(published: Iterable[PublishedEvent],
     return out
 
 
+def check_endpoints(endpoints: Sequence[str]) -> None:
+    """ValueError unless each of `endpoints` is a ZMQ endpoint events can travel on."""
+    for endpoint in endpoints:
+        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
+
+
 class KVEventPublisher:
     """Publish `KVEventBatch`es on `endpoint` (see the module doc). Not thread-safe: one thread
     publishes."""
 
     def __init__(self, endpoint: str, topic: str = "", hwm: int = 10_000) -> None:
-        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"KV events endpoint {endpoint!r} must be tcp://, ipc:// or inproc://")
+        check_endpoints([endpoint])
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)

@@ -64,9 +64,9 @@ from typing import Any, ClassVar
 import aiohttp
 from aiohttp import web
 
+from lmcache.kv_events import check_endpoints
 from lmcache.observability import Counters
 from lmcache.pd.params import with_receiver
-from lmcache.router.events import check_endpoints
 from lmcache.router.http import (
     Backend,
     ClientSession,

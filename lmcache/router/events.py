@@ -30,14 +30,7 @@ MAX_TOKEN_ID = 1 << 32
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
-__all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "check_endpoints", "decode_batch"]
-
-
-def check_endpoints(endpoints: tuple[str, ...]) -> None:
-    """ValueError unless each of `endpoints` is a ZMQ endpoint a subscriber can connect to."""
-    for endpoint in endpoints:
-        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
+__all__ = ["MAX_TOKEN_ID", "BlockHash", "Event", "EventSubscriber", "decode_batch"]
 
 
 def decode_batch(payload: bytes, token_ids: bool = True) -> list[Event]:

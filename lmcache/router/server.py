@@ -34,8 +34,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from lmcache.kv_events import check_endpoints
 from lmcache.observability import Counters
-from lmcache.router.events import check_endpoints
 from lmcache.router.http import (
     ClientSession,
     base_url,
