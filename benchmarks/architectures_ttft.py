@@ -25,6 +25,7 @@ benchmarks/out/architectures_ttft[-BUILD].json; both name the CPU and the build.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from long_doc_qa import build_documents
 from machine import cpu_info, cpu_line
 
-from lmcache.integration.vllm.cpu_build import BUILDS, forced_build_env, native_build
+from lmcache.integration.vllm.cpu_build import BUILDS, forced_build, native_build
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import lmcache_transfer_config, stop_llm
 
@@ -109,8 +110,17 @@ def main() -> None:
     parser.add_argument("--build", choices=sorted(BUILDS), default=native_build().name,
                         help="vLLM-CPU kernel build the engines run (default: this CPU's own)")
     args = parser.parse_args()
-    if args.build != native_build().name:  # the engines' processes inherit it
-        os.environ.update(forced_build_env(args.build))
+    native = native_build().name
+    # engines are configured and run as on that build's CPU
+    with forced_build(args.build) if args.build != native else contextlib.nullcontext():
+        results = report(args)
+    suffix = "" if args.build == native else f"-{args.build}"
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"architectures_ttft{suffix}.json").write_text(json.dumps(results, indent=1))
+
+
+def report(args: argparse.Namespace) -> dict[str, Any]:
+    """Measures every architecture, prints the table; returns what the JSON file holds."""
     build = BUILDS[args.build]
     print(f"repeat TTFT, {args.num_docs} x {args.doc_tokens}-token prompts, {args.repeats} repeats; "
           f"{cpu_line()}; vLLM-CPU kernels {build.library} ({build.name} build)")
@@ -121,11 +131,8 @@ def main() -> None:
         m = r["median"]
         print(f"{r['arch']:<14}{r['dtype']:<10}{m['repeat_none']:>13.3f}s{m['repeat_lmcache']:>9.3f}s"
               f"{r['speedup']:>9.1f}x{min(r['hit_tokens']):>12}")
-    OUT.mkdir(exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "build": build.library, "args": vars(args),
-               "results": results}
-    suffix = "" if args.build == native_build().name else f"-{args.build}"
-    (OUT / f"architectures_ttft{suffix}.json").write_text(json.dumps(payload, indent=1))
+    return {"date": time.strftime("%Y-%m-%d"), **cpu_info(), "build": build.library, "args": vars(args),
+            "results": results}
 
 
 if __name__ == "__main__":

