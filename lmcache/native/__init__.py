@@ -9,8 +9,9 @@ returns None and callers use their pure-Python path, which gives the same result
 
 Vector paths (x86, `COPY_ISAS`): the copies pick theirs at each call, the widest the CPU has
 (`copy_isa`); CacheGen's kernels are built once per path (baseline x86-64 for "sse2", x86-64-v3 for
-"avx2" and wider) and loaded in the widest build not above it. ``LMCACHE_COPY_ISA=sse2|avx2|avx512``
-caps both, so every path can be tested on one machine; all paths give the same bytes.
+"avx2", x86-64-v4 with 512-bit vectors for "avx512") and loaded in the widest build not above it.
+``LMCACHE_COPY_ISA=sse2|avx2|avx512`` caps both, so every path can be tested on one machine; all
+paths give the same bytes.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ _SPECS = {
                               ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
                                "-fno-trapping-math"),
                               _cachegen_signatures,
-                              (("sse2", ()), ("avx2", ("-march=x86-64-v3",)))),
+                              (("sse2", ()), ("avx2", ("-march=x86-64-v3",)),
+                               ("avx512", ("-march=x86-64-v4", "-mprefer-vector-width=512")))),
 }
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
