@@ -402,14 +402,25 @@ static void k_token(char *slab, int64_t bs, int64_t hs, int64_t elem, int64_t o,
 }
 
 /* What one packed copy moves and how (sizes in values, `row` a blob row in bytes). `staged`: a
- * scatter on the AVX2 path, which reads each run's blob rows from a buffer (see packed_runs) and
- * streams V rows too. Measured on 189 MB of vec KV: on an AMD Zen 3 (AVX2 only) this makes the
- * scatter 1.2-1.3x faster (strided reads from memory run at half speed there, slower still beside
- * streamed stores); on an Intel Xeon (AVX-512) it made it 12-14% slower, so that path reads in place. */
+ * scatter that reads each run's blob rows from a buffer (see packed_runs) and streams V rows too. */
 typedef struct {
     int64_t hs, bs, elem, row;
     int isa, stream, direction, staged;
 } packed_copy;
+
+/* Whether a packed scatter on path `isa` is staged: on the AVX2 path, and on the AVX-512 path of
+ * AMD CPUs. Measured on 189-377 MB of vec KV: on an AMD Zen 3 (AVX2 only) staging makes the scatter
+ * 1.2-1.3x faster (strided reads from memory run at half speed there, slower still beside streamed
+ * stores), on an AMD Zen 4 (AVX-512) 1.1x (bf16) and 1.2x (fp32); on an Intel Xeon (AVX-512) it
+ * made it 12-14% slower, so that CPU's AVX-512 path reads in place. */
+static int staged_scatter(int isa) {
+#if defined(HAVE_X86_PATHS)
+    return isa == ISA_AVX2 || (isa == ISA_AVX512 && __builtin_cpu_is("amd"));
+#else
+    (void)isa;
+    return 0;
+#endif
+}
 
 /* Tokens o .. o + r - 1 of one (block, head) slab <-> blob rows k and v, in the vec layout: K in
  * tiles (single tokens at the end of the run), V row by row. `scratch` (bs * hs * elem bytes, when
@@ -687,7 +698,7 @@ int lmc_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_bl
     int nt = threads_for(bytes, nthreads), isa = copy_isa(), stream = isa >= ISA_AVX2 && bytes >= STREAM_MIN_BYTES;
     char *const *layers = (char *const *)layer_ptrs;
     packed_copy pc = {head_size, block_size, elem, heads * head_size * elem, isa, stream, direction,
-                      direction == 1 && isa == ISA_AVX2};
+                      direction == 1 && staged_scatter(isa)};
     if (layout == 1 && elem == 2 && head_size % 2 == 0 && block_size % 16 == 0)
         packed_runs(layers, n_layers, heads, slots, layer_rows, chunk_starts, chunk_bufs, n_chunks, nt, &pc,
                     amx_slab);
