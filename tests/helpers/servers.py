@@ -130,11 +130,25 @@ class Valkey:
 def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
     """`n` cluster nodes (no replicas, full coverage not required) joined with CLUSTER MEET and
     given contiguous slot ranges with CLUSTER ADDSLOTSRANGE; returns once the cluster is ok."""
+    nodes: list[Valkey] = []
+    try:
+        for _ in range(n):
+            nodes.append(Valkey(workdir, None, "--cluster-config-file", "nodes.conf",
+                                "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
+                                cluster_bus=True).start())
+        _join(nodes)
+    except BaseException:  # no node outlives a cluster that did not come up
+        for v in nodes:
+            v.kill()
+        raise
+    return nodes
+
+
+def _join(nodes: list[Valkey]) -> None:
+    """The nodes met, each given its slot range; returns once every node sees an ok cluster."""
     import redis
 
-    nodes = [Valkey(workdir, None, "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
-                    "--cluster-require-full-coverage", "no", cluster_bus=True).start()
-             for _ in range(n)]
+    n = len(nodes)
     clients = [redis.Redis(port=v.port) for v in nodes]
     per = 16384 // n
     for i, c in enumerate(clients):
@@ -152,7 +166,6 @@ def start_cluster(workdir: Path, n: int = 3) -> list[Valkey]:
         raise TimeoutError(f"cluster did not become ok: {texts}")
     for c in clients:
         c.close()
-    return nodes
 
 
 class LMServer:
