@@ -147,7 +147,7 @@ def text_to_wire(text: ChunkText | None) -> list[Any] | None:
     little-endian int64s (a JSON list of numbers costs far more to write and check)."""
     if text is None:
         return None
-    ids = np.ascontiguousarray(np.asarray(text.token_ids, dtype="<i8"))
+    ids = np.asarray(text.token_ids, dtype="<i8")
     return [text.parent, base64.b64encode(ids.tobytes()).decode("ascii")]
 
 
@@ -165,21 +165,28 @@ def texts_field(message: dict[str, Any], n: int) -> list[ChunkText | None] | Non
 def _text_of(message: dict[str, Any], entry: Any) -> ChunkText:
     if isinstance(entry, list) and len(entry) == 2:
         parent, encoded = entry
-        if ((parent is None or (isinstance(parent, str) and 0 < len(parent) <= 4096))
-                and isinstance(encoded, str) and 0 < len(encoded) <= MAX_TEXT_TOKENS * 8 * 4 // 3 + 4):
-            try:
-                raw = base64.b64decode(encoded, validate=True)
-            except binascii.Error:
-                raw = b""
-            if raw and len(raw) % 8 == 0 and len(raw) <= MAX_TEXT_TOKENS * 8:
-                ids = array("q")
-                ids.frombytes(raw)
-                if sys.byteorder == "big":
-                    ids.byteswap()
-                if min(ids) >= 0:
-                    return ChunkText(parent, ids)
+        ids = _token_ids(encoded)
+        if ids is not None and (parent is None or (isinstance(parent, str) and 0 < len(parent) <= 4096)):
+            return ChunkText(parent, ids)
     raise BadMessage(f"{message['op']}: a text is [the parent's chunk hash or null, base64 of 1 to "
                      f"{MAX_TEXT_TOKENS} token ids >= 0 as little-endian int64]")
+
+
+def _token_ids(encoded: Any) -> array | None:
+    """`text_to_wire`'s token ids back (1 to MAX_TEXT_TOKENS, each >= 0), or None."""
+    if not isinstance(encoded, str) or not 0 < len(encoded) <= MAX_TEXT_TOKENS * 8 * 4 // 3 + 4:
+        return None
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        return None
+    if not raw or len(raw) % 8 or len(raw) > MAX_TEXT_TOKENS * 8:
+        return None
+    ids = array("q")
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids if min(ids) >= 0 else None
 
 
 def keys_field(message: dict[str, Any]) -> list[CacheEngineKey]:

@@ -77,15 +77,16 @@ class Valkey:
         """Starts the server and waits until it listens. A free port may be taken by another
         process before the server binds it: a first start on ports picked here picks new ones
         and tries again (3 tries); a restart keeps its ports."""
-        for attempt in range(3 if self.picked else 1):
+        tries = 3 if self.picked else 1
+        while True:
             try:
                 return self._start()
             except PortTakenError:
-                if attempt == 2 or not self.picked:
+                tries -= 1
+                if tries == 0:
                     raise
                 self.port = free_port()
                 self.bus_port = free_port() if self.bus_port is not None else None
-        raise AssertionError("unreachable")
 
     def _start(self) -> Valkey:
         args = [valkey_binary()]
