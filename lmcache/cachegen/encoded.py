@@ -89,7 +89,7 @@ class CacheGenEncoderOutput:
     """All token blocks in one `bytestream`; block b's substream s (s = kv * nlayers + layer)
     is ``bytestream[start_indices[b, s]:start_indices[b, s + 1]]``."""
 
-    bytestream: bytes
+    bytestream: bytes | memoryview  # a view of the bytes parsed: `from_bytes(view=True)`
     start_indices: torch.Tensor
     cdf: torch.Tensor
     max_tensors_key: torch.Tensor
@@ -127,5 +127,6 @@ class CacheGenEncoderOutput:
         return fmt.pack_parts(self)
 
     @staticmethod
-    def from_bytes(bs: bytes | bytearray | memoryview) -> CacheGenEncoderOutput:
-        return CacheGenEncoderOutput(**fmt.unpack(bs))
+    def from_bytes(bs: bytes | bytearray | memoryview, view: bool = False) -> CacheGenEncoderOutput:
+        """`view`: the coded bytes stay in `bs` (decode before changing it) instead of a copy."""
+        return CacheGenEncoderOutput(**fmt.unpack(bs, view))

@@ -180,8 +180,10 @@ class _Reader:
         return arr
 
 
-def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """The fields of a `CacheGenEncoderOutput`; raises CorruptBlobError for invalid bytes."""
+def unpack(bs: bytes | bytearray | memoryview, view: bool = False) -> dict[str, Any]:
+    """The fields of a `CacheGenEncoderOutput`; raises CorruptBlobError for invalid bytes.
+    `view`: a rANS stream's `bytestream` is a view of `bs` rather than a copy (for a caller that
+    decodes it before `bs` changes)."""
     if len(bs) < 6:
         raise CorruptBlobError(f"cachegen stream of {len(bs)} bytes is shorter than its header")
     magic, fmt_version = bytes(bs[:4]), bs[4]
@@ -262,7 +264,7 @@ def unpack(bs: bytes | bytearray | memoryview) -> dict[str, Any]:
                              np.cumsum(lengths.reshape(nblocks, pairs), axis=1)], axis=1)
     starts += np.r_[0, np.cumsum(lengths.reshape(nblocks, pairs).sum(1))[:-1]][:, None]
     fields.update(
-        bytestream=bytes(r.buf[r.pos:]),
+        bytestream=r.buf[r.pos:] if view else bytes(r.buf[r.pos:]),
         start_indices=torch.from_numpy(starts),
         cdf=torch.from_numpy(freqs.astype(np.int32)),
         channel_classes=torch.from_numpy(classes.copy()).reshape(2, nlayers, channels),

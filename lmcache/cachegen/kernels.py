@@ -347,10 +347,9 @@ def _check(rc: int, what: str) -> None:
 
 
 def _words(payload: bytes | memoryview, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """payload -> (aligned uint32 words, word offset and word count of every substream)."""
+    """payload -> (its uint32 words, in place: `cg_decode` reads them unaligned too; word offset
+    and word count of every substream)."""
     words = np.frombuffer(payload, dtype=np.uint32)
-    if words.ctypes.data % 4:
-        words = words.copy()
     nwords = np.asarray(lengths, np.int64) // 4
     offsets = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
     return words, offsets, nwords

@@ -137,7 +137,7 @@ class CacheGenDeserializer(Deserializer):
     def _parse(self, bs: bytes | bytearray | memoryview) -> tuple[blob.Blob, CacheGenEncoderOutput]:
         header = blob.unpack(bs, "cachegen")
         try:
-            encoded = CacheGenEncoderOutput.from_bytes(header.payload)
+            encoded = CacheGenEncoderOutput.from_bytes(header.payload, view=True)  # decoded at once
         except (fmt.StaleStreamError, fmt.UnavailableCoderError) as e:
             _log_once(e)
             raise

@@ -206,26 +206,26 @@ int cg_quantize(const void *x, int dtype, int64_t G, int64_t T, int64_t C, const
 }
 
 /* Pass 3 on pair g: out[e - lo] = the number of (t, c) with sym_base[c] + q[t][c] = e, for the
- * pair's table entries [lo, lo + n). part: 4 * n int32 scratch. */
+ * pair's table entries [lo, lo + n). part: HIST_COPIES * n int32 scratch; at: C pointers of
+ * scratch. */
+#define HIST_COPIES 8
 PAIR void histogram_pair(const int16_t *q, int64_t T, int64_t C, const int64_t *base, int64_t lo,
-                         int64_t n, int32_t *part, int64_t *out) {
-    /* 4 copies (channel c counts into copy c % 4): runs of one symbol do not wait on each other's
-     * increments */
-    memset(part, 0, sizeof(int32_t) * 4 * n);
-    int32_t *p0 = part - lo, *p1 = part + n - lo, *p2 = part + 2 * n - lo, *p3 = part + 3 * n - lo;
+                         int64_t n, int32_t *part, int32_t **at, int64_t *out) {
+    /* HIST_COPIES copies (channel c counts into copy c % HIST_COPIES): the many equal symbols of
+     * a row's channels do not wait on each other's increments (a store-to-load chain each).
+     * at[c]: channel c's counter of symbol 0 in its copy, so that a count is one load of a
+     * pointer, one of a symbol and one increment */
+    memset(part, 0, sizeof(int32_t) * HIST_COPIES * n);
+    for (int64_t c = 0; c < C; c++) at[c] = part + (c % HIST_COPIES) * n - lo + base[c];
     for (int64_t t = 0; t < T; t++) {
         const int16_t *row = q + t * C;
-        int64_t c = 0;
-        for (; c + 4 <= C; c += 4) {
-            p0[base[c] + row[c]]++;
-            p1[base[c + 1] + row[c + 1]]++;
-            p2[base[c + 2] + row[c + 2]]++;
-            p3[base[c + 3] + row[c + 3]]++;
-        }
-        for (; c < C; c++) p0[base[c] + row[c]]++;
+        for (int64_t c = 0; c < C; c++) at[c][row[c]]++;
     }
-    for (int64_t e = 0; e < n; e++)
-        out[e] = (int64_t)part[e] + part[n + e] + part[2 * n + e] + part[3 * n + e];
+    for (int64_t e = 0; e < n; e++) {
+        int64_t sum = 0;
+        for (int k = 0; k < HIST_COPIES; k++) sum += part[k * n + e];
+        out[e] = sum;
+    }
 }
 
 /* Pass 3. counts[sym_base[g][c] + q[g][t][c]] += 1 over all tokens (sym_base: the channel's
@@ -239,19 +239,21 @@ int cg_histogram(const int16_t *q, int64_t G, int64_t T, int64_t C, const int64_
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && G > 1)
     {
-        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * 4 * width);
-        if (!part) {
+        int32_t *part = (int32_t *)malloc(sizeof(int32_t) * HIST_COPIES * width);
+        int32_t **at = (int32_t **)malloc(sizeof(int32_t *) * C);
+        if (!part || !at) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++) {
-            if (!part) continue;
+            if (!part || !at) continue;
             const int64_t lo = pair_entries[g];
             histogram_pair(q + g * T * C, T, C, sym_base + g * C, lo, pair_entries[g + 1] - lo,
-                           part, counts + lo);
+                           part, at, counts + lo);
         }
         free(part);
+        free(at);
     }
     return failed ? -2 : 0;
 }
@@ -642,11 +644,12 @@ int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t 
         int32_t *qmin = (int32_t *)malloc(sizeof(int32_t) * C), *qmax = (int32_t *)malloc(sizeof(int32_t) * C);
         int32_t *qpeak = (int32_t *)malloc(sizeof(int32_t) * T);
         const enc_sym **base = (const enc_sym **)malloc(sizeof(enc_sym *) * C);
+        int32_t **hist_at = (int32_t **)malloc(sizeof(int32_t *) * C);
         int64_t *counts = NULL, counts_cap = 0, part_cap = 0, tab_cap = 0;
         int32_t *part = NULL;
         enc_sym *tab = NULL;
         if (quant_buf_alloc(&b, C) || !q || !colsum || !inv || !sumsq || !asum || !chan_buf ||
-            !qmin || !qmax || !qpeak || !base) {
+            !qmin || !qmax || !qpeak || !base || !hist_at) {
             #pragma omp atomic write
             status = -2;
         }
@@ -715,13 +718,13 @@ int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t 
                     *cchans = chan_buf + 3 * C, nc = 0, nk = 0;
             layout_pair(cls, C, 0, ng, lw, sz, start, group_of, sym_base, chans, cchans, &nc, &nk);
             if (grow((void **)&counts, &counts_cap, n, sizeof(int64_t)) ||
-                grow((void **)&part, &part_cap, 4 * n, sizeof(int32_t)) ||
+                grow((void **)&part, &part_cap, HIST_COPIES * n, sizeof(int32_t)) ||
                 grow((void **)&tab, &tab_cap, n, sizeof(enc_sym))) {
                 #pragma omp atomic write
                 status = -2;
                 continue;
             }
-            histogram_pair(q, T, C, sym_base, 0, n, part, counts);
+            histogram_pair(q, T, C, sym_base, 0, n, part, hist_at, counts);
             uint32_t *f = freq + g * PAIR_ENTRIES;
             for (int64_t k = 0; k < ng; k++) { /* every group has symbols: normalize succeeds */
                 normalize_group(counts + start[k], sz[k], f + start[k]);
@@ -755,6 +758,7 @@ int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t 
         free(qmax);
         free(qpeak);
         free(base);
+        free(hist_at);
         free(counts);
         free(part);
         free(tab);
@@ -772,6 +776,10 @@ int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t 
     return total;
 }
 
+/* A coded word as the decoder reads it: in place in the stream, which need not be 4-byte aligned
+ * (where it starts in a blob depends on the tables before it; x86 loads it as fast either way). */
+typedef uint32_t word32 __attribute__((aligned(1), may_alias));
+
 /* One decoder step on state X for coded channel J (column COL(J) of the row, as in ENC_ROW;
  * IDX: the type of its slot index, see dec_tables): decode, renormalize branch-free (reading the
  * next word always; CHECKED: guard the read and mark the substream broken past its end). */
@@ -782,15 +790,44 @@ int64_t cg_encode_chunk(const void *x, int dtype, int64_t G, int64_t T, int64_t 
         uint32_t k_ = t_[slot_];                                                             \
         uint32_t e_ = ((const uint32_t *)(t_ + PROB_SCALE))[k_];                             \
         (X) = (uint64_t)(e_ >> 16) * ((X) >> PROB_BITS) + slot_ - (e_ & 0xFFFFu);            \
+        if (CHECKED)                                                                         \
+            REFILL_CHECKED(X);                                                               \
+        else                                                                                 \
+            REFILL(X);                                                                       \
+        sym[COL(J)] = (int32_t)k_;                                                           \
+    } while (0)
+
+/* Renormalize state X after a decode step: while X < RANS_L, X = X << 32 | w[ptr++] (at most
+ * once). Whether a lane refills is data (about one step in ten, at random): a branch would be
+ * mispredicted that often, so this is a select. On x86-64 it is written out (compare, cmov, add
+ * with carry: GCC otherwise emits a branch, or a masked select of twice the instructions). */
+#if defined(__x86_64__)
+#define REFILL(X)                                                                            \
+    do {                                                                                     \
+        uint64_t refill_ = ((X) << 32) | w[ptr], high_ = (X) >> 31;                          \
+        __asm__("cmpq $1, %[h]\n\tcmovb %[r], %[x]\n\tadcq $0, %[p]"                        \
+                : [x] "+r"(X), [p] "+r"(ptr) : [h] "r"(high_), [r] "r"(refill_) : "cc");      \
+    } while (0)
+#else
+#define REFILL(X)                                                                            \
+    do {                                                                                     \
+        uint64_t need_ = (X) < RANS_L, refill_ = ((X) << 32) | w[ptr];                       \
+        (X) = need_ ? refill_ : (X);                                                         \
+        ptr += (int64_t)need_;                                                               \
+    } while (0)
+#endif
+/* The same where the substream may run out of words: a lane that needs one past the end marks
+ * it broken instead. */
+#define REFILL_CHECKED(X)                                                                    \
+    do {                                                                                     \
         uint64_t need_ = (X) < RANS_L;                                                       \
-        if ((CHECKED) && ptr >= len) {                                                       \
+        if (ptr >= len) {                                                                    \
             broken |= (int)need_;                                                            \
             need_ = 0;                                                                       \
         }                                                                                    \
-        uint64_t refill_ = ((X) << 32) | w[(CHECKED) && ptr >= len ? 0 : ptr];               \
+        uint64_t refill_ = ((X) << 32) | w[ptr >= len ? 0 : ptr];                            \
         (X) = need_ ? refill_ : (X);                                                         \
         ptr += (int64_t)need_;                                                               \
-        sym[COL(J)] = (int32_t)k_;                                                           \
     } while (0)
 
 #define DEC_ANY_LANE(I, J, CHECKED, COL, IDX)                                                \
@@ -866,7 +903,7 @@ static int dec_tables(const uint32_t *freq, const int64_t *group_start, const in
  * of block b (its anchor) adds refine[(b * G + g) * C + c] to each symbol before dequantizing.
  * Substream s's words: words[stream_off[s], + stream_len[s]). Returns the number of substreams
  * that failed to decode (0 = all valid). */
-int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *stream_len,
+int cg_decode(const word32 *words, const int64_t *stream_off, const int64_t *stream_len,
               int64_t G, int64_t T, int64_t C, int64_t B, const int64_t *block_starts,
               const int64_t *ncoded, const int64_t *chans, const int64_t *nconst,
               const int64_t *cchans, const int64_t *group_of_chan, const int64_t *group_start,
@@ -915,7 +952,7 @@ int cg_decode(const uint32_t *words, const int64_t *stream_off, const int64_t *s
             for (int64_t k = 0; k < nk; k++) sym[cc[k]] = 0;
             for (int64_t j = 0; j < nc; j++) tab[j] = tables + (gid[ch[j]] - first) * DEC_TABLE(narrow);
             int64_t n = (t1 - t0) * nc, len = stream_len[s];
-            const uint32_t *w = words + stream_off[s];
+            const word32 *w = words + stream_off[s];
             int broken = n == 0 ? len != 0 : len < 2 * LANES;
             uint64_t x0, x1, x2, x3, x4, x5, x6, x7;
             x0 = x1 = x2 = x3 = x4 = x5 = x6 = x7 = RANS_L;

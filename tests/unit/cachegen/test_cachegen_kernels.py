@@ -179,6 +179,20 @@ def test_the_native_decoder_checks_its_tables_itself(make_kv, native: NativeKern
                           tables.refine, 32, torch.bfloat16)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_the_coded_words_decode_in_place_at_any_byte_offset(make_kv, native: NativeKernels,
+                                                             offset: int) -> None:
+    """A blob's substreams start wherever its tables end: the decoder reads them there, aligned
+    or not, with the same result."""
+    cfg = CacheGenConfig.default_for_layers(2)
+    encoded = encode_stream(make_kv(2, 48, 24), torch.tensor(cfg.key_bins()),
+                            torch.tensor(cfg.value_bins()), 16)
+    expected = decode_stream(encoded, torch.bfloat16, REFERENCE)
+    shifted = bytearray(offset) + bytes(encoded.bytestream)
+    encoded.bytestream = memoryview(shifted)[offset:]
+    assert torch.equal(decode_stream(encoded, torch.bfloat16, native), expected)
+
+
 @pytest.mark.parametrize("coder", [NATIVE, REFERENCE], ids=["native", "reference"])
 def test_each_coder_rejects_a_changed_substream_word(make_kv, coder) -> None:
     cfg = CacheGenConfig.default_for_layers(2)
