@@ -16,8 +16,9 @@
  * substream is valid only if every lane ends at L with every word consumed.
  *
  * Work is split over pairs / substreams with OpenMP (dynamic schedule); ctypes releases the GIL.
- * The file is built once per vector path (`lmcache.native`: baseline x86-64, and x86-64-v3 with
- * AVX2 and BMI2); the arithmetic is the same IEEE operations in every build (no FMA).
+ * The file is built once per vector path (`lmcache.native`: baseline x86-64, x86-64-v3 with AVX2
+ * and BMI2, x86-64-v4 with 512-bit vectors); the arithmetic is the same IEEE operations in every
+ * build (no FMA).
  */
 #include <stdint.h>
 #include <stdlib.h>
