@@ -29,7 +29,7 @@ way, no copy added:
   seal buffer, reused chunk after chunk (`sealed`, `sealed_parts`: no fresh 6 MB buffer to fault
   in per chunk).
 - Reading, `Sealer.open` returns a stream of the plaintext: the ciphertext is read straight into
-  the caller's buffer and decrypted there in place, 256 KiB at a time (still in L2); its
+  the caller's buffer and decrypted there in place, 512 KiB at a time (still in L2); its
   `finish()` checks the tag, and nothing read from it may be served before `finish()` returned.
 
 Random 96-bit nonces: a key seals at most 2**32 blobs before it should be rotated (NIST SP
@@ -73,7 +73,7 @@ _HEADER = struct.Struct("<4sB3x8s12sQ")
 HEADER_SIZE = _HEADER.size
 OVERHEAD = HEADER_SIZE + TAG_BYTES
 KEY_ENV = "LMCACHE_KV_KEY"
-OPEN_PIECE = 256 << 10  # ciphertext read into place, then decrypted there while still in L2
+OPEN_PIECE = 512 << 10  # ciphertext read into place, then decrypted there while still in L2
 T = TypeVar("T")
 
 Buffer = bytes | memoryview
