@@ -194,9 +194,8 @@ class PDSender:
             self.agent.write(link.nixl_peer, ranges, notif.encode(), NIXL_WRITE_TIMEOUT)
         send_message(link.sock, {"op": "written", "inline": [i for i, _ in inline], "notif": notif})
         for i, tensor in inline:
-            with sealed_parts(self.sealer, pending[i][0].to_string().encode(), [byte_view(tensor)]) as parts:
-                for part in parts:
-                    link.sock.sendall(part)
+            for part in sealed_parts(self.sealer, pending[i][0].to_string().encode(), [byte_view(tensor)]):
+                link.sock.sendall(part)
         committed = expect_ok(recv_message(link.sock)).get("committed")
         if committed != len(reserved):
             raise WireError(f"the receiver committed {committed} of {len(reserved)} chunks")

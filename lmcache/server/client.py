@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 from lmcache.server import protocol
 from lmcache.server.protocol import Op, Status
+from lmcache.write_parts import Buffer, Parts, nbytes_of
 
-Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 X = TypeVar("X")
 
@@ -41,9 +41,9 @@ class LMCacheClient:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def put(self, key: str, value: Buffer | Sequence[Buffer]) -> None:
-        """Store `value` (bytes, or pieces sent in order without joining them)."""
-        parts = [value] if isinstance(value, (bytes, bytearray, memoryview)) else list(value)
+    def put(self, key: str, value: Buffer | Parts) -> None:
+        """Store `value` (bytes, or parts sent in order without joining them: `write_parts`)."""
+        parts = [value] if isinstance(value, (bytes, bytearray, memoryview)) else value
         status, _ = self._call([(Op.PUT, key, parts)])[0]
         if status == Status.TOO_LARGE:
             raise LMServerError(f"value for {key!r} is larger than the server's capacity")
@@ -118,8 +118,8 @@ class LMCacheClient:
 
     # ---- transport ------------------------------------------------------------------------------
 
-    def _call(self, requests: list[tuple[Op, str, Sequence[Buffer]]]) -> list[tuple[Status, bytearray]]:
-        frames = [(protocol.pack_request(op, key.encode(), sum(memoryview(p).nbytes for p in parts)), parts)
+    def _call(self, requests: list[tuple[Op, str, Parts]]) -> list[tuple[Status, bytearray]]:
+        frames = [(protocol.pack_request(op, key.encode(), nbytes_of(parts)), parts)
                   for op, key, parts in requests]
 
         def send_all(sock: socket.socket) -> list[tuple[Status, bytearray]]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Sequence
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde import keyed_blob
 from lmcache.storage_backend.serde.seal import Sealer
 from lmcache.storage_backend.serde.serde import AllocateFn, Deserializer
+from lmcache.write_parts import Buffer, Parts
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -32,10 +32,8 @@ MIN_FILE_SIZE = keyed_blob.MIN_SIZE
 STALE_TMP_SECONDS = 600.0
 _PROCESS_TOKEN = os.urandom(4).hex()  # tells this process's temporary files from a dead namesake's
 
-Buffer = bytes | memoryview
 
-
-def write_atomic(directory: str, stem: str, parts: Sequence[Buffer], fsync: bool) -> None:
+def write_atomic(directory: str, stem: str, parts: Parts, fsync: bool) -> None:
     final = os.path.join(directory, stem + SUFFIX)
     tmp = os.path.join(directory, f"{stem}.{os.getpid()}.{_PROCESS_TOKEN}{os.urandom(6).hex()}{TMP_SUFFIX}")
     try:

@@ -49,6 +49,7 @@ from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, c
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.seal import ForgedBlobError, create_sealer, sealed_parts
 from lmcache.storage_backend.serde.serde import AllocateFn
+from lmcache.write_parts import nbytes_of, prefixed
 
 logger = logging.getLogger(__name__)
 
@@ -245,17 +246,17 @@ class LocalDiskBackend(LowerTierBackend):
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
         chunk_key = key.to_string().encode()
-        with sealed_parts(self.sealer, chunk_key, self.serializer.to_parts(tensor)) as blob:
-            parts = keyed_blob.keyed_parts(chunk_key, blob)
-            size = sum(len(p) for p in parts)
-            if not self._reserve(size):
-                return
-            stem = self._seen(key)
-            try:
-                disk_file.write_atomic(self.path, stem, parts, self.fsync)
-            finally:
-                with self._index_lock:
-                    self._reserved_bytes -= size
+        parts = prefixed(keyed_blob.keyed_head(chunk_key),
+                         sealed_parts(self.sealer, chunk_key, self.serializer.to_parts(tensor)))
+        size = nbytes_of(parts)
+        if not self._reserve(size):
+            return
+        stem = self._seen(key)
+        try:
+            disk_file.write_atomic(self.path, stem, parts, self.fsync)
+        finally:
+            with self._index_lock:
+                self._reserved_bytes -= size
         self._insert_stem(stem, size)
         self.events.stored([key])
 

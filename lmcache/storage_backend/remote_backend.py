@@ -171,8 +171,8 @@ class RemoteBackend(LowerTierBackend):
         if tensor is None:
             raise ValueError(f"the remote tier stores tensors; got a {obj.get_memory_format()} object")
         rk = self._remote_key(key)
-        with sealed_parts(self.sealer, key.to_string().encode(), self.serializer.to_parts(tensor)) as parts:
-            self._run(rk, lambda: self.connector.put(rk, parts))
+        parts = sealed_parts(self.sealer, key.to_string().encode(), self.serializer.to_parts(tensor))
+        self._run(rk, lambda: self.connector.put(rk, parts))
         self.events.stored([key])
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:

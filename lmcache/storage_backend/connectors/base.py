@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from lmcache.storage_backend.serde.blob_stream import BufferStream, ReadStream
+from lmcache.write_parts import Buffer, Parts
 
-Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 
 
@@ -44,9 +44,9 @@ class RemoteConnector(abc.ABC):
         return [self.exists(k) for k in keys]
 
     @abc.abstractmethod
-    def put(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Store the concatenation of `parts` under `key`. The parts are valid during the call
-        only (a sealed value is a buffer its thread reuses): write them, never keep them."""
+    def put(self, key: str, parts: Parts) -> None:
+        """Store the concatenation of `parts` under `key` (`write_parts`: a sealed value is made
+        piece by piece as it is taken; write each part before taking the next, keep none)."""
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

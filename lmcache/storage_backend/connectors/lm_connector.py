@@ -13,6 +13,7 @@ from lmcache.server.client import LMCacheClient
 from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
 from lmcache.storage_backend.connectors.url import RemoteURL
 from lmcache.storage_backend.serde.blob_stream import ReadStream
+from lmcache.write_parts import Parts
 
 
 class LMConnector(RemoteConnector):
@@ -39,7 +40,7 @@ class LMConnector(RemoteConnector):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self.client.exists_many(keys)
 
-    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+    def put(self, key: str, parts: Parts) -> None:
         self.client.put(key, parts)
 
     def exists(self, key: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import redis
@@ -24,6 +25,7 @@ from lmcache.storage_backend.connectors.base import Buffer, RemoteConnector, T
 from lmcache.storage_backend.connectors.resp import RespBulkReply
 from lmcache.storage_backend.connectors.url import RemoteURL
 from lmcache.storage_backend.serde.blob_stream import ReadStream
+from lmcache.write_parts import Parts, nbytes_of
 
 REDIS_OPTIONS = frozenset({"ttl", "max_connections"})
 TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
@@ -69,16 +71,14 @@ def borrowed(pool: Any) -> Iterator[Any]:
         pool.release(conn)
 
 
-def set_command(key: str, parts: Sequence[Buffer], ttl: int | None) -> list[Buffer]:
+def set_command(key: str, parts: Parts, ttl: int | None) -> Iterator[Buffer]:
     """The RESP of ``SET key value [EX ttl]`` as pieces to send in order, the value being the
     concatenation of `parts` (not copied)."""
     k = key.encode()
-    views = [memoryview(p).cast("B") for p in parts]
     options = [b"EX", str(ttl).encode()] if ttl is not None else []
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(options), len(k), k,
-                                                             sum(len(v) for v in views))
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(options), len(k), k, nbytes_of(parts))
     tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(o), o) for o in options)
-    return [head, *views, tail]
+    return chain((head,), parts, (tail,))
 
 
 class RedisClientConnector(RemoteConnector):
@@ -95,14 +95,15 @@ class RedisClientConnector(RemoteConnector):
     def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         return list(self.client.mget(keys)) if keys else []
 
-    def put(self, key: str, parts: Sequence[Buffer]) -> None:
+    def put(self, key: str, parts: Parts) -> None:
         """SET, its value sent from `parts` as they are. redis-py joins the parts and packs the
         command into new buffers first (copies of the whole value: 2.6-3.9x the client's CPU time of
         a 6 MB SET, `benchmarks/valkey_set.py`), so on a client with one connection pool (standalone,
         sentinel) the command is packed here; a cluster client routes by key and packs its own."""
         pool = getattr(self.client, "connection_pool", None)
         if pool is None:
-            self.client.set(key, parts[0] if len(parts) == 1 else b"".join(parts), ex=self.ttl)
+            one = parts[0] if isinstance(parts, Sequence) and len(parts) == 1 else None
+            self.client.set(key, one if one is not None else b"".join(parts), ex=self.ttl)
             return
         with borrowed(pool) as conn:
             conn.send_packed_command(set_command(key, parts, self.ttl))

@@ -27,12 +27,18 @@ MIN_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
 Buffer = bytes | memoryview
 
 
+def keyed_head(key_bytes: bytes) -> list[Buffer]:
+    """What comes before the blob in a keyed blob (`write_parts.prefixed` puts it before parts
+    sealed piece by piece)."""
+    return [_PREFIX.pack(MAGIC, len(key_bytes)), key_bytes]
+
+
 def keyed_parts(key_bytes: bytes, blob_parts: Sequence[Buffer], sealer: Sealer | None = None) -> list[Buffer]:
     """The pieces of a keyed blob, in order (the blob parts are not copied; sealed where `sealer`
     is set, into a new buffer: a writer done with them at once seals with `seal.sealed_parts`)."""
     if sealer is not None:
         blob_parts = [memoryview(sealer.seal(key_bytes, blob_parts))]
-    return [_PREFIX.pack(MAGIC, len(key_bytes)), key_bytes, *blob_parts]
+    return [*keyed_head(key_bytes), *blob_parts]
 
 
 def read_key(stream: ReadStream, length: int) -> tuple[bytes, int]:

@@ -24,10 +24,11 @@ AES-GCM comes from `cryptography` (OpenSSL underneath; its calls release the GIL
 worker threads seal and open side by side), through its streaming GCM cipher rather than the
 one-shot `AESGCM`, which needs the whole blob in one buffer and returns a new one. One pass each
 way, no copy added:
-- Writing, the blob is encrypted straight into one buffer (`seal_into`): a new one the caller owns
-  (`seal`), or, for a writer done with it at once (the disk file, a SET, a socket), this thread's
-  seal buffer, reused chunk after chunk (`sealed`, `sealed_parts`: no fresh 6 MB buffer to fault
-  in per chunk).
+- Writing, for a writer done with each piece at once (the disk file, a SET, a socket), the blob
+  is encrypted as it is written, 512 KiB at a time, into this thread's piece buffer, which stays
+  in L2 (`Sealer.pieces`, `sealed_parts`: no 6 MB sealed copy to write out of memory, no fresh
+  buffer to fault in per chunk); a blob that outlives the call (the peer server's reply) is
+  encrypted straight into a new buffer (`seal`).
 - Reading, `Sealer.open` returns a stream of the plaintext: the ciphertext is read straight into
   the caller's buffer and decrypted there in place, 512 KiB at a time (still in L2); its
   `finish()` checks the tag, and nothing read from it may be served before `finish()` returned.
@@ -52,7 +53,13 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import AEADDecryptionContext, Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    AEADEncryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 
 from lmcache.memory_management import MemoryObj
 from lmcache.storage_backend.serde.blob import SEALED_MAGIC
@@ -64,6 +71,7 @@ from lmcache.storage_backend.serde.blob_stream import (
     readinto_exact,
 )
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
+from lmcache.write_parts import Parts, Pieces
 
 MAGIC = SEALED_MAGIC
 VERSION = 1
@@ -74,6 +82,7 @@ HEADER_SIZE = _HEADER.size
 OVERHEAD = HEADER_SIZE + TAG_BYTES
 KEY_ENV = "LMCACHE_KV_KEY"
 OPEN_PIECE = 512 << 10  # ciphertext read into place, then decrypted there while still in L2
+SEAL_PIECE = 512 << 10  # plaintext encrypted into a buffer that stays in L2 while written
 T = TypeVar("T")
 
 Buffer = bytes | memoryview
@@ -110,6 +119,14 @@ class Sealer:
     def sealed_size(self, parts: Sequence[Buffer]) -> int:
         return OVERHEAD + sum(memoryview(p).nbytes for p in parts)
 
+    def _header(self, nonce: bytes, size: int) -> bytes:
+        return _HEADER.pack(MAGIC, VERSION, self.sealing_id, nonce, size - OVERHEAD)
+
+    def _encryptor(self, nonce: bytes, header: bytes, chunk_key: bytes) -> AEADEncryptionContext:
+        enc = Cipher(algorithms.AES(self._keys[self.sealing_id]), modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(header + chunk_key)
+        return enc
+
     def seal_into(self, chunk_key: bytes, parts: Sequence[Buffer], out: memoryview) -> memoryview:
         """Seal the blob `parts` (in order) for `chunk_key` into the head of `out` (at least
         `sealed_size(parts)` bytes): one pass, encrypted straight into place. Returns that head."""
@@ -117,9 +134,9 @@ class Sealer:
         if len(out) < size:
             raise ValueError(f"a sealed blob of {size} bytes does not fit in {len(out)}")
         nonce = os.urandom(12)
-        _HEADER.pack_into(out, 0, MAGIC, VERSION, self.sealing_id, nonce, size - OVERHEAD)
-        enc = Cipher(algorithms.AES(self._keys[self.sealing_id]), modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(bytes(out[:HEADER_SIZE]) + chunk_key)
+        header = self._header(nonce, size)
+        out[:HEADER_SIZE] = header
+        enc = self._encryptor(nonce, header, chunk_key)
         at = HEADER_SIZE
         for part in parts:
             view = memoryview(part).cast("B")
@@ -134,14 +151,31 @@ class Sealer:
         self.seal_into(chunk_key, parts, memoryview(out))
         return out
 
-    @contextmanager
-    def sealed(self, chunk_key: bytes, parts: Sequence[Buffer]) -> Iterator[memoryview]:
-        """The sealed blob of `parts` for `chunk_key`, in this thread's seal buffer: valid inside
-        the block only (for a writer that is done with it when the block ends; a buffer that
-        outlives the block comes from `seal`). Reusing one buffer per thread spares a fresh 6 MB
-        buffer's page faults on every chunk."""
-        with _thread_buffer(self.sealed_size(parts)) as scratch:
-            yield self.seal_into(chunk_key, parts, scratch)
+    def pieces(self, chunk_key: bytes, parts: Sequence[Buffer]) -> Pieces:
+        """The sealed blob of `parts` for `chunk_key`, for a writer done with each piece before it
+        takes the next (a file, a socket): its header, its ciphertext SEAL_PIECE bytes at a time,
+        each encrypted when taken into this thread's piece buffer, and its tag. The bytes written
+        are still in L2; a whole sealed blob would be one more pass through memory. A piece is
+        released when the next is taken (kept longer, it raises rather than shows other bytes);
+        taking them again seals the same bytes again (one nonce per blob), so a writer may retry."""
+        size = self.sealed_size(parts)
+        nonce = os.urandom(12)
+        header = self._header(nonce, size)
+
+        def make() -> Iterator[memoryview]:
+            with _thread_buffer(SEAL_PIECE + TAG_BYTES) as buf:  # update_into's room: + a block
+                enc = self._encryptor(nonce, header, chunk_key)
+                yield memoryview(header)
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    for at in range(0, len(view), SEAL_PIECE):
+                        piece = buf[:enc.update_into(view[at:at + SEAL_PIECE], buf)]  # no GIL
+                        yield piece
+                        piece.release()
+                enc.finalize()
+                yield memoryview(enc.tag)
+
+        return Pieces(size, make)
 
     def open(self, stream: ReadStream, length: int, chunk_key: bytes) -> OpenedBlob:
         """The plaintext of the sealed blob of `length` bytes at the head of `stream` (its header
@@ -219,7 +253,7 @@ _buffers = threading.local()
 @contextmanager
 def _thread_buffer(n: int) -> Iterator[memoryview]:
     """This thread's seal buffer (at least `n` bytes; grown, never shrunk) for the block; a
-    nested use in the same thread gets a fresh buffer instead."""
+    nested use in the same thread (two sealed blobs taken in turn) gets a fresh buffer instead."""
     slot: _Slot | None = getattr(_buffers, "slot", None)
     if slot is None:
         slot = _buffers.slot = _Slot()
@@ -241,16 +275,10 @@ class _Slot:
         self.busy = False
 
 
-@contextmanager
-def sealed_parts(sealer: Sealer | None, chunk_key: bytes,
-                 parts: Sequence[Buffer]) -> Iterator[Sequence[Buffer]]:
-    """The blob `parts` as written for `chunk_key`: sealed (one piece, in this thread's seal
-    buffer, valid inside the block only) where `sealer` is set, else `parts` themselves."""
-    if sealer is None:
-        yield parts
-        return
-    with sealer.sealed(chunk_key, parts) as blob:
-        yield [blob]
+def sealed_parts(sealer: Sealer | None, chunk_key: bytes, parts: Sequence[Buffer]) -> Parts:
+    """The blob `parts` as a writer done with each piece at once writes it for `chunk_key`:
+    sealed piece by piece (`Sealer.pieces`) where `sealer` is set, else `parts` themselves."""
+    return parts if sealer is None else sealer.pieces(chunk_key, parts)
 
 
 def read_blob_sealed(stream: ReadStream, length: int, chunk_key: bytes, sealer: Sealer | None, serde_id: int,

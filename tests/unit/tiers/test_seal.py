@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lmcache.cli import main as cli_main
 from lmcache.config import LMCacheEngineConfig
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
-from lmcache.storage_backend.serde import ForeignSerdeError, create_serde
+from lmcache.storage_backend.serde import ForeignSerdeError, create_serde, seal
 from lmcache.storage_backend.serde.blob import SERDE_IDS
 from lmcache.storage_backend.serde.blob_stream import BufferStream, read_blob
 from lmcache.storage_backend.serde.seal import (
@@ -65,30 +65,40 @@ def test_two_seals_of_the_same_chunk_differ_by_nonce(meta):
     assert a != b and len(a) == len(b)
 
 
-def test_the_thread_seal_buffer_and_a_new_one_give_blobs_that_open_alike_and_nesting_is_safe(meta, allocator):
-    """`sealed` (the thread's reused buffer, for writers done with it in the block) and `seal` (a
-    new buffer) give blobs that open alike; a seal nested in another's block gets its own buffer,
-    so the outer blob is not overwritten."""
+@pytest.mark.parametrize("piece", [100, 1 << 19], ids=["small-pieces", "default"])
+def test_a_blob_sealed_piece_by_piece_opens_like_one_sealed_whole(meta, allocator, monkeypatch, piece):
+    """`pieces` (encrypted as taken, for writers done with each piece at once) and `seal` (a new
+    buffer) give blobs that open alike; taking the pieces again gives the same bytes (a writer
+    may retry); two blobs taken in turn in one thread each get their own piece buffer."""
+    monkeypatch.setattr(seal, "SEAL_PIECE", piece)
     sealer = Sealer([K1])
     ser, _ = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
     t1, t2 = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
               for seed in (1, 2))
-    with sealer.sealed(CHUNK_KEY, ser.to_parts(t1)) as outer:
-        before = bytes(outer)
-        with sealer.sealed(OTHER_KEY, ser.to_parts(t2)) as inner:
-            inner_bytes = bytes(inner)
-        assert bytes(outer) == before
-    with sealer.sealed(CHUNK_KEY, ser.to_parts(t2)) as again:  # the thread buffer, reused
-        again_bytes = bytes(again)
+    p1, p2 = sealer.pieces(CHUNK_KEY, ser.to_parts(t1)), sealer.pieces(OTHER_KEY, ser.to_parts(t2))
+    first = b"".join(bytes(p) for p in p1)
+    assert b"".join(bytes(p) for p in p1) == first and len(first) == p1.nbytes
+    a, b = bytearray(), bytearray()
+    for x, y in zip(p1, p2, strict=False):  # in turn: the second blob's pieces in a buffer of their own
+        a += x
+        b += y
+    assert bytes(a) == first and len(b) == p2.nbytes
     fresh = bytes(sealer.seal(CHUNK_KEY, ser.to_parts(t1)))
-    assert len(fresh) == len(before) == ser_len(ser, t1) + OVERHEAD
-    for blob, key, t in ((before, CHUNK_KEY, t1), (inner_bytes, OTHER_KEY, t2), (again_bytes, CHUNK_KEY, t2),
-                         (fresh, CHUNK_KEY, t1)):
+    assert len(fresh) == len(first) == ser_len(ser, t1) + OVERHEAD
+    for blob, key, t in ((first, CHUNK_KEY, t1), (bytes(b), OTHER_KEY, t2), (fresh, CHUNK_KEY, t1)):
         obj = open_blob(sealer, blob, meta, allocator, key)
         assert torch.equal(obj.tensor, t)
         obj.ref_count_down()
     with pytest.raises(ValueError, match="does not fit"):
         sealer.seal_into(CHUNK_KEY, ser.to_parts(t1), memoryview(bytearray(len(fresh) - 1)))
+
+
+def test_a_piece_kept_past_the_next_one_raises_instead_of_showing_other_bytes(meta, monkeypatch):
+    monkeypatch.setattr(seal, "SEAL_PIECE", 100)
+    ser, _ = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
+    kept = list(Sealer([K1]).pieces(CHUNK_KEY, ser.to_parts(torch.zeros(SHAPE, dtype=torch.bfloat16))))
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[1])  # the first ciphertext piece: its buffer has held later pieces since
 
 
 def ser_len(ser, t: torch.Tensor) -> int:
