@@ -2,9 +2,9 @@
 
 Either buffers that exist already (a serialized chunk's header and its tensor's memory), or
 `Pieces`: parts made as they are written, e.g. a sealed blob encrypted one piece at a time into
-one small buffer, so that the bytes a socket or a file takes are still in the core's cache. A
-writer learns the total from `nbytes_of` before writing (a frame or a RESP header carries it),
-then writes each part before taking the next, and keeps none of them.
+one buffer reused piece after piece, rather than into a whole sealed copy of the value. A writer
+learns the total from `nbytes_of` before writing (a frame or a RESP header carries it), then
+writes each part before taking the next, and keeps none of them.
 """
 
 from __future__ import annotations
