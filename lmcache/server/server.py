@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 from lmcache.server import protocol
 from lmcache.server.lru_store import LRUByteStore
 from lmcache.server.protocol import Op, ProtocolError, Status
+from lmcache.write_parts import Buffer
 
 logger = logging.getLogger(__name__)
-Buffer = bytes | bytearray | memoryview
 
 
 class Reply(NamedTuple):

@@ -102,8 +102,8 @@ class RedisClientConnector(RemoteConnector):
         sentinel) the command is packed here; a cluster client routes by key and packs its own."""
         pool = getattr(self.client, "connection_pool", None)
         if pool is None:
-            one = parts[0] if isinstance(parts, Sequence) and len(parts) == 1 else None
-            self.client.set(key, one if one is not None else b"".join(parts), ex=self.ttl)
+            value = parts[0] if isinstance(parts, Sequence) and len(parts) == 1 else b"".join(parts)
+            self.client.set(key, value, ex=self.ttl)
             return
         with borrowed(pool) as conn:
             conn.send_packed_command(set_command(key, parts, self.ttl))

@@ -18,13 +18,13 @@ from lmcache.storage_backend.serde import blob as blob_header
 from lmcache.storage_backend.serde.blob_stream import ReadStream, read_exact
 from lmcache.storage_backend.serde.seal import Sealer, read_blob_sealed
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
+from lmcache.write_parts import Buffer
 
 MAGIC = b"LMCK"
 _PREFIX = struct.Struct("<4sI")
 MAX_KEY_BYTES = 4096
 MIN_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
 
-Buffer = bytes | memoryview
 
 
 def keyed_head(key_bytes: bytes) -> list[Buffer]:

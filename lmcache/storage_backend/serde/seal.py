@@ -71,7 +71,7 @@ from lmcache.storage_backend.serde.blob_stream import (
     readinto_exact,
 )
 from lmcache.storage_backend.serde.serde import AllocateFn, CorruptBlobError, Deserializer
-from lmcache.write_parts import Parts, Pieces
+from lmcache.write_parts import Buffer, Parts, Pieces, nbytes_of
 
 MAGIC = SEALED_MAGIC
 VERSION = 1
@@ -88,7 +88,6 @@ OPEN_PIECE = 256 << 10  # ciphertext read into place, then decrypted there while
 SEAL_PIECE = 2 << 20
 T = TypeVar("T")
 
-Buffer = bytes | memoryview
 
 
 class ForgedBlobError(CorruptBlobError):
@@ -120,7 +119,7 @@ class Sealer:
         return f"Sealer(sealing={self.sealing_id.hex()}, keys={len(self._keys)})"
 
     def sealed_size(self, parts: Sequence[Buffer]) -> int:
-        return OVERHEAD + sum(memoryview(p).nbytes for p in parts)
+        return OVERHEAD + nbytes_of(parts)
 
     def _header(self, nonce: bytes, size: int) -> bytes:
         return _HEADER.pack(MAGIC, VERSION, self.sealing_id, nonce, size - OVERHEAD)
