@@ -61,10 +61,12 @@ def readinto_exact(stream: ReadStream, view: memoryview,
 
 
 def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deserializer,
-              allocate: AllocateFn) -> MemoryObj | None:
+              allocate: AllocateFn, checksum: bool = True) -> MemoryObj | None:
     """The blob of `blob_len` bytes at the head of `stream`, in a buffer from `allocate` (one
     reference, owned by the caller); None if `allocate` has no room (then the payload is left
-    unread). Raises CorruptBlobError (ForeignSerdeError for an intact blob of another serde)."""
+    unread). `checksum=False`: a raw payload is not hashed (for a stream that authenticates it
+    as a whole, a sealed blob's; its length is still checked). Raises CorruptBlobError
+    (ForeignSerdeError for an intact blob of another serde)."""
     head, header = _read_header(stream, blob_len)
     if not (header.serde_id == serde_id and deser.raw_payload and header.dtype == deser.dtype):
         return deser.from_bytes_to(_with_payload(stream, head, header.payload_len), allocate)
@@ -75,9 +77,10 @@ def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deseriali
     if obj is None:
         return None
     try:
-        verifier = blob_header.PayloadVerifier(head, header)
+        verifier = blob_header.PayloadVerifier(head, header) if checksum else None
         readinto_exact(stream, obj.byte_array, verifier)
-        verifier.finish()
+        if verifier is not None:
+            verifier.finish()
     except BaseException:
         obj.ref_count_down()
         raise

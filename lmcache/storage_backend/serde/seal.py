@@ -285,11 +285,12 @@ def sealed_parts(sealer: Sealer | None, chunk_key: bytes, parts: Sequence[Buffer
 def read_blob_sealed(stream: ReadStream, length: int, chunk_key: bytes, sealer: Sealer | None, serde_id: int,
                      deser: Deserializer, allocate: AllocateFn) -> MemoryObj | None:
     """`blob_stream.read_blob` of the blob of `length` bytes at the head of `stream`, opened first
-    where `sealer` is set (the object is returned only once the tag verified)."""
+    where `sealer` is set (the object is returned only once the tag verified; a raw payload is
+    then not hashed too: the tag covers the blob header, checksum included, and every byte)."""
     if sealer is None:
         return read_blob(stream, length, serde_id, deser, allocate)
     opened = sealer.open(stream, length, chunk_key)
-    obj = opened.read(lambda s, n: read_blob(s, n, serde_id, deser, allocate))
+    obj = opened.read(lambda s, n: read_blob(s, n, serde_id, deser, allocate, checksum=False))
     if obj is None:
         return None  # no room: a miss, nothing served
     try:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from lmcache.cli import main as cli_main
 from lmcache.config import LMCacheEngineConfig
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
-from lmcache.storage_backend.serde import ForeignSerdeError, create_serde, seal
-from lmcache.storage_backend.serde.blob import SERDE_IDS
+from lmcache.storage_backend.serde import CorruptBlobError, ForeignSerdeError, create_serde, seal
+from lmcache.storage_backend.serde.blob import HEADER_SIZE, SERDE_IDS
 from lmcache.storage_backend.serde.blob_stream import BufferStream, read_blob
 from lmcache.storage_backend.serde.seal import (
     OVERHEAD,
@@ -165,6 +165,27 @@ def test_sealing_on_rejects_unsealed_blobs_and_sealing_off_keeps_sealed_ones_as_
     sealed, _ = sealed_blob(Sealer([K1]), meta)
     with pytest.raises(ForeignSerdeError):
         read_blob(BufferStream(sealed), len(sealed), SERDE_IDS["naive"], deser, allocator.allocate)
+
+
+def test_under_a_seal_the_tag_checks_the_payload_and_its_checksum_is_not_recomputed(meta, allocator):
+    """The tag covers the blob header, checksum included, and every payload byte, so the opened
+    payload is not hashed again: a blob sealed with a wrong inner checksum (only a key holder can
+    make one) opens, while the same blob unsealed is refused for that checksum."""
+    t = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ser, deser = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
+    head, *payload = (bytes(p) for p in ser.to_parts(t))
+    bad_head = head[:HEADER_SIZE - 8] + bytes(8)  # the checksum field zeroed
+    plain = b"".join([bad_head, *payload])
+    with pytest.raises(CorruptBlobError, match="checksum"):
+        read_blob(BufferStream(plain), len(plain), SERDE_IDS["naive"], deser, allocator.allocate)
+    sealed = bytes(Sealer([K1]).seal(CHUNK_KEY, [bad_head, *payload]))
+    obj = open_blob(Sealer([K1]), sealed, meta, allocator)
+    assert torch.equal(obj.tensor, t)
+    obj.ref_count_down()
+    cut = bytes(Sealer([K1]).seal(CHUNK_KEY, [bad_head, payload[0][:-2]]))  # lengths still checked
+    with pytest.raises(CorruptBlobError, match="payload bytes"):
+        open_blob(Sealer([K1]), cut, meta, allocator)
+    assert allocator.used_bytes == 0
 
 
 def test_a_whole_blob_opens_for_a_decoding_serde(meta):
