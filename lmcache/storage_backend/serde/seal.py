@@ -286,7 +286,7 @@ def read_blob_sealed(stream: ReadStream, length: int, chunk_key: bytes, sealer: 
                      deser: Deserializer, allocate: AllocateFn) -> MemoryObj | None:
     """`blob_stream.read_blob` of the blob of `length` bytes at the head of `stream`, opened first
     where `sealer` is set (the object is returned only once the tag verified; a raw payload is
-    then not hashed too: the tag covers the blob header, checksum included, and every byte)."""
+    then not hashed again: the tag covers the blob header, checksum included, and every byte)."""
     if sealer is None:
         return read_blob(stream, length, serde_id, deser, allocate)
     opened = sealer.open(stream, length, chunk_key)
