@@ -26,7 +26,6 @@ MAX_KEY_BYTES = 4096
 MIN_SIZE = _PREFIX.size + blob_header.HEADER_SIZE
 
 
-
 def keyed_head(key_bytes: bytes) -> list[Buffer]:
     """What comes before the blob in a keyed blob (`write_parts.prefixed` puts it before parts
     sealed piece by piece)."""

@@ -89,7 +89,6 @@ SEAL_PIECE = 2 << 20
 T = TypeVar("T")
 
 
-
 class ForgedBlobError(CorruptBlobError):
     """A sealed blob that does not open with the configured keys and its chunk key (or an
     unsealed blob where sealing is on): forged, moved, truncated or sealed with a retired key."""
