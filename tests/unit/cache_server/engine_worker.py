@@ -1,11 +1,12 @@
 """An engine process on a cache server, driven by JSON lines on stdin (one answer line each).
 
 Its KV cache is token-major and filled from a seed, so any process can tell what a prompt's KV
-must be: ``store`` {tokens, seed}; ``retrieve`` {tokens, seed} -> {hit, exact}; ``lookup``
-{tokens} -> {hit}; ``reserve`` {n} (hold n slots, never commit them); ``hold`` {tokens} (load the
-cached prefix and keep it); ``drop`` (let go of what was held); ``attached`` -> {attached};
-``faults`` -> {failures, skipped} (the cache-server tier's counters); ``close``. Arguments: the
-server's URL and, optionally, the model's name (default "test-model").
+must be: ``store`` {tokens, seed} (answered once the server applied the commit); ``retrieve``
+{tokens, seed} -> {hit, exact}; ``lookup`` {tokens} -> {hit}; ``reserve`` {n} (hold n slots, never
+commit them); ``hold`` {tokens} (load the cached prefix and keep it); ``drop`` (let go of what was
+held); ``attached`` -> {attached}; ``faults`` -> {failures, skipped} (the cache-server tier's
+counters); ``close``. Arguments: the server's URL and, optionally, the model's name (default
+"test-model") and the seconds the engine waits for the server's answer (default 2).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def run(engine: LMCacheEngine, cmd: dict) -> dict:
     tokens = torch.tensor(cmd.get("tokens", []), dtype=torch.int64)
     if op == "store":
         engine.store(tokens, kvcaches=kv_cache(cmd["seed"]))
+        # The commit is one-way: a request of this engine's own is answered after the server applied
+        # it, so another engine asking next finds the chunks.
+        engine.storage_manager.backends["CacheServer"].client.call("heartbeat")
         return {"stored": True}
     if op == "retrieve":
         target = kv_cache(None)
@@ -88,7 +92,7 @@ held: list = []
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = build(*sys.argv[1:3])
+    engine = build(sys.argv[1], *sys.argv[2:3], *map(float, sys.argv[3:4]))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

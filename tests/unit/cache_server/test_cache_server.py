@@ -70,12 +70,19 @@ def server(url):
     s.stop()
 
 
+# How long an engine worker waits for the server's answer: long where a test means the server to
+# answer (a starved CI machine must not turn a slow answer into an outage), short where a test
+# stops or stalls the server and means the engine to give up on it.
+PATIENT, OUTAGE = 30.0, 2.0
+
+
 class Worker:
-    def __init__(self, url: str, model: str = "test-model") -> None:
+    def __init__(self, url: str, model: str = "test-model", timeout: float = PATIENT) -> None:
         """Starts the engine worker; `wait_ready` waits for it."""
         env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING"}
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), url, model], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), url, model, str(timeout)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
 
     def wait_ready(self) -> None:
         assert self._line(60) == {"ready": True}
@@ -122,16 +129,20 @@ class Workers:
         self.url = url
         self.made: list[Worker] = []
 
-    def __call__(self, at: str | None = None, model: str = "test-model") -> Worker:
-        (worker,) = self.start(1, at, model)
+    def __call__(self, at: str | None = None, model: str = "test-model", timeout: float = PATIENT) -> Worker:
+        (worker,) = self.start(1, at, model, timeout)
         return worker
 
-    def start(self, n: int, at: str | None = None, model: str = "test-model") -> list[Worker]:
-        """`n` workers started at once (their start-ups, mostly imports, overlap), once all are ready."""
-        new = [Worker(at or self.url, model) for _ in range(n)]
+    def start(self, n: int, at: str | None = None, model: str = "test-model",
+              timeout: float = PATIENT) -> list[Worker]:
+        """`n` workers started at once (their start-ups, mostly imports, overlap), once all are
+        ready and attached to their server."""
+        new = [Worker(at or self.url, model, timeout) for _ in range(n)]
         self.made += new
         for worker in new:
             worker.wait_ready()
+        for worker in new:
+            worker.wait_attached()
         return new
 
 
@@ -301,7 +312,7 @@ def test_a_commit_with_a_malformed_text_is_refused_and_its_slot_stays_the_engine
 
 def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(url, workers):
     server = CacheServerProcess(url).start()
-    a, b = workers.start(2)
+    a, b = workers.start(2, timeout=OUTAGE)
     a.ask("store", tokens=DOC, seed=4)
     assert a.ask("faults") == {"failures": 0, "skipped": 0}
     old = segments()
@@ -333,7 +344,7 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
 
 def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, workers):
     server = CacheServerProcess(url, heartbeat=30).start()  # no heartbeat comes in between
-    a, b = workers.start(2)
+    a, b = workers.start(2, timeout=OUTAGE)
     assert a.ask("reserve", n=2) == {"slots": 2}  # slots of the first server, held across the restart
     server.stop(signal.SIGKILL)
     server = CacheServerProcess(url, heartbeat=30).start()
@@ -353,7 +364,7 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
 
 def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_attachment_held(
         server, workers):
-    a = workers()
+    a = workers(timeout=OUTAGE)
     a.ask("store", tokens=DOC, seed=11)
     assert a.ask("hold", tokens=DOC) == {"held": 8}
     os.kill(server.proc.pid, signal.SIGSTOP)  # answers nothing for longer than the engine waits
