@@ -328,7 +328,8 @@ class Proxy:
         uncached = 0 if tokens is None else \
             len(tokens) - self.watch.match(prefiller.url, tokens, routed.extra_key).tokens
         try:
-            with self.prefill_load[prefiller.url].serving(uncached):
+            with self.prefill_load[prefiller.url].serving(uncached), \
+                    self.watch.sending(prefiller.url, tokens):
                 async with self.session.post(prefiller.url + path, json=sent, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")

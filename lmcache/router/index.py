@@ -12,6 +12,13 @@ while the instance holds the block in any tier, and returns the cached prefix: t
 tier, and tokens weighted by the best tier that holds each block (`tier_weights`; a medium not named
 there weighs `DEFAULT_WEIGHT`).
 
+Prompts in flight (`sending`): vLLM caches a prompt's blocks when it schedules the prompt, so a
+request that reaches an instance while another one's prefill runs there finds that prompt's blocks
+already; their ``BlockStored`` events come only after the step that computes them. So the blocks of
+the prompts the router has sent to an instance and not yet seen answered count as held there by
+vLLM's prefix cache (medium None), cut at the block size of that instance's own events (nothing
+counts before its first event gave it).
+
 Bounded: at most `max_blocks` (medium, block) entries per instance, the oldest stored evicted first
 (``evicted``). A block whose parent is unknown (evicted, or its events were missed) cannot be
 chained and is skipped (``orphans``). Thread-safe (subscribers write, the router reads).
@@ -21,8 +28,9 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import xxhash
@@ -34,6 +42,7 @@ from lmcache.router.events import Event
 # L1 publish "CPU", disk and remote tiers "STORAGE"
 TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 DEFAULT_WEIGHT = 1.0  # medium None: vLLM's prefix cache
+ENGINE_MEDIA = (None, "GPU")  # the media vLLM's own blocks are published in
 TierKey = tuple[str | None, BlockHash]
 
 
@@ -76,6 +85,8 @@ class _Instance:
         self.block_sizes: dict[int, int] = {}  # block size -> entries of that size
         self.sizes: dict[TierKey, int] = {}
         self.media: set[str | None] = set()  # the media its blocks were stored in
+        self.engine_block_size: int | None = None  # of vLLM's own blocks (its events say)
+        self.sending: Counter[int] = Counter()  # own hash -> prompts in flight holding that block
 
 
 class KVIndex:
@@ -97,8 +108,10 @@ class KVIndex:
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         self._drop(inst, (event.medium, h))
-                elif isinstance(event, AllBlocksCleared):
-                    self._instances[instance] = inst = _Instance()
+                elif isinstance(event, AllBlocksCleared):  # prompts in flight store their blocks again
+                    cleared, inst = inst, _Instance()
+                    inst.engine_block_size, inst.sending = cleared.engine_block_size, cleared.sending
+                    self._instances[instance] = inst
 
     def _store(self, inst: _Instance, event: BlockStored) -> None:
         if event.parent_block_hash is None:
@@ -112,6 +125,8 @@ class KVIndex:
             parent = found
         inst.media.add(event.medium)
         size = event.block_size
+        if event.medium in ENGINE_MEDIA:
+            inst.engine_block_size = size
         for i, h in enumerate(event.block_hashes):
             parent = chain_hash(parent, event.token_ids[i * size:(i + 1) * size])
             key = (event.medium, h)
@@ -141,6 +156,31 @@ class KVIndex:
             if not tiers:
                 del inst.tiers[own]
 
+    @contextmanager
+    def sending(self, instance: str, tokens: Sequence[int] | None) -> Iterator[None]:
+        """`tokens`, a prompt sent to `instance`, counts as held there (see the module doc) while
+        the block runs: from before it is sent until its answer has ended."""
+        with self._lock:
+            inst = self._instances.get(instance)
+            size = None if inst is None else inst.engine_block_size
+            held: Counter[int] = Counter() if inst is None else inst.sending  # kept across a clear
+            chain: list[int] = []
+            if size is not None and tokens is not None:
+                parent = 0
+                for start in range(0, len(tokens) - size + 1, size):
+                    parent = chain_hash(parent, tokens[start:start + size])
+                    chain.append(parent)
+                held.update(chain)
+        try:
+            yield
+        finally:
+            if chain:
+                with self._lock:
+                    held.subtract(chain)
+                    for h in set(chain):
+                        if held[h] <= 0:
+                            del held[h]
+
     def forget(self, instance: str) -> None:
         """Drops what `instance` held (it died: its caches are gone)."""
         with self._lock:
@@ -157,15 +197,21 @@ class KVIndex:
             inst = self._instances.get(instance)
             if inst is None:
                 return Match()
-            return max((self._walk(inst, tokens, size) for size in inst.block_sizes),
+            sizes, engine = list(inst.block_sizes), inst.engine_block_size
+            if inst.sending and engine is not None and engine not in inst.block_sizes:
+                sizes.append(engine)
+            return max((self._walk(inst, tokens, size) for size in sizes),
                        key=lambda m: (m.weighted, m.tokens), default=Match())
 
     def _walk(self, inst: _Instance, tokens: Sequence[int], size: int) -> Match:
         found = Match(block_size=size)
         parent = 0
+        sending = inst.sending if size == inst.engine_block_size else Counter()
         for start in range(0, len(tokens) - size + 1, size):
             parent = chain_hash(parent, tokens[start:start + size])
-            tiers = inst.tiers.get(parent)
+            tiers: dict[str | None, int] = inst.tiers.get(parent) or {}
+            if parent in sending:
+                tiers = tiers | {None: 1}
             if not tiers:
                 break
             tier, weight = max(((m, self.tier_weights.get(m or "GPU", DEFAULT_WEIGHT)) for m in tiers),

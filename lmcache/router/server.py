@@ -3,7 +3,8 @@ a policy (`lmcache.router.policies`: ``round-robin``, ``session``, ``kv-aware``)
 
 For ``kv-aware`` the router subscribes to each instance's KV event stream (vLLM's
 ``--kv-events-config``, ZMQ; `lmcache.router.events`), keeps a `KVIndex` of the blocks each instance
-holds and in which tier, and tokenizes each request with the model's tokenizer (``model``,
+holds and in which tier (and of the prompts sent to it whose answers have not ended: vLLM caches
+their blocks before it publishes them), and tokenizes each request with the model's tokenizer (``model``,
 `lmcache.router.tokens`) to match it against the index. With a tokenizer the router also predicts,
 for any policy, the prompt tokens the chosen instance has cached, and compares that to what the
 instance served from cache: the answer's ``usage.prompt_tokens_details.cached_tokens`` (vLLM gives
@@ -164,7 +165,7 @@ class Router:
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:
-            with inst.serving(uncached) as prefilled:
+            with inst.serving(uncached) as prefilled, self.watch.sending(inst.url, tokens):
                 async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
                     if stream and r.status == 200:
                         first = await r.content.readany()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from contextlib import AbstractContextManager
 from typing import Any
 
 from lmcache.router.events import EventSubscriber
@@ -35,6 +36,11 @@ class KVWatch:
         extended by what the shared cache servers hold (under `extra_key`, the request's
         `lmcache.chunk_hash.extra_key_of`)."""
         return self.index.match(url, tokens).then(self.shared.match(tokens, extra_key))
+
+    def sending(self, url: str, tokens: list[int] | None) -> AbstractContextManager[None]:
+        """`tokens`, sent to instance `url`, count as cached there while the block runs (until
+        their answer has ended): see `KVIndex.sending`."""
+        return self.index.sending(url, tokens)
 
     async def tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The request's prompt tokens (None without a tokenizer or for a body it cannot read)."""

@@ -84,3 +84,27 @@ def test_instances_are_separate_and_forget_drops_one():
     index.apply("b", [stored([1], None, list(range(B)))])
     index.forget("a")
     assert index.match("a", list(range(B))).tokens == 0 and index.match("b", list(range(B))).tokens == B
+
+
+def test_a_prompt_in_flight_counts_as_held_by_vllm_on_its_instance_until_its_answer_ended():
+    """vLLM caches a prompt's blocks when it schedules it, before their events: a prompt sent to an
+    instance counts there (whole blocks, at the block size of vLLM's own events) while in flight."""
+    index = KVIndex(tier_weights={"GPU": 1.0, "CPU": 0.5})
+    system, doc, other = list(range(2 * B)), list(range(100, 100 + 2 * B + 1)), list(range(200, 200 + 3 * B))
+    with index.sending("a", system + doc):  # no event from "a" yet: its block size is unknown
+        assert index.match("a", system + doc).tokens == 0
+    index.apply("a", [stored([1], None, list(range(500, 500 + B)), "CPU")])  # LMCache's: not vLLM's size
+    with index.sending("a", system + doc):
+        assert index.match("a", system).tokens == 0
+    index.apply("a", [stored([2], None, other[:B])])  # vLLM's own block: size B
+    with index.sending("a", system + doc):
+        with index.sending("a", system + other):
+            match = index.match("a", system + other + [7])
+            assert (match.tokens, match.weighted, match.by_tier) == (5 * B, 5 * B, {"GPU": 5 * B})
+            assert index.match("a", system + doc + [7]).tokens == 4 * B  # its last, partial block: no
+            assert index.match("b", system + doc).tokens == 0
+        assert index.match("a", system + other).tokens == 2 * B  # the other prompt's answer ended
+        index.apply("a", [AllBlocksCleared()])  # it stores its blocks again: still counted
+        assert index.match("a", system + doc).tokens == 4 * B
+    assert index.match("a", system + doc).tokens == 0
+    assert index.match("a", other).tokens == 0  # cleared

@@ -31,10 +31,13 @@ class FakeVLLM:
     def __init__(self, name: str, cached: int = 0, port: int | None = None) -> None:
         self.name, self.cached, self.port = name, cached, port or free_port()
         self.bodies: list[dict] = []
+        self.gate: asyncio.Event | None = None  # set: answers wait for it
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.gate is not None:
+            await asyncio.wait_for(self.gate.wait(), 30)
         usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": self.cached}}
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": self.name}], "usage": usage})
@@ -124,6 +127,36 @@ async def test_kv_aware_sends_a_prompt_where_its_prefix_is_and_counts_predicted_
             status, answer = await r.ask("nothing cached here")  # a miss: the least loaded, in turn
             assert status == 200
             assert (await r.ask([-1, 1 << 40]))[0] == 200  # ids it cannot hash: a miss, the engine judges
+
+
+@async_test
+async def test_a_prompt_in_flight_is_predicted_as_cached_for_the_next_one_on_its_instance():
+    """vLLM caches a prompt's blocks when it schedules it, before their events: while the first
+    prompt is in flight, the second (its session's, so the same instance) is predicted to find the
+    first one's whole blocks, as the instance then serves them."""
+    model = local_model_path("float32")
+    tokenize = PromptTokenizer(model)
+    first, second = "The old sailor " * 20, "The old sailor " * 20 + "went home"
+    ids = [tokenize("/v1/completions", {"prompt": p}) for p in (first, second)]
+    common = next((i for i, (x, y) in enumerate(zip(*ids, strict=False)) if x != y), len(ids[0]))
+    expected = min(common, len(ids[0])) // 16 * 16
+    assert expected >= 32
+    async with FakeVLLM("a", cached=expected) as a, FakeVLLM("b") as b:
+        config = RouterConfig((a.url, b.url), "session", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model)
+        async with Running(config) as r:
+            r.router.index.apply(a.url, [BlockStored([7], None, list(range(16)), 16, None, None, None)])
+            a.gate = asyncio.Event()
+            asked = [asyncio.create_task(r.ask(first, {"X-Session-ID": "u"}))]
+            while len(a.bodies) < 1:
+                await asyncio.sleep(0.01)
+            asked.append(asyncio.create_task(r.ask(second, {"X-Session-ID": "u"})))
+            while len(a.bodies) < 2:
+                await asyncio.sleep(0.01)
+            a.gate.set()
+            assert [status for status, _ in await asyncio.gather(*asked)] == [200, 200]
+            stats = await r.get("/stats")
+            assert (stats["predicted_hit_tokens"], stats["served_hit_tokens"]) == (expected, 2 * expected)
+            assert r.router.index.match(a.url, ids[1]).tokens == 0  # nothing in flight any more
 
 
 @async_test
