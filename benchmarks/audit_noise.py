@@ -65,7 +65,7 @@ def measure(arch: str, prompts: int) -> dict[str, Any]:
             llm.reset_prefix_cache()
         llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
 
-    client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+    client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
     try:
         for seed in range(prompts):
             p = tok(sentence_text(100 + seed, 1600), add_special_tokens=False).input_ids[:LENGTH]

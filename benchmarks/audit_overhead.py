@@ -40,7 +40,7 @@ RATES = (0.0, 0.01)
 GOAL = 1.02
 
 
-def start(rate: float, model: str, args: argparse.Namespace) -> tuple[Any, str]:
+def start(rate: float, model: str, args: argparse.Namespace) -> Any:
     from vllm import LLM
 
     engine_id = f"audit-overhead-{os.getpid()}-{rate}"
@@ -53,7 +53,7 @@ def start(rate: float, model: str, args: argparse.Namespace) -> tuple[Any, str]:
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.doc_tokens + 256,
               kv_cache_memory_bytes=int(args.kv_gb * (1 << 30)), disable_log_stats=True,
               kv_transfer_config=transfer)
-    return llm, engine_id
+    return llm
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
     model = local_model_path(args.dtype)
     docs = build_documents(AutoTokenizer.from_pretrained(model), args.num_docs, args.doc_tokens)
     engines = {rate: start(rate, model, args) for rate in RATES}
-    isa = attention_isa(engines[0.0][0])
+    isa = attention_isa(engines[0.0])
     sampling = SamplingParams(max_tokens=1, temperature=0)
     ttft: dict[float, list[float]] = {rate: [] for rate in RATES}
     served: dict[float, list[int]] = {rate: [] for rate in RATES}
@@ -85,7 +85,7 @@ def main() -> None:
 
     def ask(rate: float, ids: list[int]) -> tuple[float, int]:
         """(seconds to the first token: the wall time of a one-token request, tokens served)."""
-        llm = engines[rate][0]
+        llm = engines[rate]
         llm.reset_prefix_cache()
         t = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
@@ -104,8 +104,8 @@ def main() -> None:
                 ttft[rate].append(seconds)
                 served[rate].append(hit)
     audits = {}
-    for rate, (llm, engine_id) in engines.items():
-        client = LookupClient([socket_path(engine_id, 0)], timeout=10)
+    for rate, llm in engines.items():
+        client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
         (stats,) = client.stats()
         client.close()
         audits[rate] = (stats or {}).get("audits")

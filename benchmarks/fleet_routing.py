@@ -11,7 +11,8 @@ details on) run behind one `lmcache router` process per policy (``round-robin``,
 
 Workloads (chat completions, streamed; users concurrent, each user's rounds in order; each answer
 appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order;
-``--think`` adds a random pause, the same for every policy, before each later round):
+``--think`` adds a random pause, the same for every policy, before each later round; each instance
+first answers one request of other text, so that no run meets a fresh instance):
 
     balanced  --users users, --rounds rounds, a --system-words shared system text and a
               --doc-words document each
@@ -199,6 +200,9 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, r
                 extra_args=("--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details")))
         routers = {p: Router(p, instances, events, model, scratch / f"{setup}-router-{p}.log", shared_events)
                    for p in args.policies}
+        for i, server in enumerate(instances):  # warm: no run meets a fresh instance (and the routers
+            # learn each instance's block size from its first events)
+            chat(server.url(""), "warm-up", [{"role": "user", "content": words(90_000 + 500 * i, 300)}], 4)
         try:
             for rep in range(args.repeats):
                 for workload in args.workloads:

@@ -2,7 +2,10 @@
 
 vLLM runs the scheduler and the workers in separate processes and the hot tier lives in each
 worker, so lookups cross a local IPC channel over ``ipc://`` (pyzmq comes with vLLM): a REP
-socket in each worker, a DEALER socket per rank in the scheduler.
+socket in each worker, a DEALER socket per rank in the scheduler. The socket's path names the
+instance (`socket_path`): not by its ``engine_id`` alone, which is whatever the instance's
+``--kv-transfer-config`` says and so may be the same for several instances on a host (whose
+schedulers would then all ask the last one's workers, and fail to load what those hold).
 
 Frames: request = [JSON header, int64 little-endian token ids]; reply = [JSON]. The header's
 ``id`` (an int the client picks) is echoed in the reply, so a late answer to an earlier request is
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import xxhash
 import zmq
 
 from lmcache.observability import IncidentLog
@@ -46,8 +50,15 @@ Handler = Callable[[dict[str, Any], np.ndarray], dict[str, Any]]
 MAX_TOKENS = 1 << 22
 
 
-def socket_path(engine_id: str, rank: int) -> str:
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmcache-{engine_id}-{rank}.ipc')}"
+def socket_path(vllm_config: Any, rank: int) -> str:
+    """The lookup socket of worker `rank` of the instance (data-parallel replica) `vllm_config`
+    describes: the same in its scheduler and its workers (vLLM's ``instance_id`` is made with the
+    instance's config and travels with it to every process), different for every instance on the
+    host. Hashed: an ``ipc://`` path holds about 100 bytes, an ``engine_id`` any number."""
+    name = "\0".join((str(vllm_config.kv_transfer_config.engine_id), str(vllm_config.instance_id),
+                      str(vllm_config.parallel_config.data_parallel_rank)))
+    file = f"lmcache-{xxhash.xxh3_64_hexdigest(name.encode())}-{rank}.ipc"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), file)}"
 
 
 class LookupServer:

@@ -66,9 +66,8 @@ class LMCacheScheduler:
     def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, kv: ModelKV) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
-        engine_id = vllm_config.kv_transfer_config.engine_id
         ranks = vllm_config.parallel_config.world_size
-        self.client = LookupClient([socket_path(engine_id, r) for r in range(ranks)],
+        self.client = LookupClient([socket_path(vllm_config, r) for r in range(ranks)],
                                    timeout=config.lookup_timeout)
         role = vllm_config.kv_transfer_config.kv_role
         self.loads = role != "kv_producer"  # a producer (prefill instance) only stores

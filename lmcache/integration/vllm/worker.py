@@ -119,7 +119,7 @@ class LMCacheWorker:
                 self.auditor = Auditor(self.engine, self.kv, rate=self.config.verify_rate,
                                        max_mismatches=self.config.verify_max_mismatches,
                                        seed=self.config.verify_seed, states=self.states)
-        address = socket_path(vc.kv_transfer_config.engine_id, self.rank)
+        address = socket_path(vc, self.rank)
         self.server = LookupServer(address, self._answer)
         if self.engine is not None:
             logger.info("LMCache engine ready: %d layers, chunk %d, %s, %s, lookups on %s", len(tensors),

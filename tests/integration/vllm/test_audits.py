@@ -48,7 +48,7 @@ class Engine:
         transfer = lmcache_transfer_config(**lmcache)
         with environment(env or {}), stderr_to(str(log)):
             self.llm = start_llm(transfer, dtype=ARCHS[arch].dtype, model=self.model)
-        self.client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+        self.client = LookupClient([socket_path(self.llm.llm_engine.vllm_config, 0)], timeout=10)
         self.log = log
 
     def prompt(self, seed: int, length: int = LENGTH) -> list[int]:

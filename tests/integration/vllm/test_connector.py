@@ -67,7 +67,7 @@ def engines(disk_dir, kv_key):
         texts = {name: out.outputs[0].text for name, out in zip(PROMPTS, greedy(ref, list(PROMPTS.values())))}
     finally:
         stop_llm(ref, wait=False)
-    client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+    client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
     yield texts, (llm, client)
     client.close()
     stop_llm(llm, wait=False)

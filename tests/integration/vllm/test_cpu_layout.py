@@ -188,14 +188,12 @@ def obj_layer(obj, layer, dtype, conn, n):
 def test_a_kernel_that_packs_otherwise_than_its_isas_closed_form_refuses_the_connector(monkeypatch, caplog):
     """A probed layout that differs from the closed form of vLLM's ISA (K and V exchanged here, as a
     vLLM upgrade might) is never served: the worker logs one refusal and its lookups answer 0."""
-    import uuid
-    from types import SimpleNamespace
-
     import lmcache.integration.vllm.cpu_layout as cpu_layout
     from lmcache.config import LMCacheEngineConfig
     from lmcache.integration.vllm.cpu_layout import LayoutMismatch, PackedLayout, packed_layout
     from lmcache.integration.vllm.kv_groups import GroupKind, KVGroup, ModelKV
     from lmcache.integration.vllm.worker import LMCacheWorker
+    from tests.helpers.vllm_config import instance_config
 
     bs, dtype = 32, torch.float32
     isa = default_isa(dtype, bs, D)
@@ -207,8 +205,8 @@ def test_a_kernel_that_packs_otherwise_than_its_isas_closed_form_refuses_the_con
         with pytest.raises(LayoutMismatch, match="otherwise than the vec layout"):
             packed_layout(H, D, bs, dtype)
         model = ModelKV("llama", (KVGroup(0, GroupKind.FULL, bs, ("l.0", "l.1")),), H, D, dtype)
-        config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id=f"t-{uuid.uuid4().hex[:8]}"))
-        worker = LMCacheWorker(config, LMCacheEngineConfig.from_defaults(chunk_size=256), rank=0, kv=model)
+        config = LMCacheEngineConfig.from_defaults(chunk_size=256)
+        worker = LMCacheWorker(instance_config(), config, rank=0, kv=model)
         worker.register_kv_caches({n: torch.zeros(4, H, bs, 2 * D, dtype=dtype) for n in ("l.0", "l.1")})
         try:
             assert worker.engine is None

@@ -45,7 +45,7 @@ def test_an_instance_loads_a_document_another_instance_served(tmp_path):
         assert pulled.kv_transfer_params["lmcache_loaded_tokens"] >= 256
         assert pulled.num_cached_tokens == pulled.kv_transfer_params["lmcache_loaded_tokens"]
 
-        client = LookupClient([socket_path(b_transfer["engine_id"], 0)], timeout=10)
+        client = LookupClient([socket_path(b.llm_engine.vllm_config, 0)], timeout=10)
         (stats,) = client.stats()
         assert stats is not None and stats["engine"]["retrieve_hit_tokens"] >= 256
         assert stats["tiers"]["Hot"]["gauges"]["chunks"] > 0  # what b pulled (and computed) is now b's too

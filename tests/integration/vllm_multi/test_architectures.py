@@ -191,7 +191,7 @@ def arch(request, tmp_path_factory):
         if key in REPEATED:
             again[key] = forced_decode(ref, p) if name in NO_PREFIX_CACHE else run(ref, p)
     stop_llm(ref, wait=False)
-    client = LookupClient([socket_path(transfer["engine_id"], 0)], timeout=10)
+    client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
     yield Pair(build, name, ps, cold, repeat, again, llm, log, client, server)
     client.close()
     stop_llm(llm, wait=False)

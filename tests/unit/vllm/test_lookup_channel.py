@@ -1,16 +1,16 @@
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
 import zmq
 
 from lmcache.integration.vllm.lookup_channel import LookupClient, LookupServer, socket_path
+from tests.helpers.vllm_config import instance_config
 
 
 def address():
-    return socket_path(f"unit-{uuid.uuid4().hex[:8]}", 0)
+    return socket_path(instance_config(), 0)
 
 
 def test_lookup_round_trip_and_minimum_over_ranks():
@@ -30,6 +30,27 @@ def test_lookup_round_trip_and_minimum_over_ranks():
         assert seen[0] == ("req-1", "salt=x", [1, 2, 3])
     finally:
         client.close()
+        for s in servers:
+            s.close()
+
+
+def test_instances_whose_configs_name_the_same_engine_id_each_ask_their_own_workers():
+    """An ``engine_id`` is whatever an instance's kv-transfer config says (a config copied between
+    instances repeats it): each instance, and each data-parallel replica, still has its own
+    channel, which its scheduler and its workers (the same config) agree on."""
+    a, b = instance_config("copied"), instance_config("copied")
+    replica = instance_config("copied", data_parallel_rank=1)
+    replica.instance_id = a.instance_id
+    paths = [socket_path(c, 0) for c in (a, b, replica)]
+    assert len(set(paths)) == 3 and socket_path(a, 0) == paths[0] != socket_path(a, 1)
+    servers = [LookupServer(path, lambda header, tokens, hit=hit: {"hit": hit})
+               for path, hit in zip(paths, (1, 2, 3), strict=True)]
+    clients = [LookupClient([path], timeout=2) for path in paths]
+    try:
+        assert [c.lookup("r", [1, 2, 3], None) for c in clients] == [1, 2, 3]
+    finally:
+        for c in clients:
+            c.close()
         for s in servers:
             s.close()
 

@@ -1,6 +1,5 @@
 """Scheduler-side planning of the vLLM connector, driven like vLLM's scheduler drives it."""
 
-import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +9,7 @@ from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.vllm.kv_groups import GroupKind, KVGroup, ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.scheduler import LMCacheScheduler
+from tests.helpers.vllm_config import instance_config
 
 CHUNK, BLOCK = 256, 128
 ONE_GROUP = ModelKV("llama", (KVGroup(0, GroupKind.FULL, BLOCK, ("l.0",)),), 2, 64, torch.float32)
@@ -66,12 +66,8 @@ def make_scheduler():
     servers = []
 
     def make(hit=0, role="kv_both", model=ONE_GROUP, **cfg):
-        engine_id = f"unit-{uuid.uuid4().hex[:8]}"
-        servers.append(LookupServer(socket_path(engine_id, 0), lambda h, t: {"hit": hit}))
-        vllm_config = SimpleNamespace(
-            kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role=role),
-            parallel_config=SimpleNamespace(world_size=1),
-        )
+        vllm_config = instance_config(kv_role=role)
+        servers.append(LookupServer(socket_path(vllm_config, 0), lambda h, t: {"hit": hit}))
         return LMCacheScheduler(vllm_config, LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, **cfg),
                                 model)
 
