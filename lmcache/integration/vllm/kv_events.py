@@ -155,9 +155,8 @@ class WorkerEvents:
     def record(self, token_ids: Sequence[int], extra_key: str | None, blocks: PlanBlocks,
                from_token: int) -> None:
         """Remember the blocks of the chunks of `token_ids` (the keys the engine stores them
-        under) that end after `from_token`."""
-        if len(blocks.block_hashes) * blocks.block_size <= from_token:
-            return
+        under) that end after `from_token` (a chunk that ends no block too: it is then known to
+        have none to report, not unknown)."""
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         spans = self.engine.token_database.process_tokens(tokens, extra_key=extra_key)
         self.index.record([s for s in spans if s[1] > from_token], token_ids, blocks)

@@ -75,6 +75,20 @@ def test_a_chunk_covers_the_blocks_that_end_inside_it_and_the_index_is_bounded()
                         index.get).unknown == 0
 
 
+def test_a_saved_tail_that_ends_no_block_is_neither_reported_nor_counted_unknown(engine):
+    """A request's last save may be a tail that ends no block (vLLM hashes whole blocks only): its
+    chunk is left out of the events, and is not one whose blocks the worker does not know."""
+    from lmcache.integration.vllm.kv_events import PlanBlocks, WorkerEvents
+
+    events = WorkerEvents(engine)  # chunks of 8 tokens (`build_engine`); blocks of 4 here
+    tokens = list(range(18))
+    events.record(tokens, None, PlanBlocks([bytes([i]) for i in range(4)], block_size=4), from_token=16)
+    spans = {start: k for start, _, k in engine.token_database.process_tokens(torch.tensor(tokens))}
+    out = to_kv_events([PublishedEvent("CPU", TierEvent(EventKind.STORED, "Hot", (spans[16],)))],
+                       events.index.get)
+    assert (out.events, out.unknown) == ([], 0)
+
+
 def test_workers_events_count_once_every_rank_reported_them_in_order():
     from lmcache.integration.vllm.kv_events import LMCacheKVEvents, SchedulerEvents
 
