@@ -11,8 +11,7 @@ details on) run behind one `lmcache router` process per policy (``round-robin``,
 
 Workloads (chat completions, streamed; users concurrent, each user's rounds in order; each answer
 appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order;
-``--think`` adds a random pause, the same for every policy, before each later round; each instance
-first answers one request of other text, so that no run meets a fresh instance):
+``--think`` adds a random pause, the same for every policy, before each later round):
 
     balanced  --users users, --rounds rounds, a --system-words shared system text and a
               --doc-words document each
@@ -20,7 +19,8 @@ first answers one request of other text, so that no run meets a fresh instance):
               twice the rounds: ``session`` (first sight in turn) piles them onto one instance
 
 Runs are interleaved within a setup: repeat x workload x policy, each run with its own text salt
-(so no run finds another's KV). Reported per (setup, workload, policy): mean and p90 TTFT of rounds
+(so no run finds another's KV); before them each instance answers one request of other text, so
+that no run meets a fresh instance. Reported per (setup, workload, policy): mean and p90 TTFT of rounds
 >= 2 (median over repeats of each run's value), output throughput, prompt tokens by source (vLLM's
 prefix cache = ``local_cache_hit``, LMCache = ``external_kv_transfer``) and LMCache's tier hits, and
 the router's predicted vs served hit tokens; then the issue's goals as ratios.
