@@ -11,7 +11,8 @@ details on) run behind one `lmcache router` process per policy (``round-robin``,
 
 Workloads (chat completions, streamed; users concurrent, each user's rounds in order; each answer
 appended to the user's history; the users start 0.2 s apart so that ``session`` meets them in order;
-``--think`` adds a random pause, the same for every policy, before each later round):
+``--think`` adds a random pause, the same for every policy and other in every repeat, before each
+later round):
 
     balanced  --users users, --rounds rounds, a --system-words shared system text and a
               --doc-words document each
@@ -101,7 +102,7 @@ def chat(url: str, user: str, messages: list[dict], answer_tokens: int) -> dict[
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
 
-def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace, rep: int) -> dict[str, Any]:
     system = f"Session {salt}. You are a careful assistant. " + words(0, args.system_words)
     turns: list[list[dict]] = [[] for _ in range(args.users)]
 
@@ -112,7 +113,8 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace) -
                     {"role": "user", "content": f"Document {u + 1}:\n{document}\n\nWhat is it about?"}]
         for rnd in range(rounds):
             if rnd:
-                time.sleep(random.Random(f"{u}/{rnd}").uniform(0, args.think))  # the same for every policy
+                # the same for every policy, other in every repeat
+                time.sleep(random.Random(f"{rep}/{u}/{rnd}").uniform(0, args.think))
                 question = f"Question {rnd + 1}: and what follows from that?"
                 messages.append({"role": "user", "content": question})
             out = chat(url, f"{salt}-user{u}", messages, args.answer_tokens)
@@ -209,7 +211,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, r
                     for policy in args.policies:  # interleaved
                         before, stats0 = sources(instances), routers[policy].stats()
                         salt = f"{setup}{rep}{workload}{policy}"
-                        run = run_workload(routers[policy].url, workload, salt, args)
+                        run = run_workload(routers[policy].url, workload, salt, args, rep)
                         after, stats1 = sources(instances), routers[policy].stats()
                         run |= {"setup": setup, "workload": workload, "policy": policy, "repeat": rep,
                                 "prompt_tokens_by_source": {k: after[k] - before.get(k, 0) for k in after},
@@ -295,8 +297,8 @@ def main() -> None:
     parser.add_argument("--skew", type=int, default=2, help="skewed: the heavy users' document, x doc-words")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--think", type=float, default=0.0,
-                        help="each user waits a random 0..THINK s before each later round (seeded by user "
-                             "and round: the same for every policy)")
+                        help="each user waits a random 0..THINK s before each later round (seeded by repeat, "
+                             "user and round: the same for every policy, other in every repeat)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
