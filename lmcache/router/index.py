@@ -53,6 +53,14 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     return h.intdigest()
 
 
+def block_chain(tokens: Sequence[int], size: int) -> Iterator[int]:
+    """The chained hashes of the whole `size`-token blocks of `tokens`, first to last."""
+    parent = 0
+    for start in range(0, len(tokens) - size + 1, size):
+        parent = chain_hash(parent, tokens[start:start + size])
+        yield parent
+
+
 @dataclass
 class Match:
     tokens: int = 0  # the cached prefix, in tokens
@@ -164,22 +172,16 @@ class KVIndex:
             inst = self._instances.get(instance)
             size = None if inst is None else inst.engine_block_size
             held: Counter[int] = Counter() if inst is None else inst.sending  # kept across a clear
-            chain: list[int] = []
+            chain: Counter[int] = Counter()
             if size is not None and tokens is not None:
-                parent = 0
-                for start in range(0, len(tokens) - size + 1, size):
-                    parent = chain_hash(parent, tokens[start:start + size])
-                    chain.append(parent)
+                chain.update(block_chain(tokens, size))
                 held.update(chain)
         try:
             yield
         finally:
             if chain:
                 with self._lock:
-                    held.subtract(chain)
-                    for h in set(chain):
-                        if held[h] <= 0:
-                            del held[h]
+                    held -= chain  # in place; counts that reach 0 go
 
     def forget(self, instance: str) -> None:
         """Drops what `instance` held (it died: its caches are gone)."""
@@ -205,12 +207,10 @@ class KVIndex:
 
     def _walk(self, inst: _Instance, tokens: Sequence[int], size: int) -> Match:
         found = Match(block_size=size)
-        parent = 0
-        sending = inst.sending if size == inst.engine_block_size else Counter()
-        for start in range(0, len(tokens) - size + 1, size):
-            parent = chain_hash(parent, tokens[start:start + size])
+        in_flight = size == inst.engine_block_size
+        for parent in block_chain(tokens, size):
             tiers: dict[str | None, int] = inst.tiers.get(parent) or {}
-            if parent in sending:
+            if in_flight and parent in inst.sending:
                 tiers = tiers | {None: 1}
             if not tiers:
                 break
