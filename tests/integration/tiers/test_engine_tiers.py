@@ -22,6 +22,7 @@ from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.storage_backend.disk_file import SUFFIX, TMP_SUFFIX
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.storage_backend.serde import blob
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.servers import REPO
 from tests.integration.tiers import disk_worker
@@ -43,7 +44,7 @@ def flush(engine) -> None:
     for name in ("LocalDiskBackend", "RemoteBackend"):
         backend = engine.storage_manager.backends.get(name)
         if backend is not None:
-            assert backend.puts.flush(10)
+            assert backend.puts.flush(WRITE_WAIT)
 
 
 def store(engine, n_tokens=40, seed=0):

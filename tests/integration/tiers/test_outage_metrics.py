@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 import torch
 
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.integration.tiers.peer_worker import peer_engine
 from tests.integration.tiers.test_p2p import retrieve, start_peer
@@ -53,7 +54,7 @@ def store_docs(engine, seeds: range) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert engine.storage_manager.backends["RemoteBackend"].puts.flush(10)
+    assert engine.storage_manager.backends["RemoteBackend"].puts.flush(WRITE_WAIT)
 
 
 class Store:

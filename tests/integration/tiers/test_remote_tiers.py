@@ -17,6 +17,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MixedMemoryAllocator, release_all
 from lmcache.storage_backend.remote_backend import RemoteBackend
+from tests.helpers import WRITE_WAIT
 
 pytestmark = pytest.mark.integration
 SHAPE = torch.Size([2, 2, 16, 8])
@@ -46,7 +47,7 @@ class Tier:
             obj.tensor.copy_(data(i))
             self.backend.submit_put_task(key(i), obj)
             obj.ref_count_down()
-        assert self.backend.puts.flush(10)
+        assert self.backend.puts.flush(WRITE_WAIT)
 
     def hit(self, i: int) -> bool:
         obj = self.backend.get_blocking(key(i))

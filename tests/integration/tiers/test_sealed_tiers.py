@@ -16,6 +16,7 @@ from lmcache.memory_management import MixedMemoryAllocator
 from lmcache.server.client import LMCacheClient
 from lmcache.storage_backend.remote_backend import SEALED_READ_STREAMS, RemoteBackend
 from lmcache.storage_backend.serde.seal import OVERHEAD
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 from .test_remote_tiers import META, Tier, data, key
@@ -181,7 +182,7 @@ def test_tenants_with_different_salts_share_no_chunk_and_miss_each_other_in_ever
     slots = kv.slots_for(len(tokens))
     owner.store(tokens, kvcaches=kv.layers, slot_mapping=slots, extra_key="tenant-a")
     for name in ("LocalDiskBackend", "RemoteBackend"):
-        assert owner.storage_manager.backends[name].puts.flush(10)
+        assert owner.storage_manager.backends[name].puts.flush(WRITE_WAIT)
     tiers = ["LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"]
     for tier in tiers:
         assert owner.lookup(tokens, search_range=[tier], extra_key="tenant-a") == len(tokens)

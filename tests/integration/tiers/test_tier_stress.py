@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lmcache.storage_backend.serde.seal import write_key_file
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 pytestmark = pytest.mark.integration
@@ -109,7 +110,7 @@ def test_evictions_peer_publishing_and_concurrent_lookups_neither_deadlock_nor_l
     for engine, tier in ((owner, "LocalDiskBackend"), (reader, "PeerBackend")):
         counters = engine.storage_manager.stats()[tier].counters
         assert counters.get("forged", 0) == 0 and counters.get("corrupt", 0) == 0
-    assert owner.storage_manager.backends["LocalDiskBackend"].puts.flush(10)
+    assert owner.storage_manager.backends["LocalDiskBackend"].puts.flush(WRITE_WAIT)
     for engine in (owner, reader):
         engine.check_integrity()
     reader.close()

@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
+from tests.helpers import WRITE_WAIT
 from tests.helpers.kernel_builds import environment
 from tests.helpers.planted_faults import wrong_layout_env
 from tests.helpers.servers import Valkey
@@ -184,7 +185,7 @@ def test_a_flipped_byte_in_the_remote_tier_is_a_mismatch_deleted_there_and_not_s
     assert tier.remove(key)
     tier.submit_put_task(key, obj)  # the tier serializes it: a valid checksum over the flipped byte
     obj.ref_count_down()
-    assert tier.puts.flush(10)
+    assert tier.puts.flush(WRITE_WAIT)
     before = llama.audits(0)
     assert llama.run(ids) == cold  # audited: a cold prefill
     report = llama.audits(sum(sum(totals(before, t).values()) for t in ("Hot", "RemoteBackend")) + 6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmcache import cli
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 CHUNK = 8
@@ -39,7 +40,7 @@ def call(base: str, path: str, body=None, method: str | None = None, raw: bytes 
 def store(engine, tokens, kv=None):
     kv = kv or PagedKV(num_blocks=128)
     engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(tokens.shape[0]))
-    engine.storage_manager.backends["LocalDiskBackend"].puts.flush(5)
+    assert engine.storage_manager.backends["LocalDiskBackend"].puts.flush(WRITE_WAIT)
     return kv
 
 

@@ -4,6 +4,7 @@ that ends only where a state is held."""
 import pytest
 import torch
 
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 CHUNK = 8
@@ -106,7 +107,7 @@ def test_a_state_survives_the_disk_tier_bit_for_bit(tmp_path):
     tokens = torch.randint(0, 1000, (16,))
     engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(16))
     keep(engine, tokens, 16, 5)
-    assert engine.storage_manager.backends["LocalDiskBackend"].puts.flush(10)
+    assert engine.storage_manager.backends["LocalDiskBackend"].puts.flush(WRITE_WAIT)
     engine.storage_manager.clear("hot")
     assert engine.lookup(tokens, "LocalDiskBackend") == 16
     obj = engine.retrieve_state(tokens)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache.metrics import merge_intervals, rank_payload
 from lmcache.observability import EngineStats, TierStats
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 from tests.helpers.prometheus import metric_types
 
@@ -80,7 +81,7 @@ def use(engine, n_tokens=24):
     tokens = torch.randint(0, 1000, (n_tokens,))
     slots = kv.slots_for(n_tokens)
     engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
-    engine.storage_manager.backends["LocalDiskBackend"].puts.flush(5)
+    assert engine.storage_manager.backends["LocalDiskBackend"].puts.flush(WRITE_WAIT)
     assert engine.lookup(tokens) == n_tokens
     engine.retrieve(tokens, kvcaches=kv.empty_like().layers, slot_mapping=slots)
 

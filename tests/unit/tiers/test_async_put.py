@@ -4,6 +4,7 @@ import pytest
 
 from lmcache.failures import FailureDomains
 from lmcache.storage_backend.async_put import AsyncPutQueue
+from tests.helpers import WRITE_WAIT
 from tests.helpers.clock import ManualClock
 
 
@@ -29,7 +30,7 @@ def test_put_holds_a_reference_until_written_then_releases_it(make_obj, key):
     q.submit(key(1), obj)
     assert obj.get_ref_count() == 2 and q.contains(key(1))
     w.gate.set()
-    assert q.flush(5)
+    assert q.flush(WRITE_WAIT)
     assert obj.get_ref_count() == 1 and not q.contains(key(1))
     assert q.num_written == 1 and len(w.written) == 1
     q.close()
@@ -85,7 +86,7 @@ def test_failed_write_is_counted_logged_once_and_releases_the_reference(make_obj
         if i == 3:
             clock.advance(0.5)  # the backoff delay has passed: tried again
         q.submit(key(i), o)
-        q.flush(5)
+        assert q.flush(WRITE_WAIT)
     assert q.num_failed == 2 and q.num_dropped == 2  # tried and failed; not tried while backing off
     assert all(o.get_ref_count() == 1 for o in objs)
     assert sum("failed" in r.message for r in caplog.records if r.levelname == "WARNING") == 1
@@ -98,13 +99,13 @@ def test_writes_resume_once_the_store_works_again(make_obj, key):
     clock = ManualClock()
     q = AsyncPutQueue("t", w, num_workers=1, faults=FailureDomains(str, 0.5, 4.0, clock=clock))
     q.submit(key(0), make_obj(0))
-    q.flush(5)
+    assert q.flush(WRITE_WAIT)
     w.fail = False
     q.submit(key(1), make_obj(1))  # within the backoff: not tried
-    q.flush(5)
+    assert q.flush(WRITE_WAIT)
     clock.advance(0.5)
     q.submit(key(2), make_obj(2))
-    q.flush(5)
+    assert q.flush(WRITE_WAIT)
     assert (q.num_failed, q.num_dropped, q.num_written) == (1, 1, 1)
     q.close()
 
@@ -119,7 +120,7 @@ def test_close_waits_boundedly_then_cancels_queued_writes(make_obj, key):
     assert q.num_dropped == 2
     assert [o.get_ref_count() for o in objs] == [2, 1, 1]
     w.gate.set()
-    assert q.flush(5)
+    assert q.flush(WRITE_WAIT)
     assert objs[0].get_ref_count() == 1
     assert q.submit(key(9), make_obj(9)) is None  # closed
 

@@ -6,6 +6,7 @@ import torch
 
 from lmcache.storage_backend.disk_file import SUFFIX
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
+from tests.helpers import WRITE_WAIT
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def disk(disk_config, meta, allocator):
 
 def put(backend, k, obj):
     backend.submit_put_task(k, obj)
-    assert backend.puts.flush(5)
+    assert backend.puts.flush(WRITE_WAIT)
 
 
 def files(backend):
@@ -142,7 +143,7 @@ def test_get_while_the_write_is_in_flight_is_served_from_memory(disk, make_obj, 
     got = d.get_blocking(key(1))
     assert got is obj
     got.ref_count_down()
-    d.puts.flush(5)
+    assert d.puts.flush(WRITE_WAIT)
     assert not d.exists_in_put_tasks(key(1)) and d.contains(key(1))
 
 

@@ -9,6 +9,7 @@ import torch
 from lmcache.experimental.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.storage_backend import local_disk_backend
 from lmcache.storage_backend.disk_file import SUFFIX
+from tests.helpers import WRITE_WAIT
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def disk(disk_config, meta, allocator):
 
 def put(backend, k, obj):
     backend.submit_put_task(k, obj)
-    assert backend.puts.flush(5)
+    assert backend.puts.flush(WRITE_WAIT)
 
 
 def test_the_seed_class_is_the_core_disk_tier_with_the_seed_calls():

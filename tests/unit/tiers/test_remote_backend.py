@@ -10,6 +10,7 @@ from lmcache.config import LMCacheEngineConfig
 from lmcache.observability import LOG_INTERVAL
 from lmcache.storage_backend.connectors.base import RemoteConnector
 from lmcache.storage_backend.remote_backend import RemoteBackend
+from tests.helpers import WRITE_WAIT
 from tests.helpers.clock import ManualClock
 
 
@@ -58,7 +59,7 @@ def remote(meta, allocator):
 
 def put(backend, k, obj):
     backend.submit_put_task(k, obj)
-    assert backend.puts.flush(5)
+    assert backend.puts.flush(WRITE_WAIT)
 
 
 def test_round_trip_and_batched_get(remote, make_obj, key):

@@ -29,6 +29,7 @@ from lmcache.storage_backend.serde.seal import (
     read_whole_sealed,
     write_key_file,
 )
+from tests.helpers import WRITE_WAIT
 
 from .conftest import SHAPE
 
@@ -251,7 +252,7 @@ def disk(disk_config, meta, allocator, path: str) -> LocalDiskBackend:
 
 def stored(backend: LocalDiskBackend, key, obj) -> None:
     backend.submit_put_task(key, obj)
-    assert backend.puts.flush(10)
+    assert backend.puts.flush(WRITE_WAIT)
 
 
 def test_disk_files_are_sealed_and_read_back(tmp_path, disk_config, meta, allocator, key, make_obj):

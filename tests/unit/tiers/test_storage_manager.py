@@ -17,6 +17,7 @@ from lmcache.storage_backend.peer_backend import PeerBackend
 from lmcache.storage_backend.registry import register_tier, tier_classes, tier_names
 from lmcache.storage_backend.remote_backend import RemoteBackend
 from lmcache.storage_backend.storage_manager import StorageManager
+from tests.helpers import WRITE_WAIT
 from tests.helpers.clock import ManualClock
 
 
@@ -34,7 +35,7 @@ def store(sm, keys, make_obj, seeds):
         obj = make_obj(seed)
         sm.put(k, obj)
         obj.ref_count_down()
-    sm.backends["LocalDiskBackend"].puts.flush(5)
+    assert sm.backends["LocalDiskBackend"].puts.flush(WRITE_WAIT)
 
 
 def test_registry_lists_the_tiers_in_lookup_order_with_their_properties():
@@ -180,7 +181,7 @@ def test_a_tiers_failures_add_up_over_the_guards_that_caught_them(disk_config, m
     monkeypatch.setattr(disk, "batched_contains", eio)
     monkeypatch.setattr(disk.puts, "_write", eio)
     store(sm, [key(0)], make_obj, [0])
-    assert disk.puts.flush(5)
+    assert disk.puts.flush(WRITE_WAIT)
     sm.clear("hot")
     assert sm.contains_prefix([key(0)]).hits == 0
     counters = sm.stats()["LocalDiskBackend"].counters

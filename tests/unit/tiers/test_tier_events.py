@@ -20,6 +20,7 @@ from lmcache.storage_backend import registry
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.events import EventKind, RemovalReason, TierEvents
 from lmcache.storage_backend.storage_manager import StorageManager
+from tests.helpers import WRITE_WAIT
 from tests.unit.tiers.conftest import SHAPE
 
 STORED, REMOVED, CLEARED = EventKind.STORED, EventKind.REMOVED, EventKind.CLEARED
@@ -165,14 +166,14 @@ def test_disk_evictions_on_the_put_workers_are_taken_on_the_next_call(with_recor
     sm = StorageManager(disk_config(), meta, MixedMemoryAllocator(1 << 20))
     recorder, disk = sm.backends["Recorder"], sm.backends["LocalDiskBackend"]
     assert isinstance(recorder, Recorder)
-    assert put_new(sm, key(0)) and disk.puts.flush(5)
+    assert put_new(sm, key(0)) and disk.puts.flush(WRITE_WAIT)
     disk.max_bytes = 2 * disk.used_bytes  # room for two chunk files
     told = list(recorder.told)
     for i in (1, 2):  # written by the disk's put workers alone (no manager call): the second evicts key(0)
         obj = make_obj(i)
         disk.submit_put_task(key(i), obj)
         obj.ref_count_down()
-    assert disk.puts.flush(5) and disk.num_evicted == 1
+    assert disk.puts.flush(WRITE_WAIT) and disk.num_evicted == 1
     assert recorder.told == told and len(disk.events) >= 3  # the disk's events wait for the manager
     sm.clear("hot")  # the next call takes them: key(0) is now in no local tier, the others on disk
     added, removed = recorder.told[-1]  # the put workers run concurrently: in either order

@@ -5,6 +5,7 @@ import torch
 from lmcache.storage_backend import create_storage_backends
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.storage_backend.remote_backend import RemoteBackend
+from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
 UNREACHABLE = "redis://127.0.0.1:1?backoff=10"  # nothing listens on port 1
@@ -32,7 +33,7 @@ def test_an_engine_with_an_unreachable_remote_serves_from_its_other_tiers(tmp_pa
         engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
         for b in engine.storage_manager.backends.values():
             if hasattr(b, "puts"):
-                b.puts.flush(5)
+                assert b.puts.flush(WRITE_WAIT)
         assert engine.lookup(tokens, ["RemoteBackend"]) == 0
         assert engine.lookup(tokens, ["LocalDiskBackend"]) == 40
         out = kv.empty_like()
