@@ -16,8 +16,9 @@ later round):
 
     balanced  --users users, --rounds rounds, a --system-words shared system text and a
               --doc-words document each
-    skewed    the same, but every other user (0, 2, 4, ...) has a document --skew times longer and
-              twice the rounds: ``session`` (first sight in turn) piles them onto one instance
+    skewed    the same, but --heavy of the users, every other one (0, 2, 4, ...; default: half of
+              them), have a document --skew times longer and twice the rounds: ``session`` (first
+              sight in turn) piles them onto one instance
 
 Runs are interleaved within a setup: repeat x workload x policy, each run with its own text salt
 (so no run finds another's KV); before them each instance answers one request of other text, so
@@ -34,6 +35,7 @@ Writes benchmarks/out/fleet_routing.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -63,16 +65,21 @@ WORKLOADS = ("balanced", "skewed")
 SETUPS = ("own", "shared")
 
 
+@functools.cache
+def corpus() -> list[str]:
+    return " ".join(p.read_text() for p in sorted(DATA.glob("*.txt"))).split()
+
+
 def words(start: int, n: int) -> str:
-    text = " ".join(p.read_text() for p in sorted(DATA.glob("*.txt"))).split()
+    text = corpus()
     return " ".join(text[(start + i) % len(text)] for i in range(n))
 
 
 def users_of(workload: str, args: argparse.Namespace) -> list[tuple[int, int]]:
     """(document words, rounds) per user."""
-    heavy = workload == "skewed"
-    return [(args.doc_words * (args.skew if heavy and u % 2 == 0 else 1),
-             args.rounds * (2 if heavy and u % 2 == 0 else 1)) for u in range(args.users)]
+    heavy = {2 * i for i in range(args.heavy)} if workload == "skewed" else set()
+    return [(args.doc_words * (args.skew if u in heavy else 1), args.rounds * (2 if u in heavy else 1))
+            for u in range(args.users)]
 
 
 def chat(url: str, user: str, messages: list[dict], answer_tokens: int) -> dict[str, Any]:
@@ -106,9 +113,8 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace, r
     system = f"Session {salt}. You are a careful assistant. " + words(0, args.system_words)
     turns: list[list[dict]] = [[] for _ in range(args.users)]
 
-    def user(u: int, doc_words: int, rounds: int) -> None:
-        time.sleep(0.2 * u)
-        document = words(args.system_words + 5000 * u, doc_words)
+    def user(u: int, document: str, rounds: int) -> None:
+        time.sleep(0.2 * u)  # then straight to the first request (its text was made before)
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"Document {u + 1}:\n{document}\n\nWhat is it about?"}]
         for rnd in range(rounds):
@@ -122,7 +128,8 @@ def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace, r
             turns[u].append(out | {"round": rnd + 1, "user": u})
 
     t0 = time.perf_counter()
-    specs = users_of(workload, args)
+    specs = [(words(args.system_words + 5000 * u, doc_words), rounds)
+             for u, (doc_words, rounds) in enumerate(users_of(workload, args))]
     threads = [threading.Thread(target=user, args=(u, *spec)) for u, spec in enumerate(specs)]
     for t in threads:
         t.start()
@@ -295,6 +302,8 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=300)
     parser.add_argument("--doc-words", type=int, default=700)
     parser.add_argument("--skew", type=int, default=2, help="skewed: the heavy users' document, x doc-words")
+    parser.add_argument("--heavy", type=int, default=None,
+                        help="skewed: how many users are heavy (users 0, 2, 4, ...; default: half)")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--think", type=float, default=0.0,
                         help="each user waits a random 0..THINK s before each later round (seeded by repeat, "
@@ -311,6 +320,10 @@ def main() -> None:
     if args.quick:
         args.users, args.rounds, args.system_words, args.doc_words, args.answer_tokens = 2, 2, 60, 120, 4
         args.repeats, args.setups, args.max_model_len = 1, "own", 2048
+    if args.heavy is None:
+        args.heavy = (args.users + 1) // 2
+    if not 0 <= args.heavy <= (args.users + 1) // 2:
+        parser.error(f"--heavy: 0 to {(args.users + 1) // 2} (every other user of --users {args.users})")
     for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS), ("policies", POLICIES)):
         chosen = tuple(getattr(args, name).split(","))
         if {c.partition("@")[0] for c in chosen} - set(allowed) \

@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")
     r.add_argument("--tier-weights", default="",
-                   help="kv-aware: MEDIUM=WEIGHT,... (default GPU=1,CPU=0.8,STORAGE=0.5; GPU is vLLM's "
+                   help="kv-aware: MEDIUM=WEIGHT,... (default GPU=1,CPU=0.95,STORAGE=0.8; GPU is vLLM's "
                         "own prefix cache)")
     _add_pd_arguments(r, required=False)
     r.set_defaults(func=_router)

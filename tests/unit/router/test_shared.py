@@ -17,7 +17,7 @@ from lmcache.cache_key import CacheEngineKey
 from lmcache.cache_server.kv_events import ChunkTexts, chunk_block
 from lmcache.chunk_hash import ChunkText, chunk_digests, extra_key_of
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
-from lmcache.kv_events import AllBlocksCleared, KVEventBatch, to_kv_events
+from lmcache.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, to_kv_events
 from lmcache.router.events import decode_batch
 from lmcache.router.index import Match
 from lmcache.router.policies import Instance, KVAware, Routed
@@ -192,3 +192,29 @@ def test_kv_aware_counts_the_shared_prefix_on_every_instance_and_sends_to_the_le
     assert watch.match("http://a", tokens, extra_key_of("other")).tokens == 0
     with b.serving(60):  # both can load the document from the server: the less busy one
         assert policy.rank(Routed(tokens=tokens), [a, b])[0] is a
+
+
+def test_kv_aware_starts_a_prompt_on_an_idle_instance_that_can_load_it_from_the_server_rather_than_queue_it():
+    """Instance a holds the prompt's prefix in vLLM's own cache, but another prompt is being
+    prefilled there; the cache server every instance shares holds the prefix too. With the default
+    tier weights the prompt goes to idle b, which loads the prefix instead of waiting (with the
+    earlier default, "CPU" 0.8, it queued on a)."""
+    cached = DOC * 8  # 768 tokens
+    tokens = cached + list(range(50, 60))
+
+    def policy(tier_weights: dict[str, float] | None) -> KVAware:
+        watch = KVWatch((), (), None, tier_weights=tier_weights)
+        watch.index.apply("http://a", [
+            BlockStored([1000 + i], None if i == 0 else 999 + i, cached[i * CHUNK:(i + 1) * CHUNK], CHUNK,
+                        None, None, None) for i in range(len(cached) // CHUNK)])
+        watch.shared.apply(server_events(EventKind.STORED, keys_of(cached)))
+        assert watch.match("http://a", tokens).by_tier == {"GPU": len(cached)}
+        assert watch.match("http://b", tokens).by_tier == {"shared": len(cached)}
+        return KVAware(watch, request_cost=64)
+
+    a, b = Instance("http://a"), Instance("http://b")
+    default = policy(None)
+    assert default.rank(Routed(tokens=tokens), [a, b])[0] is a  # a is idle: its own cache wins
+    with a.serving(60):  # the prompt of another user's next round is being prefilled on a
+        assert default.rank(Routed(tokens=tokens), [a, b])[0] is b
+        assert policy({"GPU": 1.0, "CPU": 0.8}).rank(Routed(tokens=tokens), [a, b])[0] is a
