@@ -1,8 +1,8 @@
 """A fleet of two vLLM-CPU instances behind `lmcache router`: which policy serves a multi-round chat
 fastest, on the instances' own LMCache tiers and on one shared cache server.
 
-Two vLLM-CPU OpenAI servers (a core each, fp32 SmolLM2-135M, vLLM's KV events on, prompt-token
-details on) run behind one `lmcache router` process per policy (``round-robin``, ``session``,
+Two vLLM-CPU OpenAI servers (a core each, at niceness --engine-nice so that the users' requests
+leave on time, fp32 SmolLM2-135M, vLLM's KV events on, prompt-token details on) run behind one `lmcache router` process per policy (``round-robin``, ``session``,
 ``kv-aware``). Setups (one after the other, the instances started afresh for each):
 
     own      each instance with its own LMCache CPU hot tier
@@ -206,7 +206,8 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, r
             instances.append(OpenAIServer(
                 model, transfer, str(scratch / f"{setup}-vllm{i}.log"), max_model_len=args.max_model_len,
                 kv_bytes=args.kv_tokens * 2 * 30 * 3 * 64 * 4, cpus=str(i % (os.cpu_count() or 1)),
-                extra_args=("--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details")))
+                extra_args=("--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details"),
+                nice=args.engine_nice))
         routers = {p: Router(p, instances, events, model, scratch / f"{setup}-router-{p}.log", shared_events)
                    for p in args.policies}
         for i, server in enumerate(instances):  # warm: no run meets a fresh instance (and the routers
@@ -308,6 +309,10 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.0,
                         help="each user waits a random 0..THINK s before each later round (seeded by repeat, "
                              "user and round: the same for every policy, other in every repeat)")
+    parser.add_argument("--engine-nice", type=int, default=5,
+                        help="the vLLM instances' niceness: the engines take every core, and at the same "
+                             "priority the users' threads (and the router) woke late from their pauses, "
+                             "so that runs of one workload met different arrivals")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
