@@ -2,8 +2,9 @@
 fastest, on the instances' own LMCache tiers and on one shared cache server.
 
 Two vLLM-CPU OpenAI servers (a core each, at niceness --engine-nice so that the users' requests
-leave on time, fp32 SmolLM2-135M, vLLM's KV events on, prompt-token details on) run behind one `lmcache router` process per policy (``round-robin``, ``session``,
-``kv-aware``). Setups (one after the other, the instances started afresh for each):
+leave on time, fp32 SmolLM2-135M, vLLM's KV events on, prompt-token details on) run behind one
+`lmcache router` process per policy (``round-robin``, ``session``, ``kv-aware``). Setups (one
+after the other, the instances started afresh for each):
 
     own      each instance with its own LMCache CPU hot tier
     shared   both instances on one `lmcache cache-server` (shared-memory L1); the routers watch its
