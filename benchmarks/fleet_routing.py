@@ -326,10 +326,10 @@ def main() -> None:
     if args.quick:
         args.users, args.rounds, args.system_words, args.doc_words, args.answer_tokens = 2, 2, 60, 120, 4
         args.repeats, args.setups, args.max_model_len = 1, "own", 2048
-    if args.heavy is None:
-        args.heavy = (args.users + 1) // 2
-    if not 0 <= args.heavy <= (args.users + 1) // 2:
-        parser.error(f"--heavy: 0 to {(args.users + 1) // 2} (every other user of --users {args.users})")
+    every_other = (args.users + 1) // 2  # users 0, 2, 4, ...
+    args.heavy = every_other if args.heavy is None else args.heavy
+    if not 0 <= args.heavy <= every_other:
+        parser.error(f"--heavy: 0 to {every_other} (every other user of --users {args.users})")
     for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS), ("policies", POLICIES)):
         chosen = tuple(getattr(args, name).split(","))
         if {c.partition("@")[0] for c in chosen} - set(allowed) \
