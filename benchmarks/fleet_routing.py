@@ -22,10 +22,11 @@ later round):
               sight in turn) piles them onto one instance
 
 Runs are interleaved within a setup: repeat x workload x policy, each run with its own text salt
-(so no run finds another's KV); before them each instance answers one request of other text, so
-that no run meets a fresh instance. Reported per (setup, workload, policy): mean and p90 TTFT of rounds
->= 2 (median over repeats of each run's value), output throughput, prompt tokens by source (vLLM's
-prefix cache = ``local_cache_hit``, LMCache = ``external_kv_transfer``) and LMCache's tier hits, and
+(so no run finds another's KV; of the same token length in every run, `salt_of`); before them each
+instance answers one request of other text, so that no run meets a fresh instance. Reported per
+(setup, workload, policy): mean and p90 TTFT of rounds >= 2 (median over repeats of each run's
+value), output throughput, prompt tokens by source (vLLM's prefix cache = ``local_cache_hit``,
+LMCache = ``external_kv_transfer``) and LMCache's tier hits, and
 the router's predicted vs served hit tokens; then the issue's goals as ratios.
 
     python benchmarks/fleet_routing.py [--quick] [--setups own,shared] [--repeats 2]
@@ -110,8 +111,31 @@ def chat(url: str, user: str, messages: list[dict], answer_tokens: int) -> dict[
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
 
+def salt_of(run: int) -> str:
+    """Run `run`'s text salt: fixed-width digits, which SmolLM2's tokenizer splits one per token, so
+    that every run's texts have the same token counts (`check_salts`). A salt of another length
+    moves where the users' shared prefix ends against the engine's blocks: with named salts
+    (``own0balancedsession`` vs ``own0balancedkv-aware``) session runs' users shared 256 cached
+    tokens and kv-aware runs' 384, which changed how their first prompts were batched."""
+    return f"{run:06d}"
+
+
+def system_text(salt: str, args: argparse.Namespace) -> str:
+    return f"Session {salt}. You are a careful assistant. " + words(0, args.system_words)
+
+
+def check_salts(model: str, args: argparse.Namespace, runs: int) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = {len(tokenizer(system_text(salt_of(r), args))["input_ids"]) for r in (0, runs - 1)}
+    if len(lengths) != 1:
+        raise SystemExit(f"run salts tokenize to different lengths {sorted(lengths)}: runs would differ "
+                         "in their cached prefixes")
+
+
 def run_workload(url: str, workload: str, salt: str, args: argparse.Namespace, rep: int) -> dict[str, Any]:
-    system = f"Session {salt}. You are a careful assistant. " + words(0, args.system_words)
+    system = system_text(salt, args)
     turns: list[list[dict]] = [[] for _ in range(args.users)]
 
     def user(u: int, document: str, rounds: int) -> None:
@@ -219,8 +243,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: str, scratch: Path, r
                 for workload in args.workloads:
                     for policy in args.policies:  # interleaved
                         before, stats0 = sources(instances), routers[policy].stats()
-                        salt = f"{setup}{rep}{workload}{policy}"
-                        run = run_workload(routers[policy].url, workload, salt, args, rep)
+                        run = run_workload(routers[policy].url, workload, salt_of(len(results)), args, rep)
                         after, stats1 = sources(instances), routers[policy].stats()
                         run |= {"setup": setup, "workload": workload, "policy": policy, "repeat": rep,
                                 "prompt_tokens_by_source": {k: after[k] - before.get(k, 0) for k in after},
@@ -340,6 +363,7 @@ def main() -> None:
     from lmcache.integration.local_model import local_model_path
 
     model = local_model_path("float32")
+    check_salts(model, args, len(args.setups) * args.repeats * len(args.workloads) * len(args.policies))
     scratch = Path(tempfile.mkdtemp(prefix="lmcache-fleet-"))
     t0 = time.perf_counter()
     results: list[dict] = []
