@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
 ANSWER_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
+# How long an idle connection to a backend is kept for the next request: shorter than vLLM's own
+# keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s, as uvicorn's default), so that no request goes out
+# on a connection the server has closed or is closing. With aiohttp's 15 s, a decoder's connection
+# left idle for 10 s while the prefiller ran failed as the next request was written on it ("Can
+# not write request body"), and the request got a 503 from a healthy decoder.
+KEEPALIVE_S = 2.0
 
 
 def base_url(field: str, value: str) -> str:
@@ -116,13 +122,15 @@ async def relay_stream(request: web.Request, answer: aiohttp.ClientResponse, chu
 
 
 class ClientSession:
-    """One aiohttp client session (unbounded connection pool) for an app's life."""
+    """One aiohttp client session (unbounded connection pool, idle connections kept KEEPALIVE_S)
+    for an app's life."""
 
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
 
     async def context(self, app: web.Application) -> AsyncIterator[None]:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=ANSWER_TIMEOUT)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=ANSWER_TIMEOUT)
         yield
         await self._session.close()
 

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from lmcache.integration.local_model import local_model_path
 from lmcache.pd import nixl_agent
 from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete, prompt_sources, start_servers
-from tests.helpers.servers import REPO, free_port, wait_port
+from tests.helpers.servers import REPO, free_port, stop_process, wait_port
 from tests.helpers.vllm_engines import (
     kv_bytes_per_token,
     lmcache_transfer_config,
@@ -63,9 +63,10 @@ class Proxy:
         return json.loads(urllib.request.urlopen(f"{self.url}/stats", timeout=10).read())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self.log.close()
+        try:
+            stop_process(self.proc)
+        finally:
+            self.log.close()
 
 
 def start_proxy(cluster: dict, decoders: list[str], log: str) -> Proxy:

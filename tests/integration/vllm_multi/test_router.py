@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
 from tests.helpers.openai_server import MODEL_NAME, start_servers
-from tests.helpers.servers import REPO, free_port, wait_port
+from tests.helpers.servers import REPO, free_port, stop_process, wait_port
 from tests.helpers.vllm_engines import sentence_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -63,11 +63,12 @@ def fleet(tmp_path_factory):
         wait_port(port, 300, router)
         yield {"servers": servers, "router": f"http://127.0.0.1:{port}"}
     finally:
-        router.terminate()
-        router.wait(10)
-        log.close()
-        for server in servers:
-            server.stop()
+        try:
+            stop_process(router)
+        finally:
+            log.close()
+            for server in servers:
+                server.stop()
 
 
 def wait_indexed(router: str, instance: str, at_least: int) -> None:

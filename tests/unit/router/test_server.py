@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from typing import Any
 
 import aiohttp
@@ -17,6 +19,7 @@ from lmcache.integration.local_model import local_model_path
 from lmcache.kv_events import BlockStored
 from lmcache.pd.proxy import PROXY, ProxyConfig
 from lmcache.pd.proxy import start as start_pd
+from lmcache.router import http
 from lmcache.router.server import ROUTER, RouterConfig, build_app
 from lmcache.router.tokens import PromptTokenizer
 from tests.helpers.aio import async_test
@@ -210,6 +213,70 @@ async def test_a_dead_instance_is_retried_around_and_comes_back_when_healthy():
             status, answer = await r.ask("x")
             assert status == 503 and "no instance answered" in answer["error"]["message"]
             assert (await r.ask("x", headers={"Content-Type": "application/json"}))[0] == 503
+
+
+def test_the_fronts_start_without_torch():
+    """`lmcache router` and `lmcache proxy` import neither torch nor the tiers (importing torch took
+    3.4 s of the router's 4 s start-up and most of its exit)."""
+    code = ("import sys, lmcache.router.server, lmcache.pd.proxy; "
+            "print(sorted(m for m in ('torch', 'lmcache.memory_management') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+class LateKeepAlive:
+    """An HTTP/1.1 backend that keeps connections alive for `idle` seconds the way a busy uvicorn
+    does: its keep-alive timer runs late, so a request that arrives on a connection idle for longer
+    finds it closed instead of answered (a fault the real server shows only under load)."""
+
+    def __init__(self, idle: float) -> None:
+        self.idle, self.connections = idle, 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        loop, last = asyncio.get_running_loop(), None
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if last is not None and loop.time() - last > self.idle:
+                    break  # the timer fired as the request arrived: closed, unanswered
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                answer = json.dumps({"choices": [{"text": "ok"}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                await writer.drain()
+                last = loop.time()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@async_test
+async def test_an_idle_connection_is_not_reused_past_the_keep_alive_and_a_request_after_a_pause_is_answered(
+        monkeypatch):
+    """The router (and the PD front, on the same HTTP code) keeps an idle connection to a backend
+    for `KEEPALIVE_S`, shorter than the backend's keep-alive (vLLM's is 5 s): a request after a
+    longer pause goes out on a new connection, not on one the backend is closing."""
+    monkeypatch.setattr(http, "KEEPALIVE_S", 0.3)  # the backend's keep-alive below is 0.6 s
+    backend = LateKeepAlive(idle=0.6)
+    port = free_port()
+    server = await asyncio.start_server(backend.serve, "127.0.0.1", port)
+    try:
+        async with Running(RouterConfig((f"127.0.0.1:{port}",))) as r:
+            assert [(await r.ask("x"))[0] for _ in range(3)] == [200] * 3
+            assert backend.connections == 1  # kept alive while in use
+            await asyncio.sleep(0.9)
+            status, answer = await r.ask("x")
+            assert status == 200, answer
+            assert backend.connections == 2
+            assert (await r.get("/stats"))["instance_failures"] == 0
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 @async_test
