@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import pytest
 
@@ -252,6 +253,7 @@ def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
         assert decoded["local_compute"] <= len(answers)
         assert proxy.stats()["prefilled"] - prefilled == len(answers)
     finally:
-        proxy.stop()
-        prefiller.stop()
-        decoder.stop()
+        with ExitStack() as stopping:  # each one stopped, whichever raises (the pair spins if left)
+            stopping.callback(decoder.stop)
+            stopping.callback(prefiller.stop)
+            stopping.callback(proxy.stop)

@@ -261,15 +261,15 @@ async def test_an_idle_connection_is_not_reused_past_the_keep_alive_and_a_reques
     """The router (and the PD front, on the same HTTP code) keeps an idle connection to a backend
     for `KEEPALIVE_S`, shorter than the backend's keep-alive (vLLM's is 5 s): a request after a
     longer pause goes out on a new connection, not on one the backend is closing."""
-    monkeypatch.setattr(http, "KEEPALIVE_S", 0.3)  # the backend's keep-alive below is 0.6 s
-    backend = LateKeepAlive(idle=0.6)
+    monkeypatch.setattr(http, "KEEPALIVE_S", 1.0)  # the backend's keep-alive below is 2 s
+    backend = LateKeepAlive(idle=2.0)
     port = free_port()
     server = await asyncio.start_server(backend.serve, "127.0.0.1", port)
     try:
         async with Running(RouterConfig((f"127.0.0.1:{port}",))) as r:
             assert [(await r.ask("x"))[0] for _ in range(3)] == [200] * 3
             assert backend.connections == 1  # kept alive while in use
-            await asyncio.sleep(0.9)
+            await asyncio.sleep(2.5)
             status, answer = await r.ask("x")
             assert status == 200, answer
             assert backend.connections == 2
