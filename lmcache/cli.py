@@ -283,9 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--request-cost", type=int, default=64,
                    help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")
+    from lmcache.router.index import TIER_WEIGHTS
+
+    defaults = ",".join(f"{medium}={weight:g}" for medium, weight in TIER_WEIGHTS.items())
     r.add_argument("--tier-weights", default="",
-                   help="kv-aware: MEDIUM=WEIGHT,... (default GPU=1,CPU=0.95,STORAGE=0.8; GPU is vLLM's "
-                        "own prefix cache)")
+                   help=f"kv-aware: MEDIUM=WEIGHT,... (default {defaults}; GPU is vLLM's own prefix cache)")
     _add_pd_arguments(r, required=False)
     r.set_defaults(func=_router)
     k = sub.add_parser("keygen", help="write a new AES-256 KV sealing key file (mode 0600) for "
