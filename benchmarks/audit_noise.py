@@ -43,7 +43,6 @@ from tests.helpers.vllm_engines import lmcache_transfer_config, sentence_text, s
 OUT = Path(__file__).parent / "out"
 LENGTH = 1281
 ENGINE_ARGS = {"qwen3_next": {"prefix_match_unit": 128}}
-NO_PREFIX_CACHE = {"deepseek_v2"}
 
 
 def measure(arch: str, prompts: int) -> dict[str, Any]:
@@ -71,7 +70,7 @@ def measure(arch: str, prompts: int) -> dict[str, Any]:
             p = tok(sentence_text(100 + seed, 1600), add_special_tokens=False).input_ids[:LENGTH]
             run(p)
             run(p[:800])
-            if arch not in NO_PREFIX_CACHE:
+            if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:  # not MLA but on AMX
                 run(p[:200])
                 run(p, reset=False)
             run(p)

@@ -38,6 +38,7 @@ class KernelBuild:
     features: tuple[str, ...]  # torch.cpu probes (``_is_<feature>_supported``) it needs
     aten: str  # ATEN_CPU_CAPABILITY
     onednn: str  # ONEDNN_MAX_CPU_ISA
+    uses: tuple[str, ...] = ()  # probes it does not need but uses where the CPU has them (AMX)
 
     def runs_here(self) -> bool:
         """This CPU has every feature the build needs."""
@@ -47,11 +48,11 @@ class KernelBuild:
 
     def lacks(self) -> tuple[str, ...]:
         """The probed features this build does without (what forcing it turns off)."""
-        return tuple(f for f in _PROBED if f not in self.features)
+        return tuple(f for f in _PROBED if f not in self.features + self.uses)
 
 
 BUILDS = {b.name: b for b in (
-    KernelBuild("avx512_bf16", "_C", ("avx512", "avx512_bf16"), "avx512", "DEFAULT"),
+    KernelBuild("avx512_bf16", "_C", ("avx512", "avx512_bf16"), "avx512", "DEFAULT", uses=("amx_tile",)),
     KernelBuild("avx512", "_C_AVX512", ("avx512",), "avx512", "AVX512_CORE"),
     KernelBuild("avx2", "_C_AVX2", (), "avx2", "AVX2"),
 )}

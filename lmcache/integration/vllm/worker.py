@@ -95,8 +95,7 @@ class LMCacheWorker:
         self.kernels = describe() if tensors[0].device.type == "cpu" else "CUDA"
         try:
             if self.kv.kv_count == 1:
-                impl = vc.compilation_config.static_forward_context[names[0]].impl
-                check_latent_rows(impl, tensors[0], block_size)
+                check_latent_rows(vc.compilation_config.static_forward_context[names[0]], block_size)
             if self.kv.state_groups:
                 self.states = StateCopier([(kv_caches[n], g) for n, g in self.kv.state_layers])
             layout = "mla" if self.kv.kv_count == 1 else vllm_layout(tensors, block_size)

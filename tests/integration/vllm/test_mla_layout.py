@@ -23,13 +23,44 @@ def cpu_mla_impl():
                            do_kv_cache_update=functools.partial(CPUMLAImpl.do_kv_cache_update, None))
 
 
+def bound_layer(impl, block_size=BS):
+    """An MLA layer as vLLM binds it: the registered [blocks, 1, block_size, latent] cache squeezed."""
+    return SimpleNamespace(impl=impl, kv_cache=torch.zeros(NB, 1, block_size, RANK + ROPE,
+                                                           dtype=torch.bfloat16).squeeze(1))
+
+
 def write(impl, cache, latents, slots):
     impl.do_kv_cache_update(latents[:, :RANK].contiguous(), latents[:, RANK:].unsqueeze(1).contiguous(),
                             cache, slots, "auto", torch.ones(1))
 
 
 def test_vllms_cpu_mla_write_keeps_latents_as_token_rows():
-    check_latent_rows(cpu_mla_impl(), torch.zeros(NB, 1, BS, RANK + ROPE, dtype=torch.bfloat16), BS)
+    check_latent_rows(bound_layer(cpu_mla_impl()), BS)
+
+
+def test_vllms_amx_mla_write_keeps_latents_as_token_rows():
+    """The AMX MLA backend (vLLM's choice for MLA wherever the CPU has AMX) writes through a kernel
+    that takes only the layer's 3-D view of the cache."""
+    from vllm.platforms import current_platform
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM's AMX MLA backend runs only on a CPU with AMX")
+    current_platform.import_kernels()
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    impl = SimpleNamespace(kv_lora_rank=RANK,
+                           do_kv_cache_update=functools.partial(AMXMLAImpl.do_kv_cache_update, None))
+    check_latent_rows(bound_layer(impl, block_size=128), 128)
+
+
+def test_a_write_op_that_fails_on_the_probe_is_a_refusal_not_a_crash():
+    def four_d_only(kv_c, k_pe, kv_cache, *args):
+        if kv_cache.dim() != 4:
+            raise RuntimeError("kv_cache must be 4D")
+
+    impl = SimpleNamespace(kv_lora_rank=RANK, do_kv_cache_update=four_d_only)
+    with pytest.raises(ValueError, match=r"cache write failed on a .* probe cache: kv_cache must be 4D"):
+        check_latent_rows(bound_layer(impl), BS)
 
 
 def test_a_write_that_does_not_keep_token_rows_is_refused():
@@ -41,7 +72,7 @@ def test_a_write_that_does_not_keep_token_rows_is_refused():
 
     impl = SimpleNamespace(kv_lora_rank=RANK, do_kv_cache_update=tiled)
     with pytest.raises(ValueError, match="does not keep MLA latents as token rows"):
-        check_latent_rows(impl, torch.zeros(NB, 1, BS, RANK + ROPE, dtype=torch.bfloat16), BS)
+        check_latent_rows(bound_layer(impl), BS)
 
 
 @pytest.mark.parametrize("use_native", [True, False])

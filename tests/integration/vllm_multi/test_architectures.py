@@ -22,9 +22,11 @@ do the same work:
 
 Each test asserts the two hits are equal before it compares. Greedy tokens and their logprobs must
 be identical. Requests run one at a time (a batch of several prompts is computed with other tile
-shapes; DeepSeek's MoE routing is sensitive to that). DeepSeek-V2 on vLLM-CPU runs without vLLM's
-prefix cache, so no reference continues a prefill from a cached prefix, and its bf16 KV depends on
-the length of the prefill that computed it. Its references are the nearest vLLM has: for ``p + [t]``
+shapes; DeepSeek's MoE routing is sensitive to that). DeepSeek-V2 (MLA) on vLLM-CPU runs with vLLM's
+prefix cache only on its AMX MLA backend (`_C` on a CPU with AMX); there it is held to the same
+standard. Elsewhere vLLM runs MLA without its prefix cache, so no reference continues a prefill
+from a cached prefix, and its bf16 KV depends on the length of the prefill that computed it. Its
+references are then the nearest vLLM has: for ``p + [t]``
 the full prefill of the same tokens, for ``p`` again the decode step that computes p's last token
 over the prefilled rest (`forced_decode`: one token over a cached prefix, as LMCache's hit; a full
 prefill of ``p`` takes MLA's other path, whose first logprobs differ by up to 0.7 on the AVX2
@@ -81,7 +83,6 @@ BF16_LOGPROB_TOLERANCE = 0.25
 # a top-2 margin no such error can reverse: a token's logprob moves by less than the tolerance
 DECISIVE = 2 * BF16_LOGPROB_TOLERANCE
 TOP = 2  # logprobs asked for: the top-2 margin of each step
-NO_PREFIX_CACHE = {"deepseek_v2"}  # vLLM-CPU runs MLA without its prefix cache
 SCAN = 64  # prompt lengths tried for a decisive margin
 
 
@@ -143,7 +144,8 @@ class Pair:
     prompts: dict[str, list[int]]
     cold: dict[str, tuple]  # each prompt, nothing cached
     repeat: dict[str, tuple]  # `p + [t]` after `p`, served by vLLM's own prefix cache
-    again: dict[str, tuple]  # `p` after `p`, served by vLLM's own prefix cache (DeepSeek: forced)
+    again: dict[str, tuple]  # `p` after `p`, served by vLLM's own prefix cache (else: forced)
+    prefix_cache: bool  # vLLM's own prefix cache is on (not for MLA, but on AMX)
     llm: Any
     log: Path  # the engines' stderr
     client: LookupClient
@@ -179,8 +181,10 @@ def arch(request, tmp_path_factory):
         if server is not None:
             server.stop()
         raise
+    prefix_cache = ref.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    assert prefix_cache or name == "deepseek_v2", f"vLLM turned its prefix cache off for {name}"
     ps = {key: ids[key][:n] for key, n in LENGTHS.items()}
-    if name in NO_PREFIX_CACHE:
+    if not prefix_cache:
         ps = {key: decisive_prompt(ref, ids[key], n, key in EXTENDED) for key, n in LENGTHS.items()}
     cold, repeat, again = {}, {}, {}
     for key, p in ps.items():  # `repeat` and `again` are served by vLLM's own prefix cache, if any
@@ -189,10 +193,10 @@ def arch(request, tmp_path_factory):
         if key in EXTENDED:
             repeat[key] = run(ref, [*p, cold[key][0][0]], 2)
         if key in REPEATED:
-            again[key] = forced_decode(ref, p) if name in NO_PREFIX_CACHE else run(ref, p)
+            again[key] = run(ref, p) if prefix_cache else forced_decode(ref, p)
     stop_llm(ref, wait=False)
     client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
-    yield Pair(build, name, ps, cold, repeat, again, llm, log, client, server)
+    yield Pair(build, name, ps, cold, repeat, again, prefix_cache, llm, log, client, server)
     client.close()
     stop_llm(llm, wait=False)
     if server is not None:
@@ -215,7 +219,7 @@ def test_a_cache_hit_computes_what_vllms_own_prefix_cache_computes(arch):
         hit = got[3]
         assert len(p) - len(p) % CHUNK <= hit <= len(p), f"{arch.name} {key}: {hit} tokens served"
         assert hit == len(p) - len(p) % CHUNK or arch.name == "qwen3_next"
-        check_against(arch.name, key, got, arch.repeat[key])
+        check_against(arch, key, got, arch.repeat[key])
 
 
 def test_a_repeated_prompt_is_served_but_for_its_last_token(arch):
@@ -224,16 +228,16 @@ def test_a_repeated_prompt_is_served_but_for_its_last_token(arch):
         arch.llm.reset_prefix_cache()
         got = run(arch.llm, p)
         assert got[3] == len(p) - 1, f"{arch.name} {key}: {got[3]} tokens served"
-        check_against(arch.name, key, got, arch.again[key])
+        check_against(arch, key, got, arch.again[key])
 
 
-def check_against(name, key, got, reference):
+def check_against(arch, key, got, reference):
     """`got` equals `reference`, a run of the engine without a connector whose own prefix cache
-    served as many tokens: the same arithmetic. DeepSeek (no prefix cache in vLLM-CPU: the nearest
+    served as many tokens: the same arithmetic. MLA without vLLM's prefix cache (the nearest
     reference, see the module docstring): the same tokens where the reference's margin allows,
     logprobs within bf16 rounding."""
-    tokens, logprobs, _, hit = got
-    if name not in NO_PREFIX_CACHE:
+    name, (tokens, logprobs, _, hit) = arch.name, got
+    if arch.prefix_cache:
         assert reference[3] == hit, f"{name} {key}: vLLM's prefix cache served {reference[3]}, LMCache {hit}"
         assert got == reference, f"{name} {key}"
         return
