@@ -12,7 +12,7 @@ engine counters, so its overhead on cold requests is measured directly, not infe
 TTFTs.
 
     python benchmarks/long_doc_qa.py [--num-docs 1] [--doc-tokens 4000] [--configs none,example,lmcache]
-                                     [--dtype auto|bfloat16|float32]
+                                     [--dtype auto|bfloat16|float32] [--out benchmarks/out]
 
 The model runs in the dtype this CPU computes natively unless --dtype says otherwise: bf16 where it
 has AMX or avx512_bf16, fp32 elsewhere (without them vLLM-CPU emulates bf16, 2-3 times slower).
@@ -20,8 +20,8 @@ One document by default: `make demo` should finish in under 5 minutes on 2 AVX2 
 document is prefilled once per configuration, a 4,000-token fp32 prefill takes 20-45 s (most of it
 in vLLM-CPU's attention kernel) and each of the three engines 35-50 s to start (RESULTS.md).
 
-Prints a table and each goal with `met` / `NOT met`, writes benchmarks/out/long_doc_qa.json and
-.png, and exits with status 1 when a goal is missed. The header and the JSON name the CPU (model,
+Prints a table and each goal with `met` / `NOT met`, writes long_doc_qa.json and .png to --out,
+and exits with status 1 when a goal is missed. The header and the JSON name the CPU (model,
 AMX or not), the dtype and why, the vLLM-CPU kernel build the engine loaded and the attention ISA
 vLLM picked, since vLLM-CPU packs KV differently on each.
 """
@@ -165,7 +165,7 @@ def run_config(name: str, prompts: list[list[int]], args: argparse.Namespace, mo
                     result.round2_ttft.append(ttft)
                     result.cached_round2.append(out.num_cached_tokens)
         if name == "lmcache":
-            client = LookupClient([socket_path(engine_id, 0)], timeout=10)
+            client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
             (stats,) = client.stats()
             client.close()
             result.engine_stats = stats["engine"] if stats else {}
@@ -261,6 +261,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="auto: bfloat16 where the CPU has AMX or avx512_bf16, float32 otherwise")
     parser.add_argument("--kv-gb", type=float, default=1.0, help="vLLM's KV pool (GiB)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where long_doc_qa.json and .png go")
     args = parser.parse_args()
     configs = args.configs.split(",")
     if unknown := set(configs) - set(LABELS):
@@ -283,14 +284,15 @@ def main() -> None:
         prompts.append(doc + tokenizer.encode(question, add_special_tokens=False))
     results = [run_config(name, prompts, args, model) for name in configs]
     summary = report(results, args, len(prompts[0]))
-    OUT.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     machine = cpu_info() | {"kernels": results[0].kernels, "attn_isa": results[0].attn_isa}
     payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "args": vars(args),
+               "prompt_tokens": [len(p) for p in prompts],
                "dtype_reason": dtype.reason, "wall_s": time.perf_counter() - t0, "summary": summary,
                "results": [asdict(r) | {"mean_round1": r.mean1, "mean_round2": r.mean2} for r in results]}
-    (OUT / "long_doc_qa.json").write_text(json.dumps(payload, indent=1))
-    plot(results, OUT / "long_doc_qa.png")
-    print(f"wrote {OUT / 'long_doc_qa.json'} and .png ({time.perf_counter() - t0:.0f} s in all)")
+    (args.out / "long_doc_qa.json").write_text(json.dumps(payload, indent=1, default=str))
+    plot(results, args.out / "long_doc_qa.png")
+    print(f"wrote {args.out / 'long_doc_qa.json'} and .png ({time.perf_counter() - t0:.0f} s in all)")
     if missed := [g["goal"] for g in summary["goals"] if not g["met"]]:
         print(f"NOT met: {'; '.join(missed)}", file=sys.stderr)
         sys.exit(1)
