@@ -286,11 +286,12 @@ def main() -> None:
     summary = report(results, args, len(prompts[0]))
     args.out.mkdir(parents=True, exist_ok=True)
     machine = cpu_info() | {"kernels": results[0].kernels, "attn_isa": results[0].attn_isa}
-    payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "args": vars(args),
+    payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine,
+               "args": {**vars(args), "out": str(args.out)},
                "prompt_tokens": [len(p) for p in prompts],
                "dtype_reason": dtype.reason, "wall_s": time.perf_counter() - t0, "summary": summary,
                "results": [asdict(r) | {"mean_round1": r.mean1, "mean_round2": r.mean2} for r in results]}
-    (args.out / "long_doc_qa.json").write_text(json.dumps(payload, indent=1, default=str))
+    (args.out / "long_doc_qa.json").write_text(json.dumps(payload, indent=1))
     plot(results, args.out / "long_doc_qa.png")
     print(f"wrote {args.out / 'long_doc_qa.json'} and .png ({time.perf_counter() - t0:.0f} s in all)")
     if missed := [g["goal"] for g in summary["goals"] if not g["met"]]:

@@ -8,24 +8,23 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.cpu_build import native_build
+from tests.helpers.servers import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 def test_the_demo_serves_its_repeat_from_lmcache_and_exits_by_its_goals(tmp_path):
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "long_doc_qa.py"), "--configs", "lmcache",
+        [sys.executable, str(REPO / "benchmarks" / "long_doc_qa.py"), "--configs", "lmcache",
          "--num-docs", "1", "--doc-tokens", "600", "--kv-gb", "0.25", "--out", str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True, text=True, timeout=600)
     out = tmp_path / "long_doc_qa.json"
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
