@@ -9,13 +9,18 @@ the free list covers only the grown prefix; an allocation that does not fit grow
 `grow_bytes`, never past the buffer), and when less than a piece is left ahead of the highest
 allocation, the next piece is touched in the background. Touching a page costs far more than
 copying into it (page faults), so stores mostly find their pages ready, while an engine that
-holds little keeps little resident.
+holds little keeps little resident. The background thread runs at the lowest CPU priority (Linux):
+where the engine keeps every core busy (vLLM-CPU binds one thread per core), its page faults wait
+for idle time instead of stalling the engine's threads at their barriers.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +33,8 @@ from lmcache.memory_management.memory_obj import (
     MemoryObjMetadata,
     TensorMemoryObj,
 )
+
+GROWER_NICENESS = 19  # the background growth's niceness: the lowest priority
 
 
 @dataclass
@@ -142,6 +149,9 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
             return True
 
     def _grow_ahead(self) -> None:
+        if sys.platform == "linux":  # per thread there (elsewhere it would lower the whole process)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GROWER_NICENESS)
         try:
             self._grow(self._step)
         finally:

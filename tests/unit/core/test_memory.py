@@ -1,4 +1,5 @@
 import random
+import sys
 
 import pytest
 import torch
@@ -276,3 +277,29 @@ def test_a_freed_object_exposes_no_memory_whatever_the_allocate_free_order(kind,
             assert obj.tensor is None or bool((obj.tensor == mark).all())
     for obj, _ in live:
         obj.ref_count_down()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are per thread on Linux only")
+def test_the_background_growth_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own():
+    """The next piece is touched by a thread at niceness 19, so on a CPU the engine keeps busy the
+    page faults wait for idle time instead of delaying the engine's threads."""
+    import os
+    import threading
+
+    from lmcache.memory_management.tensor_allocator import GROWER_NICENESS
+
+    seen: list[int] = []
+
+    class Recording(TensorMemoryAllocator):
+        def _grow(self, nbytes, seen_bytes=None, touch=True):
+            if threading.current_thread() is not threading.main_thread():
+                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return super()._grow(nbytes, seen_bytes, touch)
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    a = Recording(torch.zeros(8 * ALIGN, dtype=torch.uint8), grow_bytes=2 * ALIGN)
+    assert a.allocate((ALIGN,), torch.uint8) is not None  # 1 of 2 blocks used: the next piece starts
+    assert a.wait_grown(10)
+    assert seen == [max(GROWER_NICENESS, before)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    a.close()
