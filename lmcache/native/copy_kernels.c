@@ -621,21 +621,24 @@ static void amx_slab(const packed_copy *pc, char *slab_bytes, int64_t o, int64_t
  * already has) and give zero rows when gathering (tokens the layer's group does not hold). Work
  * items are (layer, chunk): each moves whole blob rows (all heads of a token), so every cache line
  * of the blob is written by one thread in one pass. A staged scatter first copies a run's blob rows
- * front to back into a per-thread buffer (each head reads a slice of every row). A streamed scatter of
- * a whole block whose heads are not whole cache lines (hs * elem not a multiple of 64, e.g. vec16's
- * 80-wide bf16 heads) builds each slab in a second buffer and streams it out in one piece. */
+ * front to back into a per-thread buffer (each head reads a slice of every row). Where heads are not
+ * whole cache lines (hs * elem not a multiple of 64, e.g. vec16's 80-wide bf16 heads), a streamed
+ * scatter of a whole block builds each slab in a second buffer and streams it out in one piece, and
+ * a streamed gather builds a run's blob rows (every head) in that per-thread buffer and streams them
+ * out in one piece, so no line of the blob is written partly, twice or read for ownership. */
 static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t *slots,
                         const int64_t *layer_rows, const int64_t *chunk_starts, const uint64_t *chunk_bufs,
                         int64_t n_chunks, int nt, const packed_copy *pc,
                         void (*slab_fn)(const packed_copy *, char *, int64_t, int64_t, char *, char *, char *)) {
     int64_t bs = pc->bs, row = pc->row, head = pc->hs * pc->elem, slab_len = 2 * bs * head;
     int64_t n_tokens = chunk_starts[n_chunks];
+    int gather_rows = pc->direction == 0 && pc->stream && head % 64;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         char *scratch = pc->direction == 0 ? (char *)malloc(bs * head) : NULL;
-        char *rows = pc->staged ? (char *)malloc(2 * bs * row) : NULL;
+        char *rows = pc->staged || gather_rows ? (char *)malloc(2 * bs * row) : NULL;
         char *whole = pc->direction == 1 && pc->stream && head % 64 ? (char *)malloc(slab_len) : NULL;
-        packed_copy to_whole = *pc;
+        packed_copy to_whole = *pc;  /* writes into a buffer: nothing to stream */
         to_whole.stream = 0;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t l = 0; l < L; l++) {
@@ -655,19 +658,27 @@ static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t
                     }
                     int64_t r = block_run(cs, i, n, bs), o = cs[i] % bs;
                     char *block = layers[l] + (cs[i] / bs) * H * slab_len;
+                    char *k_rows = k, *v_rows = v;
                     if (rows != NULL) {
-                        memcpy(rows, k, r * row);
-                        memcpy(rows + bs * row, v, r * row);
-                        k = rows;
-                        v = rows + bs * row;
+                        if (pc->staged) {
+                            memcpy(rows, k, r * row);
+                            memcpy(rows + bs * row, v, r * row);
+                        }
+                        k_rows = rows;
+                        v_rows = rows + bs * row;
                     }
                     for (int64_t h = 0; h < H; h++) {
                         if (whole != NULL && r == bs) {
-                            slab_fn(&to_whole, whole, 0, bs, k + h * head, v + h * head, NULL);
+                            slab_fn(&to_whole, whole, 0, bs, k_rows + h * head, v_rows + h * head, NULL);
                             copy_rows(pc->isa, pc->stream, block + h * slab_len, 0, whole, 0, 1, slab_len);
                         } else {
-                            slab_fn(pc, block + h * slab_len, o, r, k + h * head, v + h * head, scratch);
+                            slab_fn(gather_rows ? &to_whole : pc, block + h * slab_len, o, r, k_rows + h * head,
+                                    v_rows + h * head, scratch);
                         }
+                    }
+                    if (gather_rows) {
+                        copy_rows(pc->isa, pc->stream, k, 0, k_rows, 0, 1, r * row);
+                        copy_rows(pc->isa, pc->stream, v, 0, v_rows, 0, 1, r * row);
                     }
                     i += r;
                 }

@@ -167,15 +167,17 @@ def test_native_and_torch_copies_agree_on_any_slot_mapping(path, which, data):
 @pytest.mark.parametrize("isa,dtype,h,d", [("vec", torch.bfloat16, 4, 64), ("amx", torch.bfloat16, 4, 64),
                                            ("vec", torch.float32, 2, 64), ("vec16", torch.bfloat16, 4, 80)])
 @pytest.mark.parametrize("path", NATIVE_PATHS)
-def test_large_copies_stream_the_same_bytes(path, isa, dtype, h, d):
+@pytest.mark.parametrize("first", [0, 5])
+def test_large_copies_stream_the_same_bytes(path, isa, dtype, h, d, first):
     """Copies of more than 8 MB write whole cache lines with non-temporal stores (AVX2, AVX-512):
-    the same bytes as torch, with blocks out of order and a partial last block."""
+    the same bytes as torch, with blocks out of order, a partial last block and (`first`) runs
+    that start inside a block."""
     bs, layers, n = 128, 4, 4096 - 37
     nb = n // bs + 4
     layout = closed_form_layout(h, d, bs, isa)
     gen = torch.Generator().manual_seed(1)
     order = torch.randperm(nb, generator=gen)
-    slots = (order[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    slots = (order[:, None] * bs + torch.arange(bs)).flatten()[first : first + n]
     caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     assert 2 * layers * n * h * d * dtype.itemsize > 8 << 20
     bounds = [(a, min(a + 1024, n)) for a in range(0, n, 1024)]
