@@ -408,16 +408,19 @@ typedef struct {
     int isa, stream, direction, staged;
 } packed_copy;
 
-/* Whether a packed scatter on path `isa` is staged: on the AVX2 path, and on the AVX-512 path of
- * AMD CPUs. Measured on 189-377 MB of vec KV: on an AMD Zen 3 (AVX2 only) staging makes the scatter
- * 1.2-1.3x faster (strided reads from memory run at half speed there, slower still beside streamed
- * stores), on an AMD Zen 4 (AVX-512) 1.1x (bf16) and 1.2x (fp32); on an Intel Xeon (AVX-512) it
- * made it 12-14% slower, so that CPU's AVX-512 path reads in place. */
-static int staged_scatter(int isa) {
+/* Whether a packed scatter on path `isa` of heads `head` bytes wide is staged: on AMD CPUs on the
+ * AVX2 and AVX-512 paths, on others on the AVX2 path where heads are whole cache lines. Measured on
+ * 189-377 MB of vec KV: on an AMD Zen 3 (AVX2 only) staging makes the scatter 1.2-1.3x faster
+ * (strided reads from memory run at half speed there, slower still beside streamed stores), on an
+ * AMD Zen 4 (AVX-512) 1.1x (bf16) and 1.2x (fp32). On an Intel Xeon it made the AVX-512 path 12-14%
+ * slower and, on the AVX2 path, vec16's 80-wide bf16 heads (whose whole blocks are built in a
+ * buffer anyway) 0.83 -> 0.72x a copy, while vec's 64-wide heads gain (bf16 0.64 -> 0.72x). */
+static int staged_scatter(int isa, int64_t head) {
 #if defined(HAVE_X86_PATHS)
-    return isa == ISA_AVX2 || (isa == ISA_AVX512 && __builtin_cpu_is("amd"));
+    if (__builtin_cpu_is("amd")) return isa == ISA_AVX2 || isa == ISA_AVX512;
+    return isa == ISA_AVX2 && head % 64 == 0;
 #else
-    (void)isa;
+    (void)isa, (void)head;
     return 0;
 #endif
 }
@@ -709,7 +712,7 @@ int lmc_packed_copy(const uint64_t *layer_ptrs, int64_t n_layers, int64_t num_bl
     int nt = threads_for(bytes, nthreads), isa = copy_isa(), stream = isa >= ISA_AVX2 && bytes >= STREAM_MIN_BYTES;
     char *const *layers = (char *const *)layer_ptrs;
     packed_copy pc = {head_size, block_size, elem, heads * head_size * elem, isa, stream, direction,
-                      direction == 1 && staged_scatter(isa)};
+                      direction == 1 && staged_scatter(isa, head_size * elem)};
     if (layout == 1 && elem == 2 && head_size % 2 == 0 && block_size % 16 == 0)
         packed_runs(layers, n_layers, heads, slots, layer_rows, chunk_starts, chunk_bufs, n_chunks, nt, &pc,
                     amx_slab);
