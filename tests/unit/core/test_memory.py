@@ -281,7 +281,7 @@ def test_a_freed_object_exposes_no_memory_whatever_the_allocate_free_order(kind,
 
 @pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are per thread on Linux only")
 def test_the_background_growth_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own():
-    """The next piece is touched by a thread at niceness 19, so on a CPU the engine keeps busy the
+    """The next piece is touched by a thread at niceness 19: on cores the engine keeps busy, its
     page faults wait for idle time instead of delaying the engine's threads."""
     import os
     import threading
