@@ -635,14 +635,15 @@ static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t
                         void (*slab_fn)(const packed_copy *, char *, int64_t, int64_t, char *, char *, char *)) {
     int64_t bs = pc->bs, row = pc->row, head = pc->hs * pc->elem, slab_len = 2 * bs * head;
     int64_t n_tokens = chunk_starts[n_chunks];
-    int gather_rows = pc->direction == 0 && pc->stream && head % 64;
+    int partial_lines = pc->stream && head % 64;  /* streamed, heads not whole lines */
+    int gather_rows = partial_lines && pc->direction == 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         char *scratch = pc->direction == 0 ? (char *)malloc(bs * head) : NULL;
         char *rows = pc->staged || gather_rows ? (char *)malloc(2 * bs * row) : NULL;
-        char *whole = pc->direction == 1 && pc->stream && head % 64 ? (char *)malloc(slab_len) : NULL;
-        packed_copy to_whole = *pc;  /* writes into a buffer: nothing to stream */
-        to_whole.stream = 0;
+        char *whole = partial_lines && pc->direction == 1 ? (char *)malloc(slab_len) : NULL;
+        packed_copy unstreamed = *pc;  /* writes into a buffer: nothing to stream */
+        unstreamed.stream = 0;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t l = 0; l < L; l++) {
             for (int64_t c = 0; c < n_chunks; c++) {
@@ -672,10 +673,10 @@ static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t
                     }
                     for (int64_t h = 0; h < H; h++) {
                         if (whole != NULL && r == bs) {
-                            slab_fn(&to_whole, whole, 0, bs, k_rows + h * head, v_rows + h * head, NULL);
+                            slab_fn(&unstreamed, whole, 0, bs, k_rows + h * head, v_rows + h * head, NULL);
                             copy_rows(pc->isa, pc->stream, block + h * slab_len, 0, whole, 0, 1, slab_len);
                         } else {
-                            slab_fn(gather_rows ? &to_whole : pc, block + h * slab_len, o, r, k_rows + h * head,
+                            slab_fn(gather_rows ? &unstreamed : pc, block + h * slab_len, o, r, k_rows + h * head,
                                     v_rows + h * head, scratch);
                         }
                     }
