@@ -280,8 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance", help="the vLLM instances' URLs, comma-separated (all but --policy pd)")
     r.add_argument("--kv-events", help="each instance's KV events endpoint (vLLM's --kv-events-config "
                    "endpoint, e.g. tcp://HOST:5557), same order (kv-aware)")
-    r.add_argument("--request-cost", type=int, default=64,
-                   help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt")
+    from lmcache.router.policies import REQUEST_COST
+
+    r.add_argument("--request-cost", type=int, default=REQUEST_COST,
+                   help="kv-aware: prompt tokens a request in flight counts for besides its uncached prompt "
+                        "(default %(default)s)")
     r.add_argument("--max-blocks", type=int, default=200_000, help="kv-aware: blocks indexed per instance")
     from lmcache.router.index import TIER_WEIGHTS
 

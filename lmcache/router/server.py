@@ -52,7 +52,7 @@ from lmcache.router.http import (
     sse_error,
 )
 from lmcache.router.index import TIER_WEIGHTS
-from lmcache.router.policies import POLICIES, Instance, Policy, Routed
+from lmcache.router.policies import POLICIES, REQUEST_COST, Instance, Policy, Routed
 from lmcache.router.tokens import extra_key
 from lmcache.router.watch import KVWatch
 
@@ -76,7 +76,7 @@ class RouterConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    request_cost: int = 64
+    request_cost: int = REQUEST_COST
     max_blocks: int = 200_000
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(TIER_WEIGHTS))
     probe_interval: float = 1.0

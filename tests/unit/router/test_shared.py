@@ -20,7 +20,7 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, to_kv_events
 from lmcache.router.events import decode_batch
 from lmcache.router.index import Match
-from lmcache.router.policies import Instance, KVAware, Routed
+from lmcache.router.policies import REQUEST_COST, Instance, KVAware, Routed
 from lmcache.router.shared import SharedIndex
 from lmcache.router.watch import KVWatch
 from lmcache.storage_backend.events import EventKind, PublishedEvent, TierEvent
@@ -218,3 +218,24 @@ def test_kv_aware_starts_a_prompt_on_an_idle_instance_that_can_load_it_from_the_
     with a.serving(60):  # the prompt of another user's next round is being prefilled on a
         assert default.rank(Routed(tokens=tokens), [a, b])[0] is b
         assert policy({"GPU": 1.0, "CPU": 0.8}).rank(Routed(tokens=tokens), [a, b])[0] is a
+
+
+def test_a_request_past_its_prompt_weighs_little_against_a_prompt_still_being_computed():
+    """Instance a holds the prompt's prefix and is computing another user's prompt; b, which can load
+    the prefix from the shared server, is only decoding two answers (their prompts computed). A
+    prompt joining b's steps waits for decodes, one joining a's for a prefill: with the default
+    `REQUEST_COST` it goes to b; at 64 tokens a request (the earlier default) it queued on a."""
+    cached = DOC * 8
+    tokens = cached + list(range(50, 60))
+    watch = KVWatch((), (), None)
+    watch.index.apply("http://a", [
+        BlockStored([1000 + i], None if i == 0 else 999 + i, cached[i * CHUNK:(i + 1) * CHUNK], CHUNK,
+                    None, None, None) for i in range(len(cached) // CHUNK)])
+    watch.shared.apply(server_events(EventKind.STORED, keys_of(cached)))
+    a, b = Instance("http://a"), Instance("http://b")
+    with a.serving(60), b.serving(100) as first, b.serving(100) as second:
+        first()
+        second()  # both answers are being decoded
+        assert (a.backlog, b.backlog, b.in_flight) == (60, 0, 2)
+        assert KVAware(watch, REQUEST_COST).rank(Routed(tokens=tokens), [a, b])[0] is b
+        assert KVAware(watch, 64).rank(Routed(tokens=tokens), [a, b])[0] is a
