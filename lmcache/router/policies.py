@@ -29,8 +29,8 @@ from typing import ClassVar
 from lmcache.router.watch import KVWatch
 
 # kv-aware: prompt tokens a request in flight counts for besides its uncached prompt. Measured with
-# two vLLM-CPU instances (benchmarks/fleet_routing.py, RESULTS.md): 16 was faster than 64 for
-# skewed users in every paired repeat and alike for balanced ones; 512 was slower.
+# two vLLM-CPU instances on a shared cache server (benchmarks/fleet_routing.py, RESULTS.md): 16 was
+# faster than 64 for skewed users in each of 6 paired repeats and alike for balanced ones; 512 slower.
 REQUEST_COST = 16
 
 

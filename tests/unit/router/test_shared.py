@@ -194,30 +194,37 @@ def test_kv_aware_counts_the_shared_prefix_on_every_instance_and_sends_to_the_le
         assert policy.rank(Routed(tokens=tokens), [a, b])[0] is a
 
 
+CACHED = DOC * 8  # 768 tokens
+PROMPT = CACHED + list(range(50, 60))
+
+
+def prefix_on_a_and_the_server(tier_weights: dict[str, float] | None = None) -> KVWatch:
+    """A watch where instance a holds PROMPT's first 768 tokens in vLLM's own cache and the cache
+    server every instance shares holds them too."""
+    watch = KVWatch((), (), None, tier_weights=tier_weights)
+    watch.index.apply("http://a", [
+        BlockStored([1000 + i], None if i == 0 else 999 + i, CACHED[i * CHUNK:(i + 1) * CHUNK], CHUNK,
+                    None, None, None) for i in range(len(CACHED) // CHUNK)])
+    watch.shared.apply(server_events(EventKind.STORED, keys_of(CACHED)))
+    assert watch.match("http://a", PROMPT).by_tier == {"GPU": len(CACHED)}
+    assert watch.match("http://b", PROMPT).by_tier == {"shared": len(CACHED)}
+    return watch
+
+
 def test_kv_aware_starts_a_prompt_on_an_idle_instance_that_can_load_it_from_the_server_rather_than_queue_it():
     """Instance a holds the prompt's prefix in vLLM's own cache, but another prompt is being
     prefilled there; the cache server every instance shares holds the prefix too. With the default
     tier weights the prompt goes to idle b, which loads the prefix instead of waiting (with the
     earlier default, "CPU" 0.8, it queued on a)."""
-    cached = DOC * 8  # 768 tokens
-    tokens = cached + list(range(50, 60))
-
     def policy(tier_weights: dict[str, float] | None) -> KVAware:
-        watch = KVWatch((), (), None, tier_weights=tier_weights)
-        watch.index.apply("http://a", [
-            BlockStored([1000 + i], None if i == 0 else 999 + i, cached[i * CHUNK:(i + 1) * CHUNK], CHUNK,
-                        None, None, None) for i in range(len(cached) // CHUNK)])
-        watch.shared.apply(server_events(EventKind.STORED, keys_of(cached)))
-        assert watch.match("http://a", tokens).by_tier == {"GPU": len(cached)}
-        assert watch.match("http://b", tokens).by_tier == {"shared": len(cached)}
-        return KVAware(watch, request_cost=64)
+        return KVAware(prefix_on_a_and_the_server(tier_weights), request_cost=64)
 
     a, b = Instance("http://a"), Instance("http://b")
     default = policy(None)
-    assert default.rank(Routed(tokens=tokens), [a, b])[0] is a  # a is idle: its own cache wins
+    assert default.rank(Routed(tokens=PROMPT), [a, b])[0] is a  # a is idle: its own cache wins
     with a.serving(60):  # the prompt of another user's next round is being prefilled on a
-        assert default.rank(Routed(tokens=tokens), [a, b])[0] is b
-        assert policy({"GPU": 1.0, "CPU": 0.8}).rank(Routed(tokens=tokens), [a, b])[0] is a
+        assert default.rank(Routed(tokens=PROMPT), [a, b])[0] is b
+        assert policy({"GPU": 1.0, "CPU": 0.8}).rank(Routed(tokens=PROMPT), [a, b])[0] is a
 
 
 def test_a_request_past_its_prompt_weighs_little_against_a_prompt_still_being_computed():
@@ -225,17 +232,11 @@ def test_a_request_past_its_prompt_weighs_little_against_a_prompt_still_being_co
     the prefix from the shared server, is only decoding two answers (their prompts computed). A
     prompt joining b's steps waits for decodes, one joining a's for a prefill: with the default
     `REQUEST_COST` it goes to b; at 64 tokens a request (the earlier default) it queued on a."""
-    cached = DOC * 8
-    tokens = cached + list(range(50, 60))
-    watch = KVWatch((), (), None)
-    watch.index.apply("http://a", [
-        BlockStored([1000 + i], None if i == 0 else 999 + i, cached[i * CHUNK:(i + 1) * CHUNK], CHUNK,
-                    None, None, None) for i in range(len(cached) // CHUNK)])
-    watch.shared.apply(server_events(EventKind.STORED, keys_of(cached)))
+    watch = prefix_on_a_and_the_server()
     a, b = Instance("http://a"), Instance("http://b")
     with a.serving(60), b.serving(100) as first, b.serving(100) as second:
         first()
         second()  # both answers are being decoded
         assert (a.backlog, b.backlog, b.in_flight) == (60, 0, 2)
-        assert KVAware(watch, REQUEST_COST).rank(Routed(tokens=tokens), [a, b])[0] is b
-        assert KVAware(watch, 64).rank(Routed(tokens=tokens), [a, b])[0] is a
+        assert KVAware(watch, REQUEST_COST).rank(Routed(tokens=PROMPT), [a, b])[0] is b
+        assert KVAware(watch, 64).rank(Routed(tokens=PROMPT), [a, b])[0] is a
