@@ -62,3 +62,26 @@ def skip_unless_vllm_writes(isa: str) -> None:
         if "Unsupported CPU attention" not in str(e):
             raise
         pytest.skip(f"{describe()}: no {isa} cache-write kernel ({str(e).splitlines()[0]})")
+
+
+
+def engine_builds(llm) -> list[str]:
+    """The vLLM-CPU build mapped into each worker process of engine `llm` (the children of its
+    EngineCore processes that map vLLM's kernels), read from /proc, so that a test comparing two
+    engines can check both run the build it asked for. (Their environments cannot be read there:
+    vLLM sets the processes' titles, which takes over the memory /proc/PID/environ shows.)"""
+    from pathlib import Path
+
+    from lmcache.integration.vllm.cpu_build import loaded_build
+
+    found = []
+    for core in llm.llm_engine.engine_core.resources.engine_manager.processes:
+        children = " ".join(p.read_text() for p in Path(f"/proc/{core.pid}/task").glob("*/children"))
+        for pid in children.split():
+            try:
+                build = loaded_build(Path(f"/proc/{pid}/maps").read_text())
+            except OSError:  # gone meanwhile
+                continue
+            if build is not None:
+                found.append(build.name)
+    return sorted(found)

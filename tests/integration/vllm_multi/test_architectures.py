@@ -53,7 +53,7 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.vllm.cpu_build import BUILDS
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
-from tests.helpers.kernel_builds import TEST_BUILDS, running
+from tests.helpers.kernel_builds import TEST_BUILDS, engine_builds, running
 from tests.helpers.servers import CacheServerProcess
 from tests.helpers.tiny_models import ARCHS, tiny_model_path
 from tests.helpers.vllm_engines import (
@@ -156,7 +156,8 @@ class Pair:
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def arch(request, tmp_path_factory):
     """The engine without a connector and the engine with LMCache, both on kernel build `build`
-    and started at once; the reference outputs of the first, which then stops."""
+    (checked in their workers' memory maps) and started at once; the reference outputs of the
+    first, which then stops."""
     build, name = request.param
     model, dtype = tiny_model_path(name), ARCHS[name].dtype
     ids = texts(model)
@@ -181,6 +182,14 @@ def arch(request, tmp_path_factory):
         if server is not None:
             server.stop()
         raise
+    builds = engine_builds(ref), engine_builds(llm)
+    if builds != ([build], [build]):
+        stop_llm(ref, wait=False)
+        stop_llm(llm, wait=False)
+        if server is not None:
+            server.stop()
+        pytest.fail(f"asked for build {build}, the workers run {builds[0]} without a connector and "
+                    f"{builds[1]} with LMCache")
     prefix_cache = ref.llm_engine.vllm_config.cache_config.enable_prefix_caching
     assert prefix_cache or name == "deepseek_v2", f"vLLM turned its prefix cache off for {name}"
     ps = {key: ids[key][:n] for key, n in LENGTHS.items()}
