@@ -64,7 +64,6 @@ def skip_unless_vllm_writes(isa: str) -> None:
         pytest.skip(f"{describe()}: no {isa} cache-write kernel ({str(e).splitlines()[0]})")
 
 
-
 def engine_builds(llm) -> list[str]:
     """The vLLM-CPU build mapped into each worker process of engine `llm` (the children of its
     EngineCore processes that map vLLM's kernels), read from /proc, so that a test comparing two
