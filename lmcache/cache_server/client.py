@@ -15,7 +15,8 @@ attached, so a server that starts late, or again after a crash, is used without 
 engine. A failed exchange (no answer within `timeout`, the connection dropped, a reply saying the
 server restarted or forgot this engine) detaches: until the next attach every call answers a miss
 at once (stores are skipped, loads find nothing). A request that is safe to repeat looks once for
-a restarted server (`RETRY_ATTACH_TIMEOUT`).
+a restarted server (`RETRY_ATTACH_TIMEOUT`). Closing the client ends an exchange still waiting for
+its answer (`Closing`, not a fault), so an engine shuts down at once even if its server stalled.
 Slots of an old attachment are never committed to a new server (its memory is a different
 segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
 given up on a server that is still there (a timeout) is then retired with a ``bye``.
@@ -65,11 +66,17 @@ logger = logging.getLogger(__name__)
 PAGE = 4096
 RETRY_SAFE = frozenset({"contains", "lease", "reserve", "get"})
 RETRY_ATTACH_TIMEOUT = 0.2  # a request's one look for a restarted server (a live one answers in ms)
+CLOSE_CHECK = 0.05  # how often an exchange waiting for its answer looks whether the client closed
 SERVER = "server"  # the client's one failure domain
 
 
 class ServerAway(ConnectionError):
     """The exchange with the server failed: it is not attached, did not answer, or restarted."""
+
+
+class Closing(Exception):
+    """The client was closed while an exchange waited for its answer (not a fault of the server:
+    closing does not wait up to `timeout` for a server that stalled)."""
 
 
 class ServerSlot(TensorMemoryObj):
@@ -172,21 +179,24 @@ class _Link:
     """A DEALER socket to the server and a monitor of its connection (a drop ends an exchange at
     once instead of after its timeout)."""
 
-    def __init__(self, context: zmq.Context, url: str) -> None:
+    def __init__(self, context: zmq.Context, url: str, closed: threading.Event) -> None:
+        self.closed = closed
         self.sock = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(url)
 
     def exchange(self, request: dict[str, Any], request_id: int, timeout: float) -> dict[str, Any]:
-        """Send `request` and wait for its answer."""
+        """Send `request` and wait for its answer; `Closing` if the client closes meanwhile."""
         self.sock.send(m.encode({**request, "id": request_id}))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(max(1, int(left * 1000))))
+            ready = dict(poller.poll(max(1, int(min(left, CLOSE_CHECK) * 1000))))
+            if self.closed.is_set():
+                raise Closing(request["op"])
             if self.monitor in ready:
                 raise ServerAway("the connection to the server dropped")
             if self.sock not in ready:
@@ -225,7 +235,8 @@ class CacheServerClient(MemoryAllocatorInterface):
         self.counts = Counters()  # what is not a fault: attaches, commits, dropped notifications
         self.faults = FailureDomains(lambda _: f"the cache server at {url}",
                                      consequence="the engine computes what it would have loaded and "
-                                                 "stores nothing until the server is back")
+                                                 "stores nothing until the server is back",
+                                     passthrough=(Closing,))
         self.client_id = uuid.uuid4().hex  # lets the server drop attachments this client gave up on
         self._io = threading.RLock()  # the link and the attachment
         self._zmq = zmq.Context()
@@ -250,11 +261,11 @@ class CacheServerClient(MemoryAllocatorInterface):
         calls meanwhile answer misses at once."""
         if self.attachment is not None or self._closed.is_set():
             return self.attachment
-        link = _Link(self._zmq, self.url)
+        link = _Link(self._zmq, self.url, self._closed)
         wait = timeout if timeout is not None else min(self.timeout, max(self.heartbeat, 0.5))
         try:
             attachment, heartbeat = self.faults.probe(SERVER, partial(self._hello, link, wait))
-        except DomainFault:
+        except (DomainFault, Closing):
             link.close()
             return None
         with self._io:
@@ -324,6 +335,8 @@ class CacheServerClient(MemoryAllocatorInterface):
                 try:
                     reply = self.faults.probe(SERVER, partial(self._link.exchange, beat, next(self._ids),
                                                               self.timeout))
+                except Closing:
+                    return
                 except DomainFault:
                     self._detach()
                     continue
@@ -351,6 +364,8 @@ class CacheServerClient(MemoryAllocatorInterface):
                 exchange = partial(self._link.exchange, request, next(self._ids), self.timeout)
                 try:
                     return self.faults.run(SERVER, exchange), attachment
+                except Closing:
+                    return None
                 except DomainFault:
                     self._detach()
             if op not in RETRY_SAFE:

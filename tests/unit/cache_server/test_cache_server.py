@@ -74,12 +74,16 @@ def server(url):
 # answer (a starved CI machine must not turn a slow answer into an outage), short where a test
 # stops or stalls the server and means the engine to give up on it.
 PATIENT, OUTAGE = 30.0, 2.0
+# How long a worker may take to exit once told to close (its engine does not wait on the server:
+# see the test of a close while the server stalls); one that takes longer shows its threads' stacks.
+CLOSE_WAIT = 30.0
 
 
 class Worker:
     def __init__(self, url: str, model: str = "test-model", timeout: float = PATIENT) -> None:
         """Starts the engine worker; `wait_ready` waits for it."""
-        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_LOG_LEVEL": "WARNING",
+               "PYTHONFAULTHANDLER": "1"}  # a worker that hangs shows where (see `close`)
         self.proc = subprocess.Popen([sys.executable, str(WORKER), url, model, str(timeout)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
@@ -109,7 +113,12 @@ class Worker:
         """Stop it; its log (stderr)."""
         if self.proc.poll() is None:
             self.ask_close()
-        _, err = self.proc.communicate(timeout=30)
+        try:
+            _, err = self.proc.communicate(timeout=CLOSE_WAIT)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # the fault handler prints every thread's stack
+            _, err = self.proc.communicate(timeout=30)
+            pytest.fail(f"the engine worker did not exit within {CLOSE_WAIT:g} s of close:\n{err}")
         return err
 
     def ask_close(self) -> None:
@@ -381,6 +390,22 @@ def test_an_engine_that_timed_out_on_a_stalled_server_gives_back_what_its_old_at
     assert engine["pid"] == a.proc.pid and engine["reads_held"] == 0
     assert a.ask("retrieve", tokens=DOC, seed=11) == {"hit": 64, "exact": True}
     a.close()
+
+
+def test_an_engine_closes_at_once_while_its_heartbeat_waits_on_a_stalled_server(server, workers):
+    a = workers()  # would wait PATIENT seconds for an answer
+    a.ask("store", tokens=DOC, seed=13)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(4 * server.heartbeat)  # a heartbeat is in flight, unanswered
+        t0 = time.monotonic()
+        log = a.close()
+        closing = time.monotonic() - t0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert closing < PATIENT / 3, f"closing took {closing:.1f} s"
+    assert "failed" not in log, log  # closing is not an outage of the server
+    wait_for(lambda: not server.get("/stats")["engines"], 10)  # its goodbye was sent all the same
 
 
 def test_raw_requests_naming_an_old_session_are_refused(url):
