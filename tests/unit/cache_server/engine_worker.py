@@ -5,8 +5,9 @@ must be: ``store`` {tokens, seed} (answered once the server applied the commit);
 {tokens, seed} -> {hit, exact}; ``lookup`` {tokens} -> {hit}; ``reserve`` {n} (hold n slots, never
 commit them); ``hold`` {tokens} (load the cached prefix and keep it); ``drop`` (let go of what was
 held); ``attached`` -> {attached}; ``faults`` -> {failures, skipped} (the cache-server tier's
-counters); ``close``. Arguments: the server's URL and, optionally, the model's name (default
-"test-model") and the seconds the engine waits for the server's answer (default 2).
+counters); ``close`` (how long the engine took to close goes to stderr). Arguments: the server's
+URL and, optionally, the model's name (default "test-model") and the seconds the engine waits for
+the server's answer (default 2).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 import torch
 
@@ -99,4 +101,6 @@ if __name__ == "__main__":
         if cmd["op"] == "close":
             break
         print(json.dumps(run(engine, cmd)), flush=True)
+    t0 = time.monotonic()
     engine.close()
+    print(f"engine closed in {time.monotonic() - t0:.3f} s", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import select
 import signal
 import struct
@@ -398,12 +399,11 @@ def test_an_engine_closes_at_once_while_its_heartbeat_waits_on_a_stalled_server(
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         time.sleep(4 * server.heartbeat)  # a heartbeat is in flight, unanswered
-        t0 = time.monotonic()
         log = a.close()
-        closing = time.monotonic() - t0
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-    assert closing < PATIENT / 3, f"closing took {closing:.1f} s"
+    closing = float(re.search(r"engine closed in ([\d.]+) s", log)[1])  # not the process's exit
+    assert closing < PATIENT / 10, log
     assert "failed" not in log, log  # closing is not an outage of the server
     wait_for(lambda: not server.get("/stats")["engines"], 10)  # its goodbye was sent all the same
 
