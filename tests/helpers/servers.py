@@ -4,6 +4,7 @@ proxy with a certificate generated on the spot."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import select
@@ -406,6 +407,13 @@ def start_cli(args: list[str], ready: str, timeout: float,
 
 LOGS: dict[int, Path] = {}  # the stderr of each `start_cli` process still running, by pid
 STARTED: set[int] = set()  # every process `start_cli` started in this (test) process
+
+
+@atexit.register
+def _remove_logs() -> None:
+    """The logs of processes stopped without `stop_process` (killed by a test or a fixture)."""
+    for log in LOGS.values():
+        log.unlink(missing_ok=True)
 
 
 def _tail(pid: int, lines: int = 60) -> str:
