@@ -10,6 +10,9 @@ modules run beside each other. Without ``-n`` the suite runs as one lane."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,3 +46,19 @@ def engines_stopped_at_the_end() -> Iterator[None]:
     from tests.helpers.vllm_engines import wait_for_stops
 
     wait_for_stops()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_sockets_in_a_folder_of_the_session() -> Iterator[None]:
+    """vLLM's engines make their ZMQ ipc sockets in ``VLLM_RPC_BASE_PATH`` (the temporary folder
+    by default) and leave them there, even when stopped cleanly (7 per OpenAI server): here they go
+    to a folder of this session's own, removed at its end."""
+    folder = tempfile.mkdtemp(prefix="lmcache-tests-vllm-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    yield
+    if before is None:
+        del os.environ["VLLM_RPC_BASE_PATH"]
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = before
+    shutil.rmtree(folder, ignore_errors=True)
