@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tests.helpers.servers import free_port
@@ -90,10 +91,15 @@ class OpenAIServer:
         return value
 
     def kill(self) -> None:
-        """SIGKILL the server and its engine processes (they share its process group)."""
+        """SIGKILL the server and its engine processes (they share its process group), and remove
+        the shared-memory segments they had mapped (vLLM's message queues, which only a clean
+        shutdown removes)."""
         if self.proc.poll() is None:
+            segments = shared_memory_of(process_group(self.proc.pid))
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            for segment in segments:
+                segment.unlink(missing_ok=True)
         self.log.close()
 
     def stop(self) -> None:
@@ -105,6 +111,34 @@ class OpenAIServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def process_group(pgid: int) -> list[int]:
+    """The processes of process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or one that exited meanwhile
+        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def shared_memory_of(pids: list[int]) -> set[Path]:
+    """The files in /dev/shm that processes `pids` map."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                found.add(Path(fields[5]))
+    return found
 
 
 def start_servers(model: str, specs: list[dict[str, Any]]) -> list[OpenAIServer]:
