@@ -2,10 +2,10 @@
 it (`engine_worker.py`), over its real ipc socket and shared memory.
 
 Sharing (one engine's store is the other's hit, one copy), faults (an engine SIGKILLed holding
-slots and reads, one that cannot be watched and goes silent, the server SIGKILLed and restarted,
-a restart between heartbeats, an engine closing while the server stalls), a full L1 (and two models sharing it), malformed control messages,
-the operations endpoint (pins too), two servers sharing chunks as peers, and no shared-memory
-segment left behind by any test.
+slots and reads, one that cannot be watched and goes silent, the server SIGKILLed and restarted, a
+restart between heartbeats, an engine closing while the server stalls), a full L1 (and two models
+sharing it), malformed control messages, the operations endpoint (pins too), two servers sharing
+chunks as peers, and no shared-memory segment left behind by any test.
 """
 
 from __future__ import annotations
