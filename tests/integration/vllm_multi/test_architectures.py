@@ -41,6 +41,7 @@ where a prefill step stopped inside a block, as LMCache does, which gives those 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -164,52 +165,44 @@ def arch(request, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     disk = tmp_path_factory.mktemp("disk")
     tiers = {"local_disk": str(disk), "max_local_disk_size": 0.5}
-    server = None
-    if name in ON_A_CACHE_SERVER:  # the same tiers, in a cache server's process
-        config = tmp_path_factory.mktemp("server") / "tiers.yaml"
-        config.write_text(json.dumps(tiers))
-        server = CacheServerProcess(f"ipc://{config.parent}/cache.sock", "--config", str(config),
-                                    size_gb=0.25).start()
-        transfer = lmcache_transfer_config(cache_server_url=server.url)
-    else:
-        transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
-    engine = {"dtype": dtype, "model": model, "max_num_batched_tokens": MNBT, **ENGINE_ARGS.get(name, {})}
-    try:
+    with contextlib.ExitStack() as stopping:  # whatever fails, everything started is stopped
+        server = None
+        if name in ON_A_CACHE_SERVER:  # the same tiers, in a cache server's process
+            config = tmp_path_factory.mktemp("server") / "tiers.yaml"
+            config.write_text(json.dumps(tiers))
+            server = CacheServerProcess(f"ipc://{config.parent}/cache.sock", "--config", str(config),
+                                        size_gb=0.25).start()
+            stopping.callback(server.stop)
+            transfer = lmcache_transfer_config(cache_server_url=server.url)
+        else:
+            transfer = lmcache_transfer_config(max_local_cpu_size=0.25, **tiers)
+        engine = {"dtype": dtype, "model": model, "max_num_batched_tokens": MNBT, **ENGINE_ARGS.get(name, {})}
         with running(build), stderr_to(str(log)):
             ref, llm = start_llms({"kv_transfer_config": None, **engine},
                                   {"kv_transfer_config": transfer, **engine})
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    builds = engine_builds(ref), engine_builds(llm)
-    if builds != ([build], [build]):
-        stop_llm(ref, wait=False)
-        stop_llm(llm, wait=False)
-        if server is not None:
-            server.stop()
-        pytest.fail(f"asked for build {build}, the workers run {builds[0]} without a connector and "
-                    f"{builds[1]} with LMCache")
-    prefix_cache = ref.llm_engine.vllm_config.cache_config.enable_prefix_caching
-    assert prefix_cache or name == "deepseek_v2", f"vLLM turned its prefix cache off for {name}"
-    ps = {key: ids[key][:n] for key, n in LENGTHS.items()}
-    if not prefix_cache:
-        ps = {key: decisive_prompt(ref, ids[key], n, key in EXTENDED) for key, n in LENGTHS.items()}
-    cold, repeat, again = {}, {}, {}
-    for key, p in ps.items():  # `repeat` and `again` are served by vLLM's own prefix cache, if any
-        ref.reset_prefix_cache()
-        cold[key] = run(ref, p)
-        if key in EXTENDED:
-            repeat[key] = run(ref, [*p, cold[key][0][0]], 2)
-        if key in REPEATED:
-            again[key] = run(ref, p) if prefix_cache else forced_decode(ref, p)
-    stop_llm(ref, wait=False)
-    client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
-    yield Pair(build, name, ps, cold, repeat, again, prefix_cache, llm, log, client, server)
-    client.close()
-    stop_llm(llm, wait=False)
-    if server is not None:
-        server.stop()
+        stopping.callback(stop_llm, llm, wait=False)
+        with contextlib.ExitStack() as reference:  # the reference stops once its outputs are taken
+            reference.callback(stop_llm, ref, wait=False)
+            builds = engine_builds(ref), engine_builds(llm)
+            if builds != ([build], [build]):
+                pytest.fail(f"asked for build {build}, the workers run {builds[0]} without a connector "
+                            f"and {builds[1]} with LMCache")
+            prefix_cache = ref.llm_engine.vllm_config.cache_config.enable_prefix_caching
+            assert prefix_cache or name == "deepseek_v2", f"vLLM turned its prefix cache off for {name}"
+            ps = {key: ids[key][:n] for key, n in LENGTHS.items()}
+            if not prefix_cache:
+                ps = {key: decisive_prompt(ref, ids[key], n, key in EXTENDED) for key, n in LENGTHS.items()}
+            cold, repeat, again = {}, {}, {}
+            for key, p in ps.items():  # `repeat` and `again` are served by vLLM's own prefix cache, if any
+                ref.reset_prefix_cache()
+                cold[key] = run(ref, p)
+                if key in EXTENDED:
+                    repeat[key] = run(ref, [*p, cold[key][0][0]], 2)
+                if key in REPEATED:
+                    again[key] = run(ref, p) if prefix_cache else forced_decode(ref, p)
+        client = LookupClient([socket_path(llm.llm_engine.vllm_config, 0)], timeout=10)
+        stopping.callback(client.close)
+        yield Pair(build, name, ps, cold, repeat, again, prefix_cache, llm, log, client, server)
 
 
 def test_cold_requests_equal_the_engine_without_a_connector(arch):
