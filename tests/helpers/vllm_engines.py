@@ -61,6 +61,7 @@ def start_llms(*configs: dict[str, Any], return_exceptions: bool = False) -> lis
     its two spawned processes (engine core, worker) importing vLLM, on one core each, so the
     starts overlap where cores are free. If one fails, the others are stopped and its error is
     raised; with `return_exceptions`, a failed start's error takes its engine's place instead."""
+    _take_turns_registering_metrics()
     with ThreadPoolExecutor(len(configs)) as pool:
         futures = [pool.submit(start_llm, **config) for config in configs]
     errors = [f.exception() for f in futures]
@@ -73,6 +74,30 @@ def start_llms(*configs: dict[str, Any], return_exceptions: bool = False) -> lis
                 stop_llm(future.result())
         raise failed
     return [f.result() for f in futures]
+
+
+_registering = threading.Lock()
+
+
+def _take_turns_registering_metrics() -> None:
+    """vLLM's Prometheus logger first unregisters every ``vllm:`` metric of the process's
+    registry, then registers its own: two engines doing that at once in one process collide
+    (``DuplicateTimeseries``, seen in CI). Engines started together build their stat loggers in
+    turn; the rest of their starts still overlap."""
+    from vllm.v1.engine import llm_engine
+
+    manager = llm_engine.StatLoggerManager
+    if getattr(manager, "takes_turns", False):
+        return
+
+    class TakingTurns(manager):  # type: ignore[misc, valid-type]
+        takes_turns = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with _registering:
+                super().__init__(*args, **kwargs)
+
+    llm_engine.StatLoggerManager = TakingTurns  # type: ignore[misc]
 
 
 @contextlib.contextmanager
