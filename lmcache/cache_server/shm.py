@@ -69,16 +69,16 @@ class SharedArena:
         return os.stat(SHM_DIR / self.name).st_blocks * 512
 
     def close(self) -> None:
-        """Unmap (the tensor must not be used after); the owner also removes the segment. Closing
-        twice is harmless."""
+        """Let go of the mapping (`tensor` is gone); the owner also removes the segment. The pages
+        stay mapped while a view of them lives (each view keeps the mmap object alive) and are
+        unmapped with the last: `mmap.close` would unmap them under such a view (`torch.frombuffer`
+        holds the object, not a buffer export, so nothing refuses it), and the view would then
+        read or write whatever is mapped there next. Closing twice is harmless."""
         if self._closed:
             return
         self._closed = True
         del self.tensor
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view of it is still alive somewhere: the mapping goes when that does
+        del self._map
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 

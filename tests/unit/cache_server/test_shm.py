@@ -4,10 +4,12 @@ owner died without closing it."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +50,27 @@ def test_another_process_reads_and_writes_the_same_bytes(arena):
     assert out.stdout.split() == ["4096"]
     assert torch.all(arena.tensor[4096:8192] == 7)
     assert arena.name in ours()  # the attached process closing it does not remove it
+
+
+def mappings_of(name: str) -> int:
+    return sum(name in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_view_outliving_its_arena_keeps_the_pages_mapped_until_it_goes(arena):
+    """A slot's tensor may outlive the attachment it came from (an engine detached meanwhile):
+    closing the arena must not unmap pages a view still reads or writes."""
+    arena.tensor[:4096] = 5
+    attached = SharedArena.attach(arena.name, arena.size)
+    view = attached.tensor[:4096]
+    attached.close()
+    gc.collect()
+    assert mappings_of(arena.name) == 2  # the owner's and the view's
+    assert int(view.sum()) == 5 * 4096
+    view[:] = 6
+    assert int(arena.tensor[:4096].sum()) == 6 * 4096
+    del view
+    gc.collect()
+    assert mappings_of(arena.name) == 1  # the last view took its mapping with it
 
 
 def test_pages_exist_only_once_written(arena):
