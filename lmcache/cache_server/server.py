@@ -76,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 MISSED_HEARTBEATS = 2
 IO_WORKERS = 4
+STOP_CHECK = 1.0  # the loop looks at least this often (seconds) whether it was asked to stop
 IO_OPS = frozenset({"contains", "lease", "get"})  # may wait on a lower tier (disk, remote, peers)
 OPS_LEASE = "ops/"  # the leases of the operations endpoint's pins (an engine's are "<engine id>/...")
 
@@ -200,7 +201,9 @@ class CacheServer:
                 if fd not in watched:
                     poller.register(fd, zmq.POLLIN)
                     watched[fd] = engine_id
-            ready = dict(poller.poll(timeout=max(1, int(self.heartbeat * 250))))
+            # a quarter heartbeat, to check for silent engines; at most STOP_CHECK, so that a
+            # stop (SIGTERM's handler runs while the poll waits, and the poll goes on) is seen soon
+            ready = dict(poller.poll(timeout=max(1, int(min(self.heartbeat / 4, STOP_CHECK) * 1000))))
             if self.socket in ready:
                 for _ in range(256):  # what has arrived, then the rest of the loop
                     try:
