@@ -421,6 +421,20 @@ def _tail(pid: int, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path else "(no log)"
 
 
+def native_stacks(pid: int, timeout: float = 60) -> str:
+    """Every thread's C stack of process `pid`, from gdb where it is installed: what a process
+    hung outside Python code (a finalizer, a lock in a C library) is doing, which the fault
+    handler cannot tell."""
+    try:
+        done = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt"],
+                              capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return "(no gdb to show the C stacks)"
+    except subprocess.TimeoutExpired:
+        return f"(gdb took over {timeout:g} s)"
+    return "\n".join(line for line in done.stdout.splitlines() if line.startswith(("Thread", "#")))
+
+
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
     """Send `sig` (if it still runs) and wait for its exit code. One that has not exited within
     `timeout` seconds is asked for its threads' stacks (SIGUSR1: `lmcache` dumps them to stderr) and

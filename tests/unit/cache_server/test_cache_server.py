@@ -35,7 +35,7 @@ from lmcache.cache_server import messages as m
 from lmcache.cache_server import shm
 from lmcache.cache_server.server import CacheServer
 from lmcache.config import LMCacheEngineMetadata
-from tests.helpers.servers import REPO, STARTED, CacheServerProcess, free_port
+from tests.helpers.servers import REPO, STARTED, CacheServerProcess, free_port, native_stacks
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 CHUNK_BYTES = 2 * 2 * 8 * 8 * 2  # [2, layers, chunk, hidden] bf16
@@ -75,6 +75,8 @@ def server(url):
 # answer (a starved CI machine must not turn a slow answer into an outage), short where a test
 # stops or stalls the server and means the engine to give up on it.
 PATIENT, OUTAGE = 30.0, 2.0
+# A heartbeat interval no test run reaches, for a test where a heartbeat must not come.
+SLOW_HEARTBEAT = 600.0
 # How long a worker may take to exit once told to close (its engine does not wait on the server:
 # see the test of a close while the server stalls); one that takes longer shows its threads' stacks.
 CLOSE_WAIT = 30.0
@@ -117,9 +119,11 @@ class Worker:
         try:
             _, err = self.proc.communicate(timeout=CLOSE_WAIT)
         except subprocess.TimeoutExpired:
+            stacks = native_stacks(self.proc.pid)
             self.proc.send_signal(signal.SIGABRT)  # the fault handler prints every thread's stack
             _, err = self.proc.communicate(timeout=30)
-            pytest.fail(f"the engine worker did not exit within {CLOSE_WAIT:g} s of close:\n{err}")
+            pytest.fail(f"the engine worker did not exit within {CLOSE_WAIT:g} s of close:\n{err}\n"
+                        f"its C stacks:\n{stacks}")
         return err
 
     def ask_close(self) -> None:
@@ -345,19 +349,23 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
         assert a.ask("retrieve", tokens=DOC, seed=6) == {"hit": 64, "exact": True}
         assert a.ask("faults") == away  # back: nothing more counted
     finally:
-        logs = a.close()
-        b.close()
-        server.stop()
+        try:
+            logs = a.close()
+            b.close()
+        finally:
+            server.stop()
     warnings = [line for line in logs.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "cache server" in warnings[0], logs
 
 
 def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, workers):
-    server = CacheServerProcess(url, heartbeat=30).start()  # no heartbeat comes in between
+    # No heartbeat comes in between, however slowly the test runs: one that met the restart would
+    # detach the engine unnoticed (a heartbeat is not a request), and its stores were skipped.
+    server = CacheServerProcess(url, heartbeat=SLOW_HEARTBEAT).start()
     a, b = workers.start(2, timeout=OUTAGE)
     assert a.ask("reserve", n=2) == {"slots": 2}  # slots of the first server, held across the restart
     server.stop(signal.SIGKILL)
-    server = CacheServerProcess(url, heartbeat=30).start()
+    server = CacheServerProcess(url, heartbeat=SLOW_HEARTBEAT).start()
     try:
         a.ask("store", tokens=DOC, seed=7)  # one failed exchange, then attached to the new server
         a.ask("store", tokens=DOC, seed=7)
@@ -366,8 +374,10 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
         stats = server.get("/stats")
         assert stats["arena"]["used_bytes"] == 8 * CHUNK_BYTES  # the old slots never reached it
     finally:
-        logs, _ = a.close(), b.close()
-        server.stop()
+        try:
+            logs, _ = a.close(), b.close()
+        finally:
+            server.stop()
     warnings = [line for line in logs.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "the cache server at" in warnings[0], logs
 
@@ -425,6 +435,15 @@ def test_raw_requests_naming_an_old_session_are_refused(url):
         second.stop()
         loop.join()
         second.close()
+
+
+def test_a_server_with_a_long_heartbeat_stops_soon_on_sigterm(url):
+    """Its loop waits a quarter heartbeat for messages (150 s here) but looks every second whether
+    SIGTERM asked it to stop."""
+    server = CacheServerProcess(url, heartbeat=SLOW_HEARTBEAT).start()
+    t0 = time.monotonic()
+    assert server.stop() == 0
+    assert time.monotonic() - t0 < 20  # mostly the interpreter's exit, slow on a starved machine
 
 
 def test_a_second_server_on_the_same_socket_is_refused(url):
