@@ -432,7 +432,8 @@ def native_stacks(pid: int, timeout: float = 60) -> str:
         return "(no gdb to show the C stacks)"
     except subprocess.TimeoutExpired:
         return f"(gdb took over {timeout:g} s)"
-    return "\n".join(line for line in done.stdout.splitlines() if line.startswith(("Thread", "#")))
+    stacks = "\n".join(line for line in done.stdout.splitlines() if line.startswith(("Thread", "#")))
+    return stacks or f"(gdb showed none: {done.stderr.strip()[-500:]})"
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
