@@ -191,6 +191,7 @@ class CacheServer:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
         watched: dict[int, str] = {}
+        check_every = self.heartbeat / 4  # for silent engines
         next_check = time.monotonic()
         while not self._stopping.is_set():
             current = {e.pidfd: e.engine_id for e in self.engines.values() if e.pidfd is not None}
@@ -201,9 +202,9 @@ class CacheServer:
                 if fd not in watched:
                     poller.register(fd, zmq.POLLIN)
                     watched[fd] = engine_id
-            # a quarter heartbeat, to check for silent engines; at most STOP_CHECK, so that a
-            # stop (SIGTERM's handler runs while the poll waits, and the poll goes on) is seen soon
-            ready = dict(poller.poll(timeout=max(1, int(min(self.heartbeat / 4, STOP_CHECK) * 1000))))
+            # at most STOP_CHECK, so that a stop (SIGTERM's handler runs while the poll waits, and
+            # the poll goes on) is seen soon
+            ready = dict(poller.poll(timeout=max(1, int(min(check_every, STOP_CHECK) * 1000))))
             if self.socket in ready:
                 for _ in range(256):  # what has arrived, then the rest of the loop
                     try:
@@ -222,7 +223,7 @@ class CacheServer:
                     with self.lock:
                         self._reap(self.engines[engine_id], "its process exited")
             if time.monotonic() >= next_check:
-                next_check = time.monotonic() + self.heartbeat / 4
+                next_check = time.monotonic() + check_every
                 self._check_silent()
 
     def stop(self) -> None:

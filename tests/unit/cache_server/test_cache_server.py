@@ -160,6 +160,14 @@ class Workers:
         return new
 
 
+def close_then_stop(server: CacheServerProcess, *workers: Worker) -> list[str]:
+    """Close `workers` in order (their logs), then stop `server`, whatever the closes did."""
+    try:
+        return [worker.close() for worker in workers]
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def workers(url):
     made = Workers(url)
@@ -349,11 +357,7 @@ def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(u
         assert a.ask("retrieve", tokens=DOC, seed=6) == {"hit": 64, "exact": True}
         assert a.ask("faults") == away  # back: nothing more counted
     finally:
-        try:
-            logs = a.close()
-            b.close()
-        finally:
-            server.stop()
+        logs, _ = close_then_stop(server, a, b)
     warnings = [line for line in logs.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "cache server" in warnings[0], logs
 
@@ -374,10 +378,7 @@ def test_a_server_restart_between_heartbeats_is_noticed_by_its_session(url, work
         stats = server.get("/stats")
         assert stats["arena"]["used_bytes"] == 8 * CHUNK_BYTES  # the old slots never reached it
     finally:
-        try:
-            logs, _ = a.close(), b.close()
-        finally:
-            server.stop()
+        logs, _ = close_then_stop(server, a, b)
     warnings = [line for line in logs.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "the cache server at" in warnings[0], logs
 
