@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.servers import free_port
+from tests.helpers.servers import STALLED, CpuProgress, free_port, process_group
 
 MODEL_NAME = "smollm2"
 
@@ -32,15 +32,17 @@ class Completion:
 class OpenAIServer:
     def __init__(self, model: str, kv_transfer_config: dict[str, Any] | None, log_path: str, *,
                  dtype: str = "float32", max_model_len: int = 4096, kv_bytes: int = 512 << 20,
-                 extra_args: tuple[str, ...] = (), startup_timeout: float = 300,
+                 extra_args: tuple[str, ...] = (), startup_timeout: float = 1200,
                  port: int | None = None, cpus: str | None = None,
                  env: dict[str, str] | None = None, nice: int = 0, wait: bool = True) -> None:
         """`port`: the HTTP port (default: a free one); `cpus`: the cores its engine binds
         (``VLLM_CPU_OMP_THREADS_BIND``, default that of the caller, else "0-1"); `env`: more
-        environment variables for the server; `nice`: its processes' niceness (lower priority for
-        a server whose threads poll without pause, so they take only the CPU nothing else wants).
+        environment variables for the server; `nice`: its processes' niceness, and its session's
+        (lower priority for a server whose threads poll without pause, so they take only the CPU
+        nothing else wants; see `nice_session`).
         Blocks until the server answers unless `wait` is False (then call `wait_ready`;
-        `start_servers` starts several at once)."""
+        `start_servers` starts several at once). `startup_timeout` only bounds a start that keeps
+        working: one that stops using CPU fails after `STALLED` seconds (see `wait_ready`)."""
         self.port = port or free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
@@ -55,23 +57,36 @@ class OpenAIServer:
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=environ,
                                      start_new_session=True)
+        if nice:
+            nice_session(self.proc.pid, nice)
         self.log_path = log_path
         self.startup_deadline = time.monotonic() + startup_timeout
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> OpenAIServer:
-        """Block until the server answers ``/health``; stop it and raise if it exits first or
-        does not answer within its `startup_timeout`."""
+        """Block until the server answers ``/health``; stop it and raise if it exits first, if its
+        processes use less than a CPU second in `STALLED` seconds (a hang), or if it does not
+        answer within its `startup_timeout`. A start that is only slow (a loaded machine, several
+        servers starting on two cores) is waited for: its processes keep using CPU."""
+        progress = CpuProgress(lambda: process_group(self.proc.pid))
         while True:
             try:
                 urllib.request.urlopen(self.url("/health"), timeout=2).read()
                 return self
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > self.startup_deadline:
-                    self.stop()
-                    raise RuntimeError(f"the server did not start; see {self.log_path}") from None
-                time.sleep(0.25)
+                if self.proc.poll() is not None:
+                    why = f"it exited with code {self.proc.returncode}"
+                elif time.monotonic() > self.startup_deadline:
+                    why = "it did not answer before its start-up deadline"
+                elif progress.stalled_for() > STALLED:
+                    why = f"its processes used less than a CPU second in {STALLED:g} s"
+                else:
+                    time.sleep(0.25)
+                    continue
+                self.stop()
+                raise RuntimeError(f"the server did not start: {why}; {self.log_path} ends:\n"
+                                   f"{log_tail(self.log_path)}") from None
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -113,17 +128,25 @@ class OpenAIServer:
         self.log.close()
 
 
-def process_group(pgid: int) -> list[int]:
-    """The processes of process group `pgid`."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-        except (OSError, ValueError):
-            continue  # not a process, or one that exited meanwhile
-        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+def nice_session(pid: int, nice: int) -> None:
+    """Lower the priority of the session that process `pid` leads. Where the kernel groups each
+    session for its scheduler (``CONFIG_SCHED_AUTOGROUP``, on by default in most distributions),
+    the niceness of processes only weighs them against their own session: a niced server in a
+    session of its own would take as much CPU as the whole test run, and only the session's
+    niceness (``/proc/<pid>/autogroup``) lowers that. Measured: two processes spinning on one core,
+    each a session, the second at niceness 10: 200 and 201 ticks in 4 s; with the second's
+    session at 10 too: 362 and 39."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except FileNotFoundError:
+        pass  # a kernel without autogroups: the processes' niceness alone counts
+
+
+def log_tail(path: str, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 def shared_memory_of(pids: list[int]) -> set[Path]:

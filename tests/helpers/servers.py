@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,7 +182,7 @@ class LMServer:
 
     def start(self) -> LMServer:
         self.proc, m = start_cli(["server", "--port", str(self.port), *self.args],
-                                 r"listening on [\d.]+:(\d+)", 30, self.env)
+                                 r"listening on [\d.]+:(\d+)", env=self.env)
         self.port = int(m.group(1))
         return self
 
@@ -363,7 +364,7 @@ class CacheServerProcess:
 
     def start(self) -> CacheServerProcess:
         self.proc, m = start_cli(["cache-server", "--url", self.url, *self.args],
-                                 r"operations on (http://[\d.]+:\d+)", 60)
+                                 r"operations on (http://[\d.]+:\d+)")
         self.http = m.group(1)
         return self
 
@@ -379,11 +380,13 @@ class CacheServerProcess:
         return stop_process(self.proc, sig)
 
 
-def start_cli(args: list[str], ready: str, timeout: float,
+def start_cli(args: list[str], ready: str, timeout: float = 600,
               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, re.Match]:
     """`lmcache <args>` in a subprocess, once it printed a first line matching `ready` (the match);
-    RuntimeError (with the end of its log) if it did not within `timeout` seconds. Its stderr goes
-    to a log file (`LOGS[proc.pid]`) that `stop_process` shows if it will not stop."""
+    RuntimeError (with the end of its log) if it printed another, exited, used less than a CPU
+    second in `STALLED` seconds (a hang; a start slowed by a loaded machine keeps using CPU), or
+    did not print within `timeout` seconds. Its stderr goes to a log file (`LOGS[proc.pid]`) that
+    `stop_process` shows if it will not stop."""
     environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     fd, log = tempfile.mkstemp(prefix=f"lmcache-{args[0]}-", suffix=".log")
     try:
@@ -394,15 +397,68 @@ def start_cli(args: list[str], ready: str, timeout: float,
     LOGS[proc.pid] = Path(log)
     STARTED.add(proc.pid)
     assert proc.stdout is not None
-    got, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if got else ""
-    m = re.search(ready, line)
-    if m is None:
+    progress = CpuProgress(lambda: [proc.pid])
+    deadline = time.monotonic() + timeout
+    while True:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if m := re.search(ready, line):
+                return proc, m
+            why = f"it printed {line!r}" if line else f"it exited with code {proc.wait(timeout=30)}"
+        elif time.monotonic() > deadline:
+            why = f"it did not print within {timeout:g} s"
+        elif progress.stalled_for() > STALLED:
+            why = f"it used less than a CPU second in {STALLED:g} s"
+        else:
+            continue
         proc.kill()
         proc.wait(timeout=30)
-        raise RuntimeError(f"lmcache {args[0]} did not start within {timeout:g} s: {line!r}; its log "
-                           f"ends:\n{_tail(proc.pid)}")
-    return proc, m
+        raise RuntimeError(f"lmcache {args[0]} did not start: {why}; its log ends:\n{_tail(proc.pid)}")
+
+
+STALLED = 120.0  # seconds a starting process may go without using a CPU second: then it hangs
+
+
+class CpuProgress:
+    """Whether processes are still working: the CPU time that `pids()` (the processes to watch,
+    asked anew at each look) used since the last look; one that exits takes its time with it."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
+        self.seen = self._cpu_seconds()
+        self.since = time.monotonic()
+
+    def stalled_for(self) -> float:
+        """Seconds since the processes last used a CPU second between two looks."""
+        now = self._cpu_seconds()
+        if sum(max(0.0, cpu - self.seen.get(pid, 0.0)) for pid, cpu in now.items()) >= 1.0:
+            self.seen, self.since = now, time.monotonic()
+        return time.monotonic() - self.since
+
+    def _cpu_seconds(self) -> dict[int, float]:
+        ticks = os.sysconf("SC_CLK_TCK")
+        used = {}
+        for pid in self.pids():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # fields from the state (3rd) on
+            used[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        return used
+
+
+def process_group(pgid: int) -> list[int]:
+    """The processes of process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or one that exited meanwhile
+        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 LOGS: dict[int, Path] = {}  # the stderr of each `start_cli` process still running, by pid
