@@ -423,16 +423,20 @@ class CpuProgress:
     """Whether processes are still working: the CPU time that `pids()` (the processes to watch,
     asked anew at each look) used since the last look; one that exits takes its time with it."""
 
+    LOOK_EVERY = 2.0  # seconds: a look reads /proc (every process, for a process group)
+
     def __init__(self, pids: Callable[[], list[int]]) -> None:
         self.pids = pids
         self.seen = self._cpu_seconds()
-        self.since = time.monotonic()
+        self.since = self.looked = time.monotonic()
 
     def stalled_for(self) -> float:
-        """Seconds since the processes last used a CPU second between two looks."""
-        now = self._cpu_seconds()
-        if sum(max(0.0, cpu - self.seen.get(pid, 0.0)) for pid, cpu in now.items()) >= 1.0:
-            self.seen, self.since = now, time.monotonic()
+        """Seconds since the processes last used a CPU second between two looks (a look at most
+        every `LOOK_EVERY` seconds)."""
+        if time.monotonic() - self.looked >= self.LOOK_EVERY:
+            now, self.looked = self._cpu_seconds(), time.monotonic()
+            if sum(max(0.0, cpu - self.seen.get(pid, 0.0)) for pid, cpu in now.items()) >= 1.0:
+                self.seen, self.since = now, self.looked
         return time.monotonic() - self.since
 
     def _cpu_seconds(self) -> dict[int, float]:
