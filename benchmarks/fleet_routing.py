@@ -334,9 +334,11 @@ def main() -> None:
                         help="each user waits a random 0..THINK s before each later round (seeded by repeat, "
                              "user and round: the same for every policy, other in every repeat)")
     parser.add_argument("--engine-nice", type=int, default=5,
-                        help="the vLLM instances' niceness: the engines take every core, and at the same "
-                             "priority the users' threads (and the router) woke late from their pauses, "
-                             "so that runs of one workload met different arrivals")
+                        help="the vLLM instances' niceness (their sessions' too, where the kernel groups "
+                             "sessions for its scheduler; before 260d1c3 only the processes'): the engines "
+                             "take every core, and at the same priority the users' threads (and the "
+                             "router) woke late from their pauses, so that runs of one workload met "
+                             "different arrivals")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.servers import STALLED, CpuProgress, free_port, process_group
+from tests.helpers.servers import STALLED, CpuProgress, free_port, log_tail, process_group
 
 MODEL_NAME = "smollm2"
 
@@ -140,13 +140,6 @@ def nice_session(pid: int, nice: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     except FileNotFoundError:
         pass  # a kernel without autogroups: the processes' niceness alone counts
-
-
-def log_tail(path: str, lines: int = 40) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(unreadable: {e})"
 
 
 def shared_memory_of(pids: list[int]) -> set[Path]:

@@ -476,9 +476,17 @@ def _remove_logs() -> None:
         log.unlink(missing_ok=True)
 
 
-def _tail(pid: int, lines: int = 60) -> str:
+def _tail(pid: int) -> str:
     path = LOGS.get(pid)
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path else "(no log)"
+    return log_tail(path, 60) if path else "(no log)"
+
+
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    """The last `lines` lines of the log at `path`."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 def native_stacks(pid: int, timeout: float = 60) -> str:
