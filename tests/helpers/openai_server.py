@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.servers import STALLED, CpuProgress, free_port, log_tail, process_group
+from tests.helpers.servers import STALLED, CpuProgress, cpu_seconds, free_port, log_tail, process_group
 
 MODEL_NAME = "smollm2"
 
@@ -140,6 +140,31 @@ def nice_session(pid: int, nice: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     except FileNotFoundError:
         pass  # a kernel without autogroups: the processes' niceness alone counts
+
+
+def renice_pollers(groups: list[int], nice: int = 19, sample: float = 2.0) -> list[int]:
+    """Give the threads of process groups `groups` (idle servers) that keep a core busy (more than
+    80% of one over `sample` seconds: NIXL's progress thread polls without pause) niceness `nice`,
+    so that within their session they yield to the threads that do the work (such a thread shares
+    its engine's core: at the same niceness it halves the engine). Returns their ids."""
+    def threads() -> dict[int, float]:
+        used = {}
+        for group in groups:
+            for pid in process_group(group):
+                for task in Path(f"/proc/{pid}/task").glob("*"):
+                    if (seconds := cpu_seconds(f"{task}/stat")) is not None:
+                        used[int(task.name)] = seconds
+        return used
+
+    before = threads()
+    time.sleep(sample)
+    pollers = [tid for tid, seconds in threads().items() if seconds - before.get(tid, seconds) > 0.8 * sample]
+    for tid in pollers:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            pass  # gone meanwhile
+    return pollers
 
 
 def shared_memory_of(pids: list[int]) -> set[Path]:

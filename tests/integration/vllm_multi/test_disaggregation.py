@@ -20,7 +20,14 @@ pytest.importorskip("vllm")
 
 from lmcache.integration.local_model import local_model_path
 from lmcache.pd import nixl_agent
-from tests.helpers.openai_server import MODEL_NAME, OpenAIServer, complete, prompt_sources, start_servers
+from tests.helpers.openai_server import (
+    MODEL_NAME,
+    OpenAIServer,
+    complete,
+    prompt_sources,
+    renice_pollers,
+    start_servers,
+)
 from tests.helpers.servers import REPO, free_port, stop_process, wait_port
 from tests.helpers.vllm_engines import (
     kv_bytes_per_token,
@@ -214,15 +221,17 @@ def test_a_prefiller_killed_mid_run_leaves_every_request_answered(cluster):
 
 def test_vllm_nixl_connector_behind_the_proxy_answers_as_one_instance(cluster):
     """The proxy's NixlConnector hand-off with vLLM's own connector: the decoder reads each
-    prompt's KV from the prefiller. Its two instances run only for this test: two native threads
-    of NIXL/UCX in each poll without pause, idle or not (measured: ~90% of a core each), so they
-    run at a lower priority (`NIXL_PAIR_NICENESS`) and take only CPU the other lane leaves."""
+    prompt's KV from the prefiller. Its two instances run only for this test: NIXL's progress
+    thread in each polls without pause, idle or not (a whole core), so they run at a lower
+    priority (`NIXL_PAIR_NICENESS`) and take only CPU the other lane leaves, and that thread at
+    the lowest, so that it yields to its engine, whose core it shares."""
     prefiller, decoder = start_servers(cluster["model"], [
         {"kv_transfer_config": nixl_connector_config(role),
          "log_path": str(cluster["logs"] / f"nixl-{role}.log"), "max_model_len": 2048, "cpus": cpus,
          "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, "nice": NIXL_PAIR_NICENESS}
         for role, cpus in (("kv_producer", "0"), ("kv_consumer", "1"))])
     try:
+        renice_pollers([prefiller.proc.pid, decoder.proc.pid])
         proxy = Proxy([prefiller.url("")], [decoder], ["--kv-protocol", "nixl"],
                       str(cluster["logs"] / "proxy-nixl.log"))
     except BaseException:

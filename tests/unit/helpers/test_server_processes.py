@@ -1,9 +1,11 @@
 """The tests' server processes: their start-up wait tells a slow start from a hung one by the CPU
-they use (a start that keeps working is waited for, one that sleeps fails early), and a server
-started at a lower priority is niced where the scheduler weighs it, its session."""
+they use (a start that keeps working is waited for, one that sleeps fails early), a server
+started at a lower priority is niced where the scheduler weighs it, its session, and a thread
+that polls without pause is found and niced below the threads that work."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.openai_server import nice_session
+from tests.helpers.openai_server import nice_session, renice_pollers
 from tests.helpers.servers import CpuProgress, process_group
 
 
@@ -46,3 +48,28 @@ def test_a_group_that_sleeps_is_stalled_for_as_long_as_it_sleeps(group):
 def test_a_niced_session_is_niced_for_the_scheduler_too(group):
     nice_session(group.pid, 10)
     assert Path(f"/proc/{group.pid}/autogroup").read_text().split()[-1] == "10"
+
+
+POLLER = """
+import os, threading, time
+def poll():
+    print(threading.get_native_id(), flush=True)
+    while True:
+        pass
+threading.Thread(target=poll, daemon=True).start()
+time.sleep(60)
+"""
+
+
+def test_the_thread_that_polls_is_reniced_and_the_others_are_not():
+    proc = subprocess.Popen([sys.executable, "-c", POLLER], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        poller = int(proc.stdout.readline())
+        assert renice_pollers([proc.pid]) == [poller]
+        assert os.getpriority(os.PRIO_PROCESS, poller) == 19
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)  # main thread
+    finally:
+        proc.kill()
+        proc.wait()
