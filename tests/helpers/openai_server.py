@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.servers import STALLED, CpuProgress, cpu_seconds, free_port, log_tail, process_group
+from tests.helpers.servers import STALLED, CpuProgress, free_port, log_tail, process_group
 
 MODEL_NAME = "smollm2"
 
@@ -142,23 +142,27 @@ def nice_session(pid: int, nice: int) -> None:
         pass  # a kernel without autogroups: the processes' niceness alone counts
 
 
-def renice_pollers(groups: list[int], nice: int = 19, sample: float = 2.0) -> list[int]:
-    """Give the threads of process groups `groups` (idle servers) that keep a core busy (more than
-    80% of one over `sample` seconds: NIXL's progress thread polls without pause) niceness `nice`,
-    so that within their session they yield to the threads that do the work (such a thread shares
-    its engine's core: at the same niceness it halves the engine). Returns their ids."""
-    def threads() -> dict[int, float]:
-        used = {}
+def renice_pollers(groups: list[int], nice: int = 19, looks: int = 20, every: float = 0.1) -> list[int]:
+    """Give the threads of process groups `groups` (idle servers) that never wait (running or
+    ready to run at each of `looks` looks, `every` seconds apart: NIXL's progress thread polls
+    without pause) niceness `nice`, so that within their session they yield to the threads that
+    do the work (such a thread shares its engine's core: at the same niceness it halves the
+    engine). A thread's state, unlike the CPU it gets, tells a poller on a loaded machine too.
+    Returns their ids."""
+    running: dict[int, int] = {}
+    for look in range(looks):
+        if look:
+            time.sleep(every)
         for group in groups:
             for pid in process_group(group):
                 for task in Path(f"/proc/{pid}/task").glob("*"):
-                    if (seconds := cpu_seconds(f"{task}/stat")) is not None:
-                        used[int(task.name)] = seconds
-        return used
-
-    before = threads()
-    time.sleep(sample)
-    pollers = [tid for tid, seconds in threads().items() if seconds - before.get(tid, seconds) > 0.8 * sample]
+                    try:
+                        stat = (task / "stat").read_text()
+                    except OSError:
+                        continue  # gone meanwhile
+                    if stat[stat.rindex(")") + 2] == "R":
+                        running[int(task.name)] = running.get(int(task.name), 0) + 1
+    pollers = [tid for tid, n in running.items() if n == looks]
     for tid in pollers:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)

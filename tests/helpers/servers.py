@@ -440,22 +440,16 @@ class CpuProgress:
         return time.monotonic() - self.since
 
     def _cpu_seconds(self) -> dict[int, float]:
+        ticks = os.sysconf("SC_CLK_TCK")
         used = {}
         for pid in self.pids():
-            if (seconds := cpu_seconds(f"/proc/{pid}/stat")) is not None:
-                used[pid] = seconds
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # fields from the state (3rd) on
+            used[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
         return used
-
-
-def cpu_seconds(stat_path: str) -> float | None:
-    """The CPU time (user + system) in a /proc ``stat`` file: a process's (all its threads) or a
-    thread's (``/proc/PID/task/TID/stat``); None if it is gone."""
-    try:
-        stat = Path(stat_path).read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # fields from the state (3rd) on
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_group(pgid: int) -> list[int]:
