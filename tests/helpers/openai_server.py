@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.servers import STALLED, CpuProgress, free_port, log_tail, process_group
+from tests.helpers.servers import STALLED, CpuProgress, free_port, log_tail, process_group, stat_fields
 
 MODEL_NAME = "smollm2"
 
@@ -149,20 +149,16 @@ def renice_pollers(groups: list[int], nice: int = 19, looks: int = 20, every: fl
     do the work (such a thread shares its engine's core: at the same niceness it halves the
     engine). A thread's state, unlike the CPU it gets, tells a poller on a loaded machine too.
     Returns their ids."""
-    running: dict[int, int] = {}
+    tasks = [task for group in groups for pid in process_group(group)
+             for task in Path(f"/proc/{pid}/task").glob("*")]  # none if gone
+    running = dict.fromkeys(tasks, 0)
     for look in range(looks):
         if look:
             time.sleep(every)
-        for group in groups:
-            for pid in process_group(group):
-                for task in Path(f"/proc/{pid}/task").glob("*"):
-                    try:
-                        stat = (task / "stat").read_text()
-                    except OSError:
-                        continue  # gone meanwhile
-                    if stat[stat.rindex(")") + 2] == "R":
-                        running[int(task.name)] = running.get(int(task.name), 0) + 1
-    pollers = [tid for tid, n in running.items() if n == looks]
+        for task in tasks:
+            if (fields := stat_fields(task)) and fields[0] == "R":
+                running[task] += 1
+    pollers = [int(task.name) for task, n in running.items() if n == looks]
     for tid in pollers:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -443,26 +443,25 @@ class CpuProgress:
         ticks = os.sysconf("SC_CLK_TCK")
         used = {}
         for pid in self.pids():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # fields from the state (3rd) on
-            used[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+            if fields := stat_fields(Path(f"/proc/{pid}")):
+                used[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
         return used
+
+
+def stat_fields(entry: Path) -> list[str]:
+    """The fields of a /proc process or thread directory's ``stat`` from the state (the 3rd) on;
+    none where it is not a process or is gone."""
+    try:
+        stat = (entry / "stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
 
 
 def process_group(pgid: int) -> list[int]:
     """The processes of process group `pgid`."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-        except (OSError, ValueError):
-            continue  # not a process, or one that exited meanwhile
-        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := stat_fields(entry)) and int(fields[2]) == pgid]
 
 
 LOGS: dict[int, Path] = {}  # the stderr of each `start_cli` process still running, by pid

@@ -51,7 +51,7 @@ def test_a_niced_session_is_niced_for_the_scheduler_too(group):
 
 
 POLLER = """
-import os, threading, time
+import threading, time
 def poll():
     print(threading.get_native_id(), flush=True)
     while True:
