@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+from lmcache.process_exit import skip_final_collection
+
 
 def _prepare_model(args: argparse.Namespace) -> int:
     from lmcache.integration.local_model import local_model_path
@@ -308,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `lmcache` program (`argv` None: this process's command line; a program exits
+    without the interpreter's last garbage collection, see `lmcache.process_exit`)."""
+    if argv is None:
+        skip_final_collection()
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -13,7 +13,9 @@ model of several KV cache groups, whose loads vLLM waits for as asynchronous one
 after it; per-layer hooks have nothing to do. LMCache's metrics (``lmcache:...``) go
 through vLLM's connector-metrics hooks into vLLM's own ``/metrics`` (`integration.vllm.metrics`).
 With vLLM's KV events on (``--kv-events-config``), what LMCache's tiers store and drop is
-published with vLLM's own events (`integration.vllm.kv_events`).
+published with vLLM's own events (`integration.vllm.kv_events`). The engine core and worker
+processes the connector lives in exit without the interpreter's last garbage collection
+(`lmcache.process_exit`): seconds each, which vLLM's shutdown otherwise waits for or cuts short.
 
 The connector implements `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and gives it
 every KV cache group. Both sides read the groups (`kv_groups.model_kv`); a model the connector
@@ -48,6 +50,7 @@ from lmcache.integration.vllm.kv_groups import ModelKV, UnsupportedModel, model_
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.utils import lmcache_config_from_vllm
+from lmcache.process_exit import skip_final_collection_in_child
 
 if TYPE_CHECKING:
     from lmcache.integration.vllm.scheduler import LMCacheScheduler
@@ -60,6 +63,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = lmcache_config_from_vllm(vllm_config)
+        skip_final_collection_in_child()  # vLLM's engine core and workers exit in time
         self._scheduler: LMCacheScheduler | None = None
         self._worker: LMCacheWorker | None = None
         self.kv: ModelKV | None = None
