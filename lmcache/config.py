@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from lmcache.observability import log_once
-from lmcache.storage_backend.connectors import parse_remote_url, remote_schemes
+from lmcache.storage_backend.connectors import parse_remote_url, redact_url, remote_schemes
 from lmcache.storage_backend.evictor import POLICIES
 from lmcache.storage_backend.serde.registry import serde_names
 from lmcache.storage_backend.serde.seal import load_keys
@@ -205,7 +205,7 @@ class LMCacheEngineConfig:
         load_keys(self.kv_encryption_key)  # a key file (or LMCACHE_KV_KEY) that does not parse: ValueError
         if self.remote_url is not None:
             scheme = self.remote_url.split("://", 1)[0] if "://" in self.remote_url else ""
-            _check(scheme in schemes, "remote_url", self.remote_url,
+            _check(scheme in schemes, "remote_url", redact_url(self.remote_url) or "(no '://')",
                    f"scheme must be one of {', '.join(s + '://' for s in schemes)}")
         _check(self.remote_serde is None or self.remote_serde in serdes, "remote_serde",
                self.remote_serde, f"must be one of {serdes}")

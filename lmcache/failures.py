@@ -52,8 +52,10 @@ Something that does not change while the process runs (a setting, a missing devi
 once per process with `observability.log_once`; running out of room is capacity, not a failure:
 counted and summarized at most once per interval (`observability.CapacityLog`, info level) — a
 CPU arena full of KV in use (stores keep fewer chunks: ``store_dropped_tokens``), a full put
-queue (``puts_dropped``), a PD receive buffer still full after ``pd_send_timeout`` (the rest is
-not sent: ``pd_skipped_bytes``); every other repeated warning is an incident.
+queue (``puts_dropped``), a write a store refuses for lack of room (`NoRoom`, which no failure
+domain counts: the put queue counts the put in ``puts_dropped`` and in ``too_large`` or
+``no_room``), a PD receive buffer still full after ``pd_send_timeout`` (the rest is not sent:
+``pd_skipped_bytes``); every other repeated warning is an incident.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ class DomainFault(Exception):
         self.skipped = skipped
 
 
+class NoRoom(Exception):
+    """A store refused a write for lack of room (what it holds may not be evicted now): capacity,
+    not a failure of the store. A failure domain passes it on untouched."""
+
+
+class TooLarge(NoRoom):
+    """A store refused a write because the value is larger than all of its room."""
+
+
 class _Domain:
     def __init__(self, label: str, initial: float, maximum: float, clock: Clock, consequence: str) -> None:
         self.label = label
@@ -106,7 +117,7 @@ class FailureDomains:
         self._label = label
         self._range = (initial, maximum)
         self._clock = clock
-        self._passthrough: tuple[type[BaseException], ...] = (DomainFault, *passthrough)
+        self._passthrough: tuple[type[BaseException], ...] = (DomainFault, NoRoom, *passthrough)
         self._consequence = consequence
         self._lock = threading.Lock()
         self._domains: dict[str, _Domain] = {}
@@ -125,7 +136,8 @@ class FailureDomains:
         """`fn()` against domain `name`; raises `DomainFault` if the domain is backing off (the call
         is not made: counted in ``skipped``) or `fn` fails (counted in ``failures``, backoff
         doubled, a warning on the first failure of an incident). A `DomainFault` that `fn` raises
-        (from a domain inside it) and the `passthrough` exceptions propagate untouched."""
+        (from a domain inside it), a `NoRoom` (a store that answered it has no room: capacity) and
+        the `passthrough` exceptions propagate untouched."""
         domain = self._get(name)
         if not domain.backoff.ready():
             self._counts[name].add("skipped")

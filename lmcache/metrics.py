@@ -73,7 +73,10 @@ DOCS = {
     "tier_skipped": "Calls into a tier not made because the failing part was backed off from (misses)",
     "tier_puts_written": "Chunks written to a tier",
     "tier_puts_failed": "Chunk writes to a tier that failed",
-    "tier_puts_dropped": "Chunk writes to a tier not attempted (queue full or backing off)",
+    "tier_puts_dropped": "Chunk writes to a tier not made (queue full, backing off, or no room in the store)",
+    "tier_too_large": "Chunk writes a tier refused as larger than all of its room (of tier_puts_dropped)",
+    "tier_no_room": "Chunk writes a tier had no room for without evicting pinned chunks (of "
+                    "tier_puts_dropped)",
     "tier_corrupt": "Corrupt or unverifiable values a tier detected (each was a miss)",
     "tier_forged": "Sealed values that did not open (forged, moved, truncated, retired key; each was a "
                    "miss, also counted as corrupt)",

@@ -5,7 +5,9 @@ frames). It has no backoff of its own: a call whose server does not answer raise
 off is the caller's failure domain's (`lmcache.failures`). A call that fails on a reused connection
 (e.g. the server restarted since) is retried once on a fresh one. Errors: ConnectionError /
 TimeoutError (transport), PermissionError (bad auth token), `LMServerError` (the server refused
-the request), ValueError (bad arguments, e.g. an oversize key).
+the request; `ValueTooLargeError` for a PUT larger than the server's capacity, which is also a
+`failures.TooLarge`: the store has no room for it, it did not fail), ValueError (bad arguments,
+e.g. an oversize key).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from lmcache.failures import TooLarge
 from lmcache.server import protocol
 from lmcache.server.protocol import Op, Status
 from lmcache.write_parts import Buffer, Parts, nbytes_of
@@ -26,6 +29,10 @@ X = TypeVar("X")
 
 class LMServerError(RuntimeError):
     """The server answered a request with an error status."""
+
+
+class ValueTooLargeError(LMServerError, TooLarge):
+    """The server refused a PUT whose value is larger than its capacity (TOO_LARGE)."""
 
 
 class LMCacheClient:
@@ -46,7 +53,7 @@ class LMCacheClient:
         parts = [value] if isinstance(value, (bytes, bytearray, memoryview)) else value
         status, _ = self._call([(Op.PUT, key, parts)])[0]
         if status == Status.TOO_LARGE:
-            raise LMServerError(f"value for {key!r} is larger than the server's capacity")
+            raise ValueTooLargeError(f"value for {key!r} is larger than the server's capacity")
 
     def get(self, key: str) -> bytearray | None:
         return self.get_many([key])[0]

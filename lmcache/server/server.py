@@ -7,8 +7,10 @@ read-only peer servers (`lmcache.p2p.peer_server`). `ServerThread` runs one insi
 `lmcache server --host 127.0.0.1 --port 65432 [--max-size-gb N] [--auth-token T]` runs
 `serve()` with an `LMCacheServer`. Limits: keys of at most `protocol.MAX_KEY_BYTES`, values of at
 most `max_value_bytes` (a larger frame gets an ERROR and its connection is closed),
-`capacity_bytes` in total (least recently used entries are evicted). Once a frame has started, its
-remaining bytes must arrive within `frame_timeout` seconds (a stalled sender is disconnected).
+`capacity_bytes` in total (least recently used entries are evicted). A connection may stay idle
+between frames for any time, but once a frame has started (its first byte), the rest of its header
+and then its key and value must each arrive within `frame_timeout` seconds (a stalled sender is
+disconnected).
 With `auth_token`, every connection must AUTH first. SIGTERM / SIGINT close the listener and all
 connections and return.
 """
@@ -72,9 +74,11 @@ class FrameServer(abc.ABC):
         try:
             while True:
                 try:
-                    head = await reader.readexactly(protocol.HEADER_SIZE)
+                    first = await reader.readexactly(1)  # idle between frames: no time limit
                 except asyncio.IncompleteReadError:
                     return  # the client closed the connection between frames
+                head = first + await asyncio.wait_for(reader.readexactly(protocol.HEADER_SIZE - 1),
+                                                      self.frame_timeout)
                 op, key_len, value_len = protocol.unpack_request(head, self.max_value_bytes)
                 if not authed and op != Op.AUTH:
                     writer.write(protocol.pack_response(Status.UNAUTHORIZED))

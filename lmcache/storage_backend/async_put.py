@@ -17,7 +17,9 @@ incident), and while it backs off, writes are not attempted (its ``skipped``); `
 reports both. A write may raise `DomainFault` instead: a failure domain inside the tier (a node of
 a cluster) caught, counted and logged the fault, so the queue only accounts for the put. Either
 way a put that failed is counted in `num_failed`, one not attempted in `num_dropped`, and only a
-put that was written in `num_written` / `num_bytes_written`.
+put that was written in `num_written` / `num_bytes_written`. A write that raises `NoRoom` (the
+store has no room for it: capacity, not a fault) is dropped too, counted in `num_too_large` (for
+`TooLarge`: larger than the whole store) or `num_no_room` as well, summarized like a full queue.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from lmcache.cache_key import CacheEngineKey
-from lmcache.failures import DomainFault, FailureDomains
+from lmcache.failures import DomainFault, FailureDomains, NoRoom, TooLarge
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import CapacityLog
 
@@ -56,10 +58,14 @@ class AsyncPutQueue:
         self._faults = faults or FailureDomains(lambda domain: f"asynchronous writes to {domain}")
         self._full = CapacityLog(logger, f"{name}: the write queue was full ({max_pending} in flight)",
                                  "puts dropped, in num_dropped")  # capacity, not a failure
+        self._no_room = CapacityLog(logger, f"{name}: the store had no room for a put",
+                                    "puts dropped, in num_too_large / num_no_room")
         self.num_written = 0
         self.num_bytes_written = 0
         self.num_failed = 0
         self.num_dropped = 0
+        self.num_too_large = 0
+        self.num_no_room = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -86,11 +92,16 @@ class AsyncPutQueue:
         return future
 
     def _attempt(self, key: CacheEngineKey, obj: MemoryObj) -> str:
-        """Write through the failure domain: "written", "failed" or "skipped" (backing off)."""
+        """Write through the failure domain: "written", "failed", "skipped" (backing off),
+        "too_large" or "no_room" (refused by the store for lack of room)."""
         try:
             self._faults.run(self.name, partial(self._write, key, obj))
         except DomainFault as fault:
             return "skipped" if fault.skipped else "failed"
+        except TooLarge:
+            return "too_large"
+        except NoRoom:
+            return "no_room"
         return "written"
 
     def fault_counts(self) -> dict[str, float]:
@@ -110,7 +121,11 @@ class AsyncPutQueue:
                 self.num_failed += 1
             else:
                 self.num_dropped += 1
+                self.num_too_large += outcome == "too_large"
+                self.num_no_room += outcome == "no_room"
             self._idle.notify_all()
+        if outcome in ("too_large", "no_room"):
+            self._no_room.note(1)
 
     def get_pending(self, key: CacheEngineKey) -> MemoryObj | None:
         with self._lock:

@@ -11,7 +11,9 @@ verified read are in `disk_file`. This module keeps the index:
   other processes wrote since (one `stat`).
 - `max_local_disk_size` bounds the bytes this process knows of; room for a new file is made by
   unlinking least recently used files (safe while another process still reads them), never a
-  file whose key a lookup lease pins.
+  file whose key a lookup lease pins. A chunk larger than the whole tier, or one that fits only
+  if pinned files went, is not written (the put queue counts it in ``too_large`` / ``no_room``,
+  and ``puts_dropped``), and then nothing is evicted for it.
 - A batch of reads (`batched_get`) runs concurrently on the tier's load pool.
 - Reads verify the key and the checksum; a truncated, bit-flipped or foreign file is removed and
   counted (`num_corrupt`) and the read is a miss. With sealing on (`kv_encryption_key`) files are
@@ -36,6 +38,7 @@ import xxhash
 
 from lmcache.cache_key import CacheEngineKey
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
+from lmcache.failures import NoRoom, TooLarge
 from lmcache.memory_management import MemoryObj
 from lmcache.observability import TierStats, add_counts
 from lmcache.storage_backend import disk_file
@@ -90,7 +93,6 @@ class LocalDiskBackend(LowerTierBackend):
         self.num_corrupt = 0
         self.num_forged = 0
         self.num_evicted = 0
-        self.num_too_large = 0
         self.load_disk()
 
     @classmethod
@@ -155,20 +157,33 @@ class LocalDiskBackend(LowerTierBackend):
 
     def _take_victims(self, incoming: int, keep: str | None = None) -> list[str]:
         """Under the index lock: drop LRU entries (never `keep` or a pinned key's) until
-        `incoming` more bytes fit."""
+        `incoming` more bytes fit, or all that may go are gone."""
+        victims, _ = self._choose_victims(incoming, keep)
+        self._evict(victims)
+        return victims
+
+    def _choose_victims(self, incoming: int, keep: str | None = None) -> tuple[list[str], bool]:
+        """Under the index lock: the LRU entries (never `keep` or a pinned key's) to drop so that
+        `incoming` more bytes fit, and whether dropping them is enough."""
+        over = self.used_bytes + self._reserved_bytes + incoming - self.max_bytes
         victims: list[str] = []
         pinned: set[str] | None = None
-        for stem in list(self._index):
-            if self.used_bytes + self._reserved_bytes + incoming <= self.max_bytes:
+        for stem, size in self._index.items():
+            if over <= 0:
                 break
             if pinned is None:
                 pinned = {self._stem(k) for k in self.pins.pinned()}
             if stem == keep or stem in pinned:
                 continue
-            self.used_bytes -= self._index.pop(stem)
             victims.append(stem)
+            over -= size
+        return victims, over <= 0
+
+    def _evict(self, victims: list[str]) -> None:
+        """Under the index lock: drop `victims` from the index (their files are unlinked after)."""
+        for stem in victims:
+            self.used_bytes -= self._index.pop(stem)
         self.num_evicted += len(victims)
-        return victims
 
     def _unlink_all(self, stems: list[str], reason: RemovalReason | None) -> None:
         for stem in stems:
@@ -181,8 +196,7 @@ class LocalDiskBackend(LowerTierBackend):
     def stats(self) -> TierStats:
         base = super().stats()
         with self._index_lock:
-            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "forged": self.num_forged,
-                   "too_large": self.num_too_large}
+            own = {"evicted": self.num_evicted, "corrupt": self.num_corrupt, "forged": self.num_forged}
             return TierStats(add_counts(base.counters, own),
                              {**base.gauges, "files": len(self._index), "bytes_used": self.used_bytes})
 
@@ -197,12 +211,15 @@ class LocalDiskBackend(LowerTierBackend):
         return len(stems)
 
     def remove(self, key: CacheEngineKey) -> bool:
-        stem = self._seen(key)
-        self._forget(stem, RemovalReason.DELETED)
+        """Delete `key`'s file; whether there was one. Its removal is reported if there was, or
+        if this process knew the key (its file was deleted by another process meanwhile)."""
+        stem = self._stem(key)
         try:
             os.unlink(os.path.join(self.path, stem + SUFFIX))
         except FileNotFoundError:
+            self._forget(stem, RemovalReason.DELETED)
             return False
+        self._forget(self._seen(key), RemovalReason.DELETED)
         return True
 
     def load_disk(self) -> int:
@@ -241,7 +258,8 @@ class LocalDiskBackend(LowerTierBackend):
 
     def async_save_bytes_to_disk(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         """Write `memory_obj` as `key`'s file (temporary file + atomic rename); runs on a put
-        worker. Skipped (counted in `num_too_large`) if it cannot fit in `max_local_disk_size`."""
+        worker. Raises TooLarge if the file is larger than `max_local_disk_size`, NoRoom if it
+        fits only once files that lookups pin are gone (nothing is written or evicted then)."""
         tensor = memory_obj.tensor
         if tensor is None:
             raise ValueError(f"the disk tier stores tensors; got a {memory_obj.get_memory_format()} object")
@@ -249,8 +267,7 @@ class LocalDiskBackend(LowerTierBackend):
         parts = prefixed(keyed_blob.keyed_head(chunk_key),
                          sealed_parts(self.sealer, chunk_key, self.serializer.to_parts(tensor)))
         size = nbytes_of(parts)
-        if not self._reserve(size):
-            return
+        self._reserve(size)
         stem = self._seen(key)
         try:
             disk_file.write_atomic(self.path, stem, parts, self.fsync)
@@ -260,15 +277,20 @@ class LocalDiskBackend(LowerTierBackend):
         self._insert_stem(stem, size)
         self.events.stored([key])
 
-    def _reserve(self, size: int) -> bool:
+    def _reserve(self, size: int) -> None:
+        """Make room for a file of `size` bytes (evicting) and reserve it, or raise TooLarge /
+        NoRoom (then nothing is evicted)."""
         with self._index_lock:
             if size > self.max_bytes:
-                self.num_too_large += 1
-                return False
-            victims = self._take_victims(size)
+                raise TooLarge(f"a chunk file of {size} bytes is larger than max_local_disk_size "
+                               f"({self.max_bytes} bytes)")
+            victims, fits = self._choose_victims(size)
+            if not fits:
+                raise NoRoom(f"no room for a chunk file of {size} bytes: lookups pin the files that "
+                             f"would have to be evicted")
+            self._evict(victims)
             self._reserved_bytes += size
         self._unlink_all(victims, RemovalReason.EVICTED)
-        return True
 
     # ---- reads ----------------------------------------------------------------------------------
 

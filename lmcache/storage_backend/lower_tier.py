@@ -68,7 +68,8 @@ class LowerTierBackend(StorageBackendInterface):
 
     @abc.abstractmethod
     def _write(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Store `obj` under `key` (runs on a put worker; may raise, which counts as a failed put)."""
+        """Store `obj` under `key` (runs on a put worker; may raise, which counts as a failed put,
+        or `failures.NoRoom` / `TooLarge` where the store has no room for it: a dropped put)."""
 
     @abc.abstractmethod
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -120,11 +121,13 @@ class LowerTierBackend(StorageBackendInterface):
         return out
 
     def stats(self) -> TierStats:
-        """The put queue's numbers, with the faults its failure domain caught (``failures``,
-        ``skipped``); a subclass adds its own counters with `add_counts`."""
+        """The put queue's numbers (``too_large`` and ``no_room``: puts the store refused for lack
+        of room, also in ``puts_dropped``), with the faults its failure domain caught
+        (``failures``, ``skipped``); a subclass adds its own counters with `add_counts`."""
         q = self.puts
         return TierStats(add_counts({"puts_written": q.num_written, "bytes_written": q.num_bytes_written,
-                                     "puts_failed": q.num_failed, "puts_dropped": q.num_dropped},
+                                     "puts_failed": q.num_failed, "puts_dropped": q.num_dropped,
+                                     "too_large": q.num_too_large, "no_room": q.num_no_room},
                                     q.fault_counts()),
                          {"puts_pending": len(q)})
 

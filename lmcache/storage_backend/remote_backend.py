@@ -17,7 +17,9 @@ server, or one node of a cluster; the tier guards each one (`FailureDomains`, `b
 its share of the keys. A fault is caught, counted (the tier's ``failures`` / ``skipped``) and
 logged once per incident there, and nowhere else: a read (`_call`) answers its default (not found)
 for that node's keys; a write raises the `DomainFault` to the put queue, which counts the put as
-failed (or not attempted) and never as written.
+failed (or not attempted) and never as written. A value the store refuses as larger than its
+capacity (lm://'s TOO_LARGE) is capacity, not a fault: no backoff, the put is counted in
+``too_large`` (and ``puts_dropped``).
 Batches (`batched_get`, `batched_contains`) cost one pipelined round trip per failure domain (with
 sealing on, a batched get's keys go over `SEALED_READ_STREAMS` connections at once, so that
 opening values on one core overlaps reading them on the other; unsealed values are read at the
@@ -177,10 +179,20 @@ class RemoteBackend(LowerTierBackend):
 
     def _read(self, key: CacheEngineKey) -> MemoryObj | None:
         """The value is read into an arena buffer as it arrives (`blob_stream.read_blob`); a
-        transport fault is a miss, a value that does not verify is deleted."""
+        transport fault is a miss (also one after the value was read: its buffer is released),
+        a value that does not verify is deleted."""
         rk = self._remote_key(key)
-        read = partial(self._read_blob, key.to_string().encode())
-        return self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, read), None))
+        made: list[MemoryObj] = []
+
+        def read(stream: ReadStream, length: int) -> MemoryObj | None:
+            return _noted(made, self._read_blob(key.to_string().encode(), stream, length))
+
+        obj = None
+        try:
+            obj = self._verified(rk, lambda: self._call(rk, lambda: self.connector.get_into(rk, read), None))
+        finally:
+            _release_unkept(made, [obj])
+        return obj
 
     def _by_domain(self, keys: Sequence[CacheEngineKey]) -> list[list[tuple[int, str]]]:
         """(index, remote key) of `keys`, grouped by failure domain."""
@@ -209,12 +221,9 @@ class RemoteBackend(LowerTierBackend):
 
         def settle(make: Callable[[], MemoryObj | None]) -> BlobRead:
             try:
-                obj = make()
+                return _noted(made, make())
             except (CorruptBlobError, ForeignSerdeError) as e:
                 return e
-            if obj is not None:
-                made.append(obj)
-            return obj
 
         def read(chunk_keys: list[bytes], i: int, stream: ReadStream,
                  length: int) -> BlobRead | Future[BlobRead]:
@@ -251,8 +260,7 @@ class RemoteBackend(LowerTierBackend):
             done = True
         finally:
             wait(decoding)  # also those of a batch that failed: their objects are released below
-            kept = {id(obj) for obj in out if obj is not None} if done else set()
-            release_all([obj for obj in made if id(obj) not in kept])
+            _release_unkept(made, out if done else [])
         return out
 
     def _read_blob(self, chunk_key: bytes, stream: ReadStream, length: int) -> MemoryObj | None:
@@ -285,6 +293,21 @@ class RemoteBackend(LowerTierBackend):
         if self._decodes is not None:
             self._decodes.shutdown(wait=True)
         self.connector.close()
+
+
+def _noted(made: list[MemoryObj], obj: MemoryObj | None) -> MemoryObj | None:
+    """`obj`, appended to `made` (the objects a request read) unless None."""
+    if obj is not None:
+        made.append(obj)
+    return obj
+
+
+def _release_unkept(made: list[MemoryObj], kept: Sequence[MemoryObj | None]) -> None:
+    """Release the objects of `made` that are not in `kept`: those a request read before it
+    failed (a connection lost after a value, before the rest of the reply), which no caller
+    will ever see."""
+    ids = {id(obj) for obj in kept if obj is not None}
+    release_all([obj for obj in made if id(obj) not in ids])
 
 
 BlobError = CorruptBlobError | ForeignSerdeError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from lmcache.storage_backend.connectors.base import RemoteConnector
-from lmcache.storage_backend.connectors.url import RemoteURL, parse_remote_url
+from lmcache.storage_backend.connectors.url import RemoteURL, parse_remote_url, redact_url
 
 # scheme -> "module:Class", imported on first use (redis-py is only needed for the redis family)
 _REGISTRY = {
@@ -36,4 +36,5 @@ def create_connector(url: RemoteURL | str, timeout: float) -> RemoteConnector:
     return cls(parsed, timeout)
 
 
-__all__ = ["RemoteConnector", "RemoteURL", "create_connector", "parse_remote_url", "remote_schemes"]
+__all__ = ["RemoteConnector", "RemoteURL", "create_connector", "parse_remote_url", "redact_url",
+           "remote_schemes"]

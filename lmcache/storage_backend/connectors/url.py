@@ -13,6 +13,9 @@ Options common to every scheme, as query parameters:
 Redis-family options: ttl=SECONDS (expiry of every stored chunk), max_connections=N (pool size),
 ssl_ca_certs=PATH, ssl_certfile=PATH, ssl_keyfile=PATH, ssl_cert_reqs=required|optional|none,
 ssl_check_hostname=true|false. Unknown options are errors, not silently ignored.
+
+`RemoteURL.url` is the URL as given with its secrets masked (the password as ``***``, the
+``auth_token`` option left out): every message and log line names the store by it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ COMMON_OPTIONS = frozenset({"namespace", "backoff", "max_backoff"})
 
 @dataclass(frozen=True)
 class RemoteURL:
-    url: str
+    url: str  # redacted: safe to log (see the module doc)
     scheme: str
     hosts: list[tuple[str, int]]
     path: list[str]
@@ -57,20 +60,36 @@ class RemoteURL:
 
 
 def parse_remote_url(url: str) -> RemoteURL:
-    scheme, sep, rest = url.partition("://")
-    if not sep or not rest:
-        raise ValueError(f"remote_url {url!r} must look like scheme://host:port")
+    shown = redact_url(url)
+    if not shown:
+        raise ValueError("remote_url must look like scheme://host:port (it has no '://')")
+    scheme, _, rest = url.partition("://")
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, netloc = netloc.rsplit("@", 1)
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
-    hosts = [_host_port(url, hp) for hp in netloc.split(",")]
+    userinfo, _, netloc = netloc.rpartition("@")
+    user, colon, pw = userinfo.partition(":")
+    if not rest:
+        raise ValueError(f"remote_url {shown!r} must look like scheme://host:port")
+    username = unquote(user) or None
+    password = unquote(pw) if colon else None
+    hosts = [_host_port(shown, hp) for hp in netloc.split(",")]
     options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    return RemoteURL(url, scheme, hosts, [p for p in path.split("/") if p], username, password, options)
+    return RemoteURL(shown, scheme, hosts, [p for p in path.split("/") if p], username, password, options)
+
+
+def redact_url(url: str) -> str:
+    """`url` as messages and logs show it: the password as ``***``, without the ``auth_token``
+    option; "" for a string without ``://`` (where its secrets would be is unclear)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return ""
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, netloc = netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    kept = "&".join(p for p in query.split("&") if p and p.partition("=")[0] != "auth_token")
+    return (f"{scheme}://{user}{':***' if colon else ''}{at}{netloc}" + (f"/{path}" if path else "")
+            + (f"?{kept}" if kept else ""))
 
 
 def _host_port(url: str, hp: str) -> tuple[str, int]:

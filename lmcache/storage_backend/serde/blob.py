@@ -8,7 +8,7 @@ Layout (little-endian), followed by `payload_len` payload bytes:
     5      1    serde id (which serializer wrote the payload, see SERDE_IDS)
     6      1    dtype code (see DTYPE_CODES)
     7      1    ndim (<= 8)
-    8      8*8  shape, 8 unsigned 64-bit dims (unused ones 0)
+    8      8*8  shape, 8 unsigned 64-bit dims (unused ones 0; each below MAX_DIM)
     72     8    payload length
     80     8    xxh3-64 of bytes [0, 80) followed by the payload
     88          payload
@@ -21,6 +21,7 @@ it allocates after reading the header.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ MAGIC = b"LMCB"
 SEALED_MAGIC = b"LMCS"  # a sealed blob (`serde.seal`) around one of these
 VERSION = 1
 MAX_NDIM = 8
+MAX_DIM = 1 << 62  # far above any real dim, and below what torch.Size (int64) can hold
 _FIXED = struct.Struct("<4sBBBB8QQ")
 HEADER_SIZE = _FIXED.size + 8
 
@@ -73,6 +75,12 @@ def _checksum(head: bytes | memoryview, payload: bytes | memoryview | Sequence[b
     return h.intdigest()
 
 
+def raw_size(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a `dtype` tensor of `shape` (exact, for any dims read from a header: unlike
+    `torch.Size.numel`, it neither overflows nor raises)."""
+    return math.prod(shape) * dtype.itemsize
+
+
 def pack_header(serde: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
                 payload: bytes | memoryview | Sequence[bytes | memoryview]) -> bytes:
     """The header for `payload` (one buffer, or the pieces that follow the header in order)."""
@@ -103,6 +111,8 @@ def parse_header(head: bytes | bytearray | memoryview, serde: str | None = None)
         raise CorruptBlobError(f"unsupported blob version {version}")
     if dtype_code not in _DTYPES or ndim > MAX_NDIM:
         raise CorruptBlobError(f"bad dtype code {dtype_code} or ndim {ndim}")
+    if any(d >= MAX_DIM for d in dims[:ndim]):
+        raise CorruptBlobError(f"bad shape {tuple(dims[:ndim])} (a dim is not below 2**62)")
     if serde is not None and serde_id != SERDE_IDS[serde]:
         raise ForeignSerdeError(f"blob was written by serde id {serde_id}, expected {serde!r}")
     (checksum,) = struct.unpack_from("<Q", view, _FIXED.size)

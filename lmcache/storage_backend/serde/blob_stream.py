@@ -70,7 +70,7 @@ def read_blob(stream: ReadStream, blob_len: int, serde_id: int, deser: Deseriali
     head, header = _read_header(stream, blob_len)
     if not (header.serde_id == serde_id and deser.raw_payload and header.dtype == deser.dtype):
         return deser.from_bytes_to(_with_payload(stream, head, header.payload_len), allocate)
-    if header.shape.numel() * header.dtype.itemsize != header.payload_len:
+    if blob_header.raw_size(header.shape, header.dtype) != header.payload_len:
         raise CorruptBlobError(f"payload of {header.payload_len} bytes does not hold "
                                f"{header.dtype} {tuple(header.shape)}")
     obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)

@@ -40,7 +40,7 @@ class RawDeserializer(Deserializer):
 
     def _unpack(self, bs: bytes | bytearray | memoryview) -> blob.Blob:
         b = blob.unpack(bs, self.serde_name)
-        if b.shape.numel() * b.dtype.itemsize != len(b.payload):
+        if blob.raw_size(b.shape, b.dtype) != len(b.payload):
             raise CorruptBlobError(f"payload of {len(b.payload)} bytes does not hold a {b.dtype} "
                                    f"tensor of shape {tuple(b.shape)}")
         return b

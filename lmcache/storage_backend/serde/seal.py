@@ -220,12 +220,13 @@ class OpenedBlob:
         return n
 
     def read(self, fn: Callable[[ReadStream, int], T]) -> T:
-        """`fn(self, self.length)`; if it finds the plaintext invalid, the rest is read and the
-        tag checked, so that tampering is reported as ForgedBlobError (an authentic blob's own
-        error, e.g. ForeignSerdeError, is raised as it is)."""
+        """`fn(self, self.length)`; if it finds the plaintext invalid (any ValueError or
+        OverflowError: it is unauthenticated, so even a parser's own slip on it may be tampering),
+        the rest is read and the tag checked, so that tampering is reported as ForgedBlobError (an
+        authentic blob's own error, e.g. ForeignSerdeError, is raised as it is)."""
         try:
             return fn(self, self.length)
-        except CorruptBlobError:
+        except (ValueError, OverflowError):  # CorruptBlobError is a ValueError
             self._drain()
             self.finish()
             raise

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from lmcache.server import protocol
-from lmcache.server.client import LMCacheClient
+from lmcache.server.client import LMCacheClient, ValueTooLargeError
 from lmcache.server.protocol import Op
 from tests.helpers.servers import free_port
 
@@ -85,6 +85,18 @@ def test_truncated_and_stalled_frames_do_not_hurt_the_server(lm_server):
     assert not c.exists("key") and c.health()["items"] == 0
 
 
+def test_an_idle_connection_stays_but_one_stalled_inside_a_header_is_dropped(lm_server):
+    srv = lm_server("--frame-timeout", "0.3")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as idle, \
+            socket.create_connection(("127.0.0.1", srv.port), timeout=5) as stalled:
+        stalled.sendall(protocol.pack_request(Op.EXISTS, b"key")[:3])  # 3 of the header's bytes
+        t0 = time.monotonic()
+        assert stalled.recv(10) == b""  # dropped after the frame timeout
+        assert time.monotonic() - t0 < 5
+        idle.sendall(protocol.pack_request(Op.EXISTS, b"key"))  # idle for longer than that: served
+        assert protocol.unpack_response(idle.recv(protocol.HEADER_SIZE))[0] == protocol.Status.NOT_FOUND
+
+
 def test_auth_token_is_required_and_checked(lm_server):
     srv = lm_server("--auth-token", "s3cret")
     with pytest.raises(PermissionError):
@@ -111,7 +123,7 @@ def test_capacity_is_enforced_least_recently_used_first(lm_server):
     c.get("a")
     c.put("c", b"x" * 400)
     assert [c.exists(k) for k in "abc"] == [True, False, True]
-    with pytest.raises(Exception, match="larger than the server's capacity"):
+    with pytest.raises(ValueTooLargeError, match="larger than the server's capacity"):
         c.put("big", b"x" * 2000)
     assert c.health()["bytes"] <= 1000
 

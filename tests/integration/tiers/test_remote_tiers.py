@@ -174,16 +174,33 @@ def test_namespace_and_ttl_options(valkey, tier):
 
 
 def test_corrupt_values_in_the_store_are_misses_and_get_deleted(valkey, tier):
-    t = tier(valkey.url)
-    t.put(1, 2)
+    t = tier(valkey.url + "?backoff=5")  # were a bad value a fault of the store, key 4 would miss
+    t.put(1, 2, 3, 4)
     r = redis.Redis(port=valkey.port)
     r.set(key(1).to_string(), b"not a blob")
     blob = r.get(key(2).to_string())
     r.set(key(2).to_string(), blob[:-1])
-    assert not t.hit(1) and not t.hit(2)
-    assert r.dbsize() == 0 and t.backend.num_corrupt == 2
+    overflowing = bytearray(r.get(key(3).to_string()))
+    overflowing[8 + 7] ^= 0x80  # the header's first shape dim: >= 2**63
+    r.set(key(3).to_string(), bytes(overflowing))
+    assert not t.hit(1) and not t.hit(2) and not t.hit(3) and t.hit(4)
+    assert r.keys() == [key(4).to_string().encode()] and t.backend.num_corrupt == 3
+    assert t.backend.stats().counters["failures"] == 0
     t.put(1)
     assert t.hit(1)
+
+
+def test_a_value_larger_than_the_lm_server_is_a_dropped_put_not_a_fault(lm_server, tier):
+    t = tier(lm_server("--max-size-gb", str(2000 / (1 << 30))).url + "?backoff=5")  # room for one chunk
+    t.put(1)
+    big = t.alloc.allocate(torch.Size([2, 2, 64, 8]), torch.bfloat16, MemoryFormat.KV_BLOB)  # 4 KiB
+    t.backend.submit_put_task(key(2), big)
+    big.ref_count_down()
+    assert t.backend.puts.flush(WRITE_WAIT)
+    assert t.hit(1) and not t.hit(2)  # reads go on: the store is not backed off
+    counters = t.backend.stats().counters
+    assert (counters["too_large"], counters["puts_dropped"], counters["puts_written"]) == (1, 1, 1)
+    assert (counters["failures"], counters["skipped"]) == (0, 0)
 
 
 def test_killed_valkey_gives_misses_warned_once_and_hits_resume_when_it_is_back(durable_valkey, tier, caplog):

@@ -19,7 +19,7 @@ def test_defaults_are_the_seeds_except_remote_url():
     ("field", "value"),
     [
         ("chunk_size", 0), ("chunk_size", -256), ("max_local_cpu_size", -1.0),
-        ("max_local_disk_size", -0.5), ("remote_url", "http://host:1"), ("remote_url", "nohost"),
+        ("max_local_disk_size", -0.5), ("remote_url", "http://host:1"),
         ("remote_serde", "pickle"), ("blend_recompute_ratio", 1.5), ("chunk_size", "12a"),
         ("local_cpu", "maybe"), ("chunk_size", True), ("cache_policy", "MRU"),
         ("lookup_url", "localhost"), ("blend_check_layers", []),
@@ -209,3 +209,12 @@ def test_from_legacy_and_its_tables_answer_from_the_config_module_as_before():
         import lmcache.config
 
         lmcache.config.NOT_A_NAME  # noqa: B018
+
+
+def test_a_remote_url_of_an_unknown_scheme_is_refused_without_echoing_its_secrets():
+    with pytest.raises(ValueError, match=r"remote_url='memcache://user:\*\*\*@h:1\?ttl=5'") as e:
+        LMCacheEngineConfig(remote_url="memcache://user:S3cret@h:1?auth_token=T0k&ttl=5")
+    assert "S3cret" not in str(e.value) and "T0k" not in str(e.value)
+    with pytest.raises(ValueError, match="remote_url=\"\\(no '://'\\)\"") as e:
+        LMCacheEngineConfig(remote_url="user:S3cret@h:1")
+    assert "S3cret" not in str(e.value)

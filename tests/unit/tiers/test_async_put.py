@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from lmcache.failures import FailureDomains
+from lmcache.failures import FailureDomains, NoRoom, TooLarge
 from lmcache.storage_backend.async_put import AsyncPutQueue
 from tests.helpers import WRITE_WAIT
 from tests.helpers.clock import ManualClock
@@ -90,6 +90,26 @@ def test_failed_write_is_counted_logged_once_and_releases_the_reference(make_obj
     assert q.num_failed == 2 and q.num_dropped == 2  # tried and failed; not tried while backing off
     assert all(o.get_ref_count() == 1 for o in objs)
     assert sum("failed" in r.message for r in caplog.records if r.levelname == "WARNING") == 1
+    q.close()
+
+
+def test_a_write_the_store_has_no_room_for_is_dropped_not_failed_and_nothing_backs_off(make_obj, key, caplog):
+    refusals = iter([TooLarge("larger than the store"), NoRoom("pinned"), TooLarge("larger than the store")])
+
+    def refuse(k, obj) -> None:
+        raise next(refusals)
+
+    q = AsyncPutQueue("t", refuse, num_workers=1)
+    objs = [make_obj(i) for i in range(3)]
+    with caplog.at_level("INFO", logger="lmcache.storage_backend.async_put"):
+        for i, o in enumerate(objs):  # each one tried: no backoff after the first
+            q.submit(key(i), o)
+            assert q.flush(WRITE_WAIT)
+    assert (q.num_dropped, q.num_too_large, q.num_no_room, q.num_failed, q.num_written) == (3, 2, 1, 0, 0)
+    assert q.fault_counts() == {"failures": 0, "skipped": 0}
+    assert all(o.get_ref_count() == 1 for o in objs)
+    (line,) = [r for r in caplog.records if "no room" in r.getMessage()]
+    assert line.levelname == "INFO"  # capacity: one summary line, not a warning
     q.close()
 
 

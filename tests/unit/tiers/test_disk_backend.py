@@ -4,7 +4,9 @@ import time
 import pytest
 import torch
 
+from lmcache.memory_management import MemoryFormat
 from lmcache.storage_backend.disk_file import SUFFIX
+from lmcache.storage_backend.leases import PinTable
 from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from tests.helpers import WRITE_WAIT
 
@@ -72,20 +74,53 @@ def test_eviction_keeps_the_directory_within_max_size_lru_first(disk, make_obj, 
     assert len(files(d)) == 3 and d.used_bytes <= d.max_bytes and d.num_evicted == 1
 
 
-def test_a_chunk_larger_than_the_whole_tier_is_skipped(disk, make_obj, key):
+def test_a_chunk_larger_than_the_whole_tier_is_dropped_and_not_counted_written(disk, make_obj, key):
     d = disk(100)
     put(d, key(1), make_obj(1))
-    assert d.num_too_large == 1 and not d.contains(key(1)) and files(d) == []
+    assert not d.contains(key(1)) and files(d) == []
+    counters = d.stats().counters
+    assert (counters["too_large"], counters["puts_dropped"]) == (1, 1)
+    assert (counters["puts_written"], counters["bytes_written"], counters["failures"]) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("damage",
-                         ["truncate", "flip_payload", "flip_key", "flip_header", "empty", "garbage"])
+def test_a_put_that_fits_only_if_pinned_files_went_is_dropped_and_evicts_nothing(disk_config, meta, allocator,
+                                                                                 disk, make_obj, key):
+    small = allocator.allocate(torch.Size([2, 1, 2, 8]), torch.bfloat16, MemoryFormat.KV_BLOB)
+    probe = disk()
+    put(probe, key(100), make_obj(100))
+    put(probe, key(101), small)
+    size, small_size = (os.path.getsize(probe._key_to_path(key(i))) for i in (100, 101))
+    probe.clear()  # the same directory as the tier below
+    pins = PinTable()
+    d = LocalDiskBackend(disk_config(2 * size + small_size + size // 2), meta, allocator.allocate, pins=pins)
+    try:
+        for i, obj in enumerate([make_obj(0), make_obj(1), small]):
+            put(d, key(i), obj)
+        pins.pin([key(0), key(1)])  # a lookup holds both big files; evicting the small one is not enough
+        put(d, key(3), make_obj(3))
+        assert [d.contains(key(i)) for i in range(4)] == [True, True, True, False]
+        assert d.used_bytes == sum(os.path.getsize(os.path.join(d.path, f)) for f in files(d)) <= d.max_bytes
+        counters = d.stats().counters
+        assert (counters["no_room"], counters["puts_dropped"], counters["evicted"]) == (1, 1, 0)
+        pins.unpin([key(0), key(1)])
+        put(d, key(3), make_obj(3))  # once the lookup is done, LRU files make room again
+        assert [d.contains(key(i)) for i in range(4)] == [False, True, True, True]
+        assert d.used_bytes <= d.max_bytes
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_key", "flip_header", "dim_overflow",
+                                    "empty", "garbage"])
 def test_a_damaged_file_is_a_miss_and_is_removed(disk, make_obj, key, damage):
     d = disk()
     put(d, key(1), make_obj(1))
     path = d._key_to_path(key(1))
     data = bytearray(open(path, "rb").read())
-    if damage == "truncate":
+    blob_at = 8 + len(key(1).to_string())  # after the keyed head
+    if damage == "dim_overflow":
+        data[blob_at + 8 + 7] ^= 0x80  # the top bit of the first shape dim (>= 2**63)
+    elif damage == "truncate":
         data = data[: len(data) - 100]
     elif damage == "flip_payload":
         data[-50] ^= 0x04

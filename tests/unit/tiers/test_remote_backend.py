@@ -2,6 +2,9 @@
 timeouts and per-node failures are exercised in tests/integration/tiers)."""
 
 import logging
+import socket
+import threading
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -10,8 +13,10 @@ from lmcache.config import LMCacheEngineConfig
 from lmcache.observability import LOG_INTERVAL
 from lmcache.storage_backend.connectors.base import RemoteConnector
 from lmcache.storage_backend.remote_backend import RemoteBackend
+from lmcache.storage_backend.serde import create_serde
 from tests.helpers import WRITE_WAIT
 from tests.helpers.clock import ManualClock
+from tests.helpers.servers import free_port
 
 
 class FlakyStore(RemoteConnector):
@@ -183,3 +188,81 @@ def test_the_remote_tier_reports_what_this_process_wrote_deleted_and_found_corru
                           (EventKind.REMOVED, (key(1),), RemovalReason.CORRUPT)]
     assert backend.medium == "STORAGE"
     backend.close()
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://user:S3cret@127.0.0.1:{port}/0", "redis://user:***@127.0.0.1:{port}/0"),
+    ("lm://127.0.0.1:{port}?auth_token=S3cret&namespace=a", "lm://127.0.0.1:{port}?namespace=a"),
+])
+def test_the_stores_password_and_auth_token_are_never_logged(url, shown, meta, allocator, make_obj, key,
+                                                            caplog):
+    port = free_port()  # nothing listens: the calls fail, and the failure names the store
+    config = LMCacheEngineConfig.from_defaults(remote_url=url.format(port=port), remote_timeout=0.5)
+    backend = RemoteBackend(config, meta, allocator.allocate)
+    with caplog.at_level(logging.DEBUG):
+        assert not backend.contains(key(1))
+        put(backend, key(1), make_obj(1))
+    backend.close()
+    assert shown.format(port=port) in caplog.text and "S3cret" not in caplog.text
+
+
+HELLO_REPLY = b"%1\r\n$5\r\nproto\r\n:3\r\n"
+
+
+class CutAfterValueServer:
+    """A RESP server that answers HELLO as RESP3, any other command OK, and a GET with `value`,
+    cutting the connection before the value's trailing CRLF (a real server cannot stop there)."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+        self.gets = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with conn, conn.makefile("rb") as reader:
+                while (command := _resp_command(reader)) is not None:
+                    if command[0].upper() == b"GET":
+                        self.gets += 1
+                        conn.sendall(b"$%d\r\n" % len(self.value) + self.value)
+                        break
+                    conn.sendall(HELLO_REPLY if command[0].upper() == b"HELLO" else b"+OK\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _resp_command(reader: BinaryIO) -> list[bytes] | None:
+    """The next RESP command (an array of bulk strings) from `reader`; None at the end."""
+    line = reader.readline()
+    if not line:
+        return None
+    args = []
+    for _ in range(int(line[1:])):
+        length = int(reader.readline()[1:])
+        args.append(reader.read(length + 2)[:-2])
+    return args
+
+
+def test_a_connection_lost_after_a_value_before_its_terminator_leaks_no_buffer(meta, allocator, make_obj,
+                                                                               key):
+    obj = make_obj(1)
+    serializer, _ = create_serde("naive", LMCacheEngineConfig.from_defaults(), meta)
+    server = CutAfterValueServer(b"".join(bytes(p) for p in serializer.to_parts(obj.tensor)))
+    obj.ref_count_down()
+    url = f"redis://127.0.0.1:{server.port}"
+    backend = RemoteBackend(LMCacheEngineConfig.from_defaults(remote_url=url, remote_timeout=2), meta,
+                            allocator.allocate)
+    try:
+        assert backend.get_blocking(key(1)) is None  # the value arrived, its reply did not: a miss
+        assert server.gets == 1 and backend.stats().counters["failures"] == 1
+    finally:
+        backend.close()
+        server.close()
+    assert allocator.used_bytes == 0

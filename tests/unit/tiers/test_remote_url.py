@@ -10,6 +10,26 @@ def test_parses_hosts_path_credentials_and_options():
     assert u.namespace == "a" and u.options["ttl"] == "60"
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("redis://user:p%40ss@h:1/2?ttl=5", "redis://user:***@h:1/2?ttl=5"),
+    ("redis://:pw@h:1", "redis://:***@h:1"),
+    ("redis-sentinel://user@h1:1,h2:2/svc", "redis-sentinel://user@h1:1,h2:2/svc"),
+    ("lm://h:1?auth_token=tok&namespace=a", "lm://h:1?namespace=a"),
+    ("lm://h:1?auth_token=tok", "lm://h:1"),
+])
+def test_the_url_a_message_shows_masks_the_password_and_drops_the_auth_token(url, shown):
+    assert parse_remote_url(url).url == shown
+
+
+@pytest.mark.parametrize("url", ["redis://u:S3cret@h:1?colour=red", "redis://u:S3cret@h:1?ttl=-3",
+                                 "redis://u:S3cret@host", "lm://h:1?auth_token=S3cret&ttl=5",
+                                 "redis:/u:S3cret@h:1"])
+def test_a_bad_url_is_rejected_without_echoing_its_secrets(url):
+    with pytest.raises(ValueError) as error:
+        create_connector(url, 1.0)
+    assert "S3cret" not in str(error.value)
+
+
 @pytest.mark.parametrize("url", ["redis://host", "redis://host:x", "redis://:1", "lm://", "nohost",
                                  "redis://h:99999"])
 def test_malformed_urls_are_rejected(url):

@@ -131,6 +131,22 @@ def test_a_truncated_sealed_blob_is_forged(meta, allocator, cut):
         open_blob(Sealer([K1]), blob[:-cut], meta, allocator)
 
 
+def test_a_plaintext_the_reader_chokes_on_is_forged_unless_it_authenticates(meta):
+    """The plaintext is unauthenticated until the tag is checked: a reader's own error on it (not
+    a CorruptBlobError) is reported as tampering when the tag fails, and as itself when not."""
+    blob, _ = sealed_blob(Sealer([K1]), meta)
+    tampered = bytearray(blob)
+    tampered[seal.HEADER_SIZE + 8 + 7] ^= 0x80  # a ciphertext bit over the first shape dim
+
+    def choke(stream, length):
+        raise OverflowError("a dim does not fit")
+
+    with pytest.raises(ForgedBlobError):
+        Sealer([K1]).open(BufferStream(tampered), len(tampered), CHUNK_KEY).read(choke)
+    with pytest.raises(OverflowError):
+        Sealer([K1]).open(BufferStream(blob), len(blob), CHUNK_KEY).read(choke)
+
+
 def test_a_blob_copied_under_another_chunk_key_is_forged(meta, allocator):
     blob, _ = sealed_blob(Sealer([K1]), meta)
     with pytest.raises(ForgedBlobError):
@@ -298,6 +314,25 @@ def test_disk_forged_moved_truncated_and_retired_files_are_counted_deleted_misse
     assert retired.get_blocking(key(2)) is None
     assert retired.stats().counters["forged"] == 1 and not os.path.exists(files[2])
     retired.close()
+
+
+def test_a_disk_file_whose_ciphertext_flips_a_shape_dim_to_overflow_is_a_forged_miss(
+        tmp_path, disk_config, meta, allocator, key, make_obj):
+    """GCM is malleable before the tag check: the flipped bit reaches the blob header's first
+    dim (>= 2**63) as plaintext; it is a forged miss, deleted and counted, not an error."""
+    backend = disk(disk_config, meta, allocator, key_file(tmp_path, "k", K1))
+    obj = make_obj(1)
+    stored(backend, key(1), obj)
+    obj.ref_count_down()
+    path = backend._key_to_path(key(1))
+    data = bytearray(open(path, "rb").read())
+    data[8 + len(key(1).to_string()) + seal.HEADER_SIZE + 8 + 7] ^= 0x80
+    open(path, "wb").write(data)
+    assert backend.get_blocking(key(1)) is None
+    counters = backend.stats().counters
+    assert (counters["forged"], counters["corrupt"]) == (1, 1) and not os.path.exists(path)
+    backend.close()
+    assert allocator.used_bytes == 0
 
 
 def test_key_rotation_across_a_restart(tmp_path, disk_config, meta, allocator, key, make_obj):

@@ -1,5 +1,6 @@
 import io
 import pickle
+import struct
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def test_to_parts_concatenate_to_to_bytes(name, meta, make_obj):
 
 
 @pytest.mark.parametrize("name", SERDES)
-@pytest.mark.parametrize("damage", ["truncate", "extend", "flip_payload", "flip_header", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "extend", "flip_payload", "flip_header", "dim_overflow",
+                                    "numel_overflow", "empty"])
 def test_damaged_blob_raises_corrupt_blob_error(name, damage, meta, make_obj):
     ser, deser = serde_pair(name, meta)
     data = bytearray(ser.to_bytes(make_obj(4).tensor))
@@ -66,6 +68,10 @@ def test_damaged_blob_raises_corrupt_blob_error(name, damage, meta, make_obj):
         data[blob.HEADER_SIZE + len(data) // 3] ^= 0x10
     elif damage == "flip_header":
         data[20] ^= 0x01  # a shape dimension
+    elif damage == "dim_overflow":
+        data[8 + 7] ^= 0x80  # the top bit of the first dim: >= 2**63, beyond an int64
+    elif damage == "numel_overflow":
+        data[8:40] = struct.pack("<4Q", *[1 << 40] * 4)  # each dim fine, their product is not
     else:
         data = bytearray()
     with pytest.raises(CorruptBlobError):

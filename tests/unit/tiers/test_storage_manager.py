@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -166,6 +168,24 @@ def test_a_failing_tier_is_a_miss_backed_off_counted_and_warned_once(disk_config
     clock.advance(0.5)
     assert sm.contains_prefix([key(0)]).hits == 1 and sm.health()["LocalDiskBackend"]
     sm.close()
+
+
+def test_a_disk_file_with_an_overflowing_header_costs_its_own_chunk_only(manager, key, make_obj):
+    """A bad file is the disk's answer, not a disk fault: a miss, deleted and counted, while
+    the tier keeps serving the other chunks (no backoff)."""
+    store(manager, [key(1), key(2)], make_obj, [1, 2])
+    manager.clear("hot")
+    disk = manager.backends["LocalDiskBackend"]
+    path = disk._key_to_path(key(1))
+    data = bytearray(open(path, "rb").read())
+    data[8 + len(key(1).to_string()) + 8 + 7] ^= 0x80  # the blob header's first dim: >= 2**63
+    open(path, "wb").write(data)
+    assert manager.get_prefix([key(1)]) == []
+    (got,) = manager.get_prefix([key(2)])
+    got.ref_count_down()
+    counters = manager.stats()["LocalDiskBackend"].counters
+    assert (counters["corrupt"], counters["failures"], counters["skipped"]) == (1, 0, 0)
+    assert not os.path.exists(path)
 
 
 def test_a_tiers_failures_add_up_over_the_guards_that_caught_them(disk_config, meta, key, make_obj,

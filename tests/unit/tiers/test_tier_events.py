@@ -19,6 +19,7 @@ from lmcache.memory_management import MemoryObj, MixedMemoryAllocator
 from lmcache.storage_backend import registry
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.events import EventKind, RemovalReason, TierEvents
+from lmcache.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.storage_backend.storage_manager import StorageManager
 from tests.helpers import WRITE_WAIT
 from tests.unit.tiers.conftest import SHAPE
@@ -142,6 +143,19 @@ def test_the_hot_tier_reports_stores_evictions_removals_and_clears(meta, key):
         (CLEARED, "Hot", tuple(key(i) for i in range(2, n)), None)]
     assert hot.take_events() == []
     sm.close()
+
+
+def test_the_disk_tier_reports_a_removal_only_for_a_key_it_held(disk_config, meta, allocator, key, make_obj):
+    disk = LocalDiskBackend(disk_config(), meta, allocator.allocate)
+    obj = make_obj(1)
+    disk.submit_put_task(key(1), obj)
+    obj.ref_count_down()
+    assert disk.puts.flush(WRITE_WAIT)
+    assert not disk.remove(key(2))  # never held
+    assert disk.remove(key(1)) and not disk.remove(key(1))
+    assert [(e.kind, e.keys, e.reason) for e in disk.take_events()] == [
+        (STORED, (key(1),), None), (REMOVED, (key(1),), RemovalReason.DELETED)]
+    disk.close()
 
 
 def test_a_hot_eviction_reaches_the_publishing_tier_after_the_tier_call_returns(with_recorder, meta, key):
