@@ -139,11 +139,21 @@ def to_kv_events(published: Iterable[PublishedEvent],
     return out
 
 
-def check_endpoints(endpoints: Sequence[str]) -> None:
-    """ValueError unless each of `endpoints` is a ZMQ endpoint events can travel on."""
+def check_endpoints(endpoints: Sequence[str], connect: bool = False) -> None:
+    """ValueError unless each of `endpoints` is a ZMQ endpoint events can travel on: ``tcp://HOST:PORT``
+    (HOST ``*``: bound on every interface; not for a subscriber, `connect`), ``ipc://PATH`` or
+    ``inproc://NAME``."""
     for endpoint in endpoints:
-        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        if endpoint.startswith(("ipc://", "inproc://")):
+            continue
+        if not endpoint.startswith("tcp://"):
             raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://, inproc://)")
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not (host and ((port.isdigit() and int(port) < 65536) or port == "*")):
+            raise ValueError(f"KV events endpoint {endpoint!r}: expected tcp://HOST:PORT")
+        if connect and host == "*":
+            raise ValueError(f"KV events endpoint {endpoint!r}: a subscriber connects to the publisher's "
+                             "HOST:PORT (tcp://*:PORT is where the publisher binds)")
 
 
 class KVEventPublisher:

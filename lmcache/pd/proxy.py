@@ -40,7 +40,9 @@ Faults (each backend is an incident of its own: one warning, then "works again")
   back to the client and no decoder is asked (``prefill_rejected``).
 - A decoder that cannot be reached or dies mid-answer: 503 naming it (a stream already started
   ends with an SSE error event instead), counted in ``decoder_failures``.
-- A body that is not a JSON object: 400, nothing forwarded (``bad_requests``).
+- A body that is not a JSON object (nested too deeply to read included): 400, nothing forwarded
+  (``bad_requests``). A chat body the model's chat template cannot render is forwarded as a miss
+  (the prefiller judges it).
 
 Every error the proxy itself produces has OpenAI's shape: ``{"error": {"message", "type", "code"}}``.
 The client's ``Authorization`` header is passed on to the backends. A client that goes away cancels
@@ -83,7 +85,7 @@ from lmcache.router.http import (
     sse_error,
 )
 from lmcache.router.policies import POLICIES, Instance, Routed
-from lmcache.router.tokens import extra_key
+from lmcache.router.tokens import request_keys
 from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class NixlPull(KVHandoff):
     def decode_body(raw: bytes, body: dict[str, Any], prefill_answer: bytes) -> bytes:
         try:
             params = json.loads(prefill_answer).get("kv_transfer_params")
-        except (ValueError, AttributeError):
+        except (ValueError, RecursionError, AttributeError):
             params = None
         if not isinstance(params, dict):
             return raw  # nothing to read from: the decoder prefills
@@ -187,7 +189,7 @@ class ProxyConfig:
         if self.prefiller_kv_events and len(self.prefiller_kv_events) != len(self.prefillers):
             raise ValueError(f"prefiller_kv_events: {len(self.prefiller_kv_events)} endpoint(s) for "
                              f"{len(self.prefillers)} prefiller(s); give one per prefiller, in order")
-        check_endpoints(self.prefiller_kv_events + self.shared_kv_events)
+        check_endpoints(self.prefiller_kv_events + self.shared_kv_events, connect=True)
         if POLICIES[self.prefill_policy].uses_tokens and not (self.prefiller_kv_events and self.model):
             raise ValueError(f"prefill_policy {self.prefill_policy} needs prefiller_kv_events and model")
         if not 0 <= self.port < 65536:
@@ -302,7 +304,7 @@ class Proxy:
         headers = passed_on(request)
         decoder = self.decoders.next()
         tokens = await self.watch.tokens(request.path, body) if self.prefill_policy.uses_tokens else None
-        routed = Routed(session_of(request, body), tokens, extra_key(body))
+        routed = Routed(session_of(request, body), tokens, request_keys(body))
         rejected, answer = await self._prefill(request.path, body, routed, decoder, headers)
         if rejected is not None:
             return rejected
@@ -326,10 +328,10 @@ class Proxy:
         sent = prefill_body(body, self.handoff.prefill_params(body.get("kv_transfer_params"), decoder.kv))
         tokens = routed.tokens
         uncached = 0 if tokens is None else \
-            len(tokens) - self.watch.match(prefiller.url, tokens, routed.extra_key).tokens
+            len(tokens) - self.watch.match(prefiller.url, tokens, routed.keys).tokens
         try:
             with self.prefill_load[prefiller.url].serving(uncached), \
-                    self.watch.sending(prefiller.url, tokens):
+                    self.watch.sending(prefiller.url, tokens, routed.keys):
                 async with self.session.post(prefiller.url + path, json=sent, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")

@@ -67,8 +67,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message), status=status, headers=headers)
 
 
 def sse_error(status: int, message: str) -> bytes:
@@ -100,6 +100,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("the body is JSON nested too deeply to read") from None
     if not isinstance(body, dict):
         raise ValueError(f"the body must be a JSON object, not a {type(body).__name__}")
     return body
@@ -145,13 +147,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (404, 405, 413) and bugs answered in OpenAI's error shape."""
+    """aiohttp's own errors (404, 405 with its ``Allow``, 413) and bugs answered in OpenAI's error shape."""
     try:
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(e.status, e.reason)
+        kept = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return error_response(e.status, e.reason, kept)
     except Exception as e:
         logger.exception("%s %s failed", request.method, request.path)
         return error_response(500, f"proxy error: {e}")

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
+from lmcache.router.index import NO_REQUEST_KEYS, RequestKeys
 from lmcache.router.watch import KVWatch
 
 # kv-aware: prompt tokens a request in flight counts for besides its uncached prompt. Measured with
@@ -69,7 +70,7 @@ class Routed:
 
     session: str | None = None
     tokens: list[int] | None = None  # the prompt's token ids (None: not tokenized)
-    extra_key: str | None = None  # what seeds its LMCache chunk hashes (its cache_salt)
+    keys: RequestKeys = NO_REQUEST_KEYS  # what its blocks are hashed with besides its tokens
 
 
 class Policy:
@@ -127,7 +128,7 @@ class KVAware(Policy):
     def cost(self, instance: Instance, request: Routed) -> float:
         tokens = request.tokens
         uncached = 0.0 if tokens is None else \
-            len(tokens) - self.watch.match(instance.url, tokens, request.extra_key).weighted
+            len(tokens) - self.watch.match(instance.url, tokens, request.keys).weighted
         return instance.backlog + self.request_cost * instance.in_flight + uncached
 
     def rank(self, request: Routed, live: list[Instance]) -> list[Instance]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,7 @@ from lmcache.router.http import (
 )
 from lmcache.router.index import TIER_WEIGHTS
 from lmcache.router.policies import POLICIES, REQUEST_COST, Instance, Policy, Routed
-from lmcache.router.tokens import extra_key
+from lmcache.router.tokens import request_keys
 from lmcache.router.watch import KVWatch
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,12 @@ COUNTERS = ("requests", "bad_requests", "retries", "instance_failures", "unanswe
 
 @dataclass
 class RouterConfig:
-    """`kv_events[i]` is the ZMQ endpoint of `instances[i]`'s KV events (``kv-aware`` needs them and
-    `model`, the tokenizer's folder); `shared_kv_events` those of cache servers every instance is
-    attached to (``lmcache cache-server --kv-events``): what they hold counts as cached on every
-    instance, beyond the instance's own prefix."""
+    """`kv_events[i]` is the ZMQ endpoint of `instances[i]`'s KV events (``tcp://HOST:PORT`` where
+    the instance publishes them, or ``ipc://``; ``kv-aware`` needs them and `model`, the
+    tokenizer's folder); `shared_kv_events` those of cache servers every instance is attached to
+    (``lmcache cache-server --kv-events``): what they hold counts as cached on every instance,
+    beyond the instance's own prefix. Every value is checked here (ValueError); `Router` raises
+    ValueError too for an endpoint ZMQ cannot subscribe to."""
 
     instances: tuple[str, ...]
     policy: str = "round-robin"
@@ -92,7 +95,7 @@ class RouterConfig:
         if self.kv_events and len(self.kv_events) != len(self.instances):
             raise ValueError(f"kv_events: {len(self.kv_events)} endpoint(s) for {len(self.instances)} "
                              "instance(s); give one per instance, in the same order")
-        check_endpoints(self.kv_events + self.shared_kv_events)
+        check_endpoints(self.kv_events + self.shared_kv_events, connect=True)
         if POLICIES[self.policy].uses_tokens and not (self.kv_events and self.model):
             raise ValueError(f"policy {self.policy} needs kv_events (one per instance) and model")
         if not 0 <= self.port < 65536:
@@ -100,8 +103,13 @@ class RouterConfig:
         for name in ("probe_interval", "health_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
-        if self.request_cost < 0 or any(w < 0 for w in self.tier_weights.values()):
-            raise ValueError("request_cost and tier weights must be >= 0")
+        if self.request_cost < 0:
+            raise ValueError(f"request_cost={self.request_cost}: must be >= 0")
+        if self.max_blocks <= 0:
+            raise ValueError(f"max_blocks={self.max_blocks}: must be > 0")
+        for medium, weight in self.tier_weights.items():
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"tier weight {medium}={weight}: must be a finite number >= 0")
 
 
 class Router:
@@ -139,7 +147,7 @@ class Router:
             self.counters.add("bad_requests")
             return error_response(400, str(e))
         tokens = await self.watch.tokens(request.path, body)
-        routed = Routed(session_of(request, body), tokens, extra_key(body))
+        routed = Routed(session_of(request, body), tokens, request_keys(body))
         tried: set[str] = set()
         while True:
             untried = [i for i in self.instances if i.url not in tried]
@@ -161,11 +169,11 @@ class Router:
         predicted = None
         tokens = routed.tokens
         if tokens is not None:
-            predicted = self.watch.match(inst.url, tokens, routed.extra_key).servable(len(tokens))
+            predicted = self.watch.match(inst.url, tokens, routed.keys).servable(len(tokens))
         uncached = 0 if tokens is None else len(tokens) - (predicted or 0)
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:
-            with inst.serving(uncached) as prefilled, self.watch.sending(inst.url, tokens):
+            with inst.serving(uncached) as prefilled, self.watch.sending(inst.url, tokens, routed.keys):
                 async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
                     if stream and r.status == 200:
                         first = await r.content.readany()
@@ -179,24 +187,23 @@ class Router:
             self._failed(inst, e)
             return None
         if r.status == 200:
-            self._compare(predicted, _served_hits(answer))
+            self._compare(predicted, served_hits(answer))
         return relayed(r.status, answer, r.headers.get("Content-Type"), {INSTANCE_HEADER: inst.url})
 
     async def _chunks(self, first: bytes, answer: aiohttp.ClientResponse, inst: Instance,
                       predicted: int | None) -> AsyncIterator[bytes]:
-        served = None
+        served = StreamedHits()
         chunk = first
         try:
             while chunk:
-                if b'"prompt_tokens_details"' in chunk:
-                    served = _served_hits(chunk)
+                served.feed(chunk)
                 yield chunk
                 chunk = await answer.content.readany()
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             yield sse_error(503, f"instance {inst.url} failed: {str(e) or type(e).__name__}")
             return
-        self._compare(predicted, served)
+        self._compare(predicted, served.cached)
 
     def _failed(self, inst: Instance, error: BaseException) -> None:
         self.counters.add("instance_failures")
@@ -259,18 +266,36 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _served_hits(answer: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an answer (or of the SSE events in a chunk)."""
-    for text in [answer] if not answer.startswith(b"data:") else answer.split(b"\n"):
-        text = text.removeprefix(b"data:").strip()
-        try:
-            usage = json.loads(text).get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(cached, int):
-            return cached
-    return None
+def served_hits(answer: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer (a JSON document)."""
+    try:
+        usage = json.loads(answer).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return cached if isinstance(cached, int) else None
+
+
+class StreamedHits:
+    """`served_hits` of a stream fed chunk by chunk as it arrives: read from its complete SSE
+    lines (``data: {...}``), so an event split across reads counts; a line longer than
+    `MAX_LINE_BYTES` is not read."""
+
+    MAX_LINE_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self.cached: int | None = None
+        self._line = b""  # the start of a line whose end has not arrived
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self._line = (self._line + chunk).split(b"\n")
+        if len(self._line) > self.MAX_LINE_BYTES:
+            self._line = b""
+        for line in lines:
+            if line.startswith(b"data:") and b'"prompt_tokens_details"' in line:
+                cached = served_hits(line.removeprefix(b"data:"))
+                if cached is not None:
+                    self.cached = cached
 
 
 ROUTER = web.AppKey("router", Router)  # the app's router, for tests and embedders

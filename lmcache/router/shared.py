@@ -12,7 +12,8 @@ Held = stored in some tier and not removed since. The server publishes a chunk o
 a model (tensor-parallel ranks share the digest), and a removal names the digest only, so a digest
 stays held while any of its stores is not removed: with several ranks a prefix one rank evicted
 still counts (an over-estimate the served hits then show). Bounded: at most `max_blocks` (medium,
-digest) entries, the oldest stored dropped first (``evicted``). Thread-safe.
+digest) entries, the oldest stored dropped first (``evicted``); the chunk sizes a prompt is walked
+at are those of the entries held (a ``BlockStored`` of no chunks adds none). Thread-safe.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from lmcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from lmcache.router.events import Event
 from lmcache.router.index import DEFAULT_WEIGHT, Match
 
+Key = tuple[str | None, bytes]  # (medium, chunk digest)
+
 
 class SharedIndex:
     def __init__(self, max_blocks: int = 200_000, tier_weights: dict[str, float] | None = None) -> None:
@@ -35,27 +38,32 @@ class SharedIndex:
         self.tier_weights = dict(tier_weights or {})
         self.evicted = 0
         self._lock = threading.Lock()
-        self._held: OrderedDict[tuple[str | None, bytes], int] = OrderedDict()  # -> stores not removed
+        self._held: OrderedDict[Key, int] = OrderedDict()  # -> stores not removed
+        self._size: dict[Key, int] = {}  # its chunk size
         self._media: dict[bytes, dict[str | None, None]] = {}  # digest -> the media holding it
-        self._chunk_sizes: set[int] = set()  # every chunk size published
+        self._chunk_sizes: dict[int, int] = {}  # chunk size -> entries of that size
 
     def apply(self, events: list[Event]) -> None:
         with self._lock:
             for event in events:
                 if isinstance(event, BlockStored):
-                    self._chunk_sizes.add(event.block_size)
                     for h in event.block_hashes:
                         if isinstance(h, bytes):
-                            self._store((event.medium, h))
+                            self._store((event.medium, h), event.block_size)
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         if isinstance(h, bytes):
                             self._drop((event.medium, h))
                 elif isinstance(event, AllBlocksCleared):
                     self._held.clear()
+                    self._size.clear()
                     self._media.clear()
+                    self._chunk_sizes.clear()
 
-    def _store(self, key: tuple[str | None, bytes]) -> None:
+    def _store(self, key: Key, size: int) -> None:
+        if key not in self._held:
+            self._size[key] = size
+            self._chunk_sizes[size] = self._chunk_sizes.get(size, 0) + 1
         self._held[key] = self._held.get(key, 0) + 1
         self._held.move_to_end(key)
         self._media.setdefault(key[1], {})[key[0]] = None
@@ -63,13 +71,17 @@ class SharedIndex:
             self._drop(next(iter(self._held)), everything=True)
             self.evicted += 1
 
-    def _drop(self, key: tuple[str | None, bytes], everything: bool = False) -> None:
+    def _drop(self, key: Key, everything: bool = False) -> None:
         left = self._held.get(key, 0) - 1
         if left > 0 and not everything:
             self._held[key] = left
             return
         if self._held.pop(key, None) is None:
             return
+        size = self._size.pop(key)
+        self._chunk_sizes[size] -= 1
+        if not self._chunk_sizes[size]:
+            del self._chunk_sizes[size]
         media = self._media[key[1]]
         del media[key[0]]
         if not media:
@@ -80,7 +92,7 @@ class SharedIndex:
             return len(self._held)
 
     def match(self, tokens: Sequence[int], extra_key: str | None = None) -> Match:
-        """The longest prefix of `tokens` (whole chunks, for every chunk size seen) the server holds,
+        """The longest prefix of `tokens` (whole chunks, of every chunk size held) the server holds,
         `extra_key` seeding the chain as the engines' (`lmcache.chunk_hash.extra_key_of`)."""
         with self._lock:
             sizes = list(self._chunk_sizes)

@@ -1,27 +1,30 @@
-"""The prompt's token ids as the engine will see them, from the model's own tokenizer.
+"""The prompt's token ids as the engine will see them, from the model's own tokenizer, and the keys
+its blocks are hashed with besides (`request_keys`).
 
 A completion's ``prompt`` (text, or token ids already) is tokenized like vLLM's completion endpoint
 does (special tokens added as the tokenizer adds them); a chat's ``messages`` are rendered with the
 tokenizer's chat template (``add_generation_prompt``) and the text tokenized without adding special
 tokens, as vLLM's chat endpoint does. None for a body the router cannot tokenize (a batch of
-prompts, multimodal parts, a custom template, token ids out of range): such a request is routed
-as a miss.
+prompts, multimodal parts, a custom template, messages the template cannot render, token ids out
+of range): such a request is routed as a miss, and the engine judges it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from lmcache.chunk_hash import extra_key_of
 from lmcache.router.events import MAX_TOKEN_ID
+from lmcache.router.index import RequestKeys
+
+logger = logging.getLogger(__name__)
 
 
-def extra_key(body: dict[str, Any]) -> str | None:
-    """What seeds the request's LMCache chunk hashes as its engine computes them: its ``cache_salt``
-    (vLLM's request field). A LoRA adapter seeds them too, but the router does not know adapter ids:
-    a LoRA request is matched as the base model's (a shared server's prefix is over-estimated)."""
-    salt = body.get("cache_salt")
-    return extra_key_of(salt if isinstance(salt, str) else None)
+def request_keys(body: dict[str, Any]) -> RequestKeys:
+    """What keys the request's cache besides its tokens: its ``cache_salt`` (vLLM's request field)
+    and its ``model`` (a LoRA adapter's name, where it names one)."""
+    salt, model = body.get("cache_salt"), body.get("model")
+    return RequestKeys(salt if isinstance(salt, str) else None, model if isinstance(model, str) else None)
 
 
 class PromptTokenizer:
@@ -31,6 +34,13 @@ class PromptTokenizer:
         self._tok = AutoTokenizer.from_pretrained(model)
 
     def __call__(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            return self._tokens(path, body)
+        except Exception:  # a template (Jinja) or tokenizer refusing the body raises anything
+            logger.debug("a %s body the tokenizer cannot read: routed as a miss", path, exc_info=True)
+            return None
+
+    def _tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
         if path.endswith("/chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list) or body.get("chat_template") is not None or not all(

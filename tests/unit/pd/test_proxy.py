@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from lmcache import cli
+from lmcache.integration.local_model import local_model_path
 from lmcache.pd import proxy
 from lmcache.pd.proxy import HANDOFFS, LMCachePush, ProxyConfig, prefill_body
 from tests.helpers.aio import async_test
@@ -392,14 +393,29 @@ async def test_body_that_is_not_a_json_object_is_a_400_and_nothing_is_forwarded(
     async with deployment([prefiller], [decoder]) as client:
         bad_json = await client.post("/v1/completions", b"{not json")
         a_list = await client.post("/v1/chat/completions", [{"prompt": "hi"}])
+        too_deep = await client.post("/v1/completions", b"[" * 100_000 + b"]" * 100_000)
         stats = await client.stats()
-    for status, answer in (bad_json, a_list):
+    for status, answer in (bad_json, a_list, too_deep):
         assert status == 400 and set(answer["error"]) == {"message", "type", "code"}
         assert (answer["error"]["type"], answer["error"]["code"]) == ("invalid_request_error", 400)
     assert "not valid JSON" in bad_json[1]["error"]["message"]
     assert "not a list" in a_list[1]["error"]["message"]
+    assert "nested too deeply" in too_deep[1]["error"]["message"]
     assert prefiller.received == decoder.received == []
-    assert (stats["requests"], stats["bad_requests"]) == (2, 2)
+    assert (stats["requests"], stats["bad_requests"]) == (3, 3)
+
+
+@async_test
+async def test_a_chat_the_template_cannot_render_goes_to_the_backends_with_a_kv_aware_prefiller() -> None:
+    """The prefill policy's tokenizer cannot render messages without a role: the request is routed
+    as a miss and the backends judge it (here they answer), not a 500."""
+    prefiller, decoder = FakeVLLM("p0"), FakeVLLM("d0")
+    kv_aware = {"prefill_policy": "kv-aware", "prefiller_kv_events": ("tcp://127.0.0.1:1",),
+                "model": local_model_path("float32")}
+    async with deployment([prefiller], [decoder], **kv_aware) as client:
+        status, answer = await client.post("/v1/chat/completions", {"messages": [{"content": "hi"}]})
+    assert status == 200, answer
+    assert len(prefiller.received) == len(decoder.received) == 1
 
 
 @async_test

@@ -1,13 +1,18 @@
 """`KVIndex` over decoded KV events: the router's own chained hash matches a prompt however its
-blocks were reported, removal and clear forget blocks, tiers are weighted, memory is bounded."""
+blocks were reported and only under the keys (cache salt, LoRA adapter) vLLM hashed them with,
+removal and clear forget blocks, tiers are weighted, memory is bounded."""
 
 from __future__ import annotations
 
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from lmcache.router.index import KVIndex
+from lmcache.router.index import KVIndex, RequestKeys
 
 B = 4  # block size
 
@@ -108,3 +113,63 @@ def test_a_prompt_in_flight_counts_as_held_by_vllm_on_its_instance_until_its_ans
         assert index.match("a", system + doc).tokens == 4 * B
     assert index.match("a", system + doc).tokens == 0
     assert index.match("a", other).tokens == 0  # cleared
+
+
+def test_the_index_keeps_nothing_beyond_its_blocks():
+    """What it learns besides the blocks (media, block sizes, adapters) goes with the last block
+    that had it: any number of such events leaves an index of `max_blocks` blocks its size."""
+    index = KVIndex(max_blocks=10)
+    index.apply("a", [BlockStored([0], None, [1, 2], 2, None, "GPU", None)])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for n in range(1, 10_001):  # each a valid block in a new medium, size and adapter, evicted soon
+            index.apply("a", [BlockStored([n], None, [1] * (n % 50 + 1), n % 50 + 1, None, f"medium-{n}",
+                                          f"lora-{n}"), BlockStored([], None, [], n, None, "GPU", None)])
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert index.blocks("a") == 10 and index.evicted == 9_991
+    assert grown < 100_000, f"{grown} bytes kept for 10 blocks"
+
+
+def test_blocks_match_only_a_request_with_the_keys_vllm_hashed_them_with():
+    """vLLM hashes a request's ``cache_salt`` into its first block and its LoRA adapter into every
+    block, and publishes both in the events (``extra_keys``, ``lora_name``): a block stored under
+    other keys (another tenant's salt, an adapter, multimodal inputs) is never a request's, and a
+    request's model counts as an adapter where the instance holds that adapter's blocks."""
+    index = KVIndex()
+    tokens = list(range(3 * B))
+    index.apply("a", [BlockStored([1, 2, 3], None, tokens, B, None, None, None,
+                                  extra_keys=[("tenant-a",), None, None])])
+    index.apply("b", [BlockStored([1, 2, 3], None, tokens, B, 7, None, "sql",
+                                  extra_keys=[("sql", "tenant-a"), ("sql",), ("sql",)])])
+    index.apply("c", [BlockStored([1], None, tokens[:B], B, None, None, None, extra_keys=[(("img", 0),)])])
+    salt_a, salt_b = RequestKeys("tenant-a", "base"), RequestKeys("tenant-b", "base")
+    assert [index.match("a", tokens, k).tokens for k in (salt_a, salt_b, RequestKeys())] == [3 * B, 0, 0]
+    assert index.match("b", tokens, RequestKeys("tenant-a", "sql")).tokens == 3 * B
+    assert index.match("b", tokens, salt_a).tokens == 0  # "base" is no adapter: the base model's blocks
+    assert index.match("b", tokens, RequestKeys(None, "sql")).tokens == 0
+    assert index.match("c", tokens).tokens == 0
+    index.apply("a", [BlockStored([4], 1, tokens[B:2 * B], B, None, "CPU", None)])  # a later block: no salt
+    assert index.match("a", tokens, salt_a).by_tier == {"GPU": 3 * B}
+    with index.sending("a", [*tokens, *range(100, 100 + B)], salt_b):  # in flight: under its own salt
+        assert index.match("a", tokens, salt_b).tokens == 3 * B
+        assert index.match("a", tokens, RequestKeys("tenant-c")).tokens == 0
+
+
+def test_the_request_keys_are_the_extra_keys_vllm_publishes():
+    """A salted LoRA request's blocks, published as vLLM's block pool publishes them
+    (`generate_block_hash_extra_keys`, `to_event_extra_keys`), match that request's `RequestKeys`."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    lora = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql", name="sql", adapter_id=3)
+    request = SimpleNamespace(cache_salt="tenant-a", lora_request=lora, mm_features=None, prompt_embeds=None)
+    tokens = list(range(3 * B))
+    extra = [generate_block_hash_extra_keys(request, i * B, (i + 1) * B, 0)[0] for i in range(3)]
+    index = KVIndex()
+    index.apply("a", [BlockStored([1, 2, 3], None, tokens, B, lora.adapter_id, "GPU", lora.name,
+                                  extra_keys=to_event_extra_keys(extra))])
+    assert index.match("a", tokens, RequestKeys("tenant-a", "sql")).tokens == 3 * B
+    assert index.match("a", tokens, RequestKeys("tenant-a")).tokens == 0

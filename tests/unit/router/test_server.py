@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import subprocess
 import sys
 from typing import Any
@@ -29,12 +31,14 @@ pytestmark = pytest.mark.timeout(300)  # a hang guard; a starved CI lane runs th
 
 
 class FakeVLLM:
-    """Answers completions with its name and ``cached_tokens`` = `cached`, streamed if asked."""
+    """Answers completions and chats with its name and ``cached_tokens`` = `cached`, streamed if
+    asked (`split_usage`: the usage event written in two parts, a pause between)."""
 
     def __init__(self, name: str, cached: int = 0, port: int | None = None) -> None:
         self.name, self.cached, self.port = name, cached, port or free_port()
         self.bodies: list[dict] = []
         self.gate: asyncio.Event | None = None  # set: answers wait for it
+        self.split_usage = False
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -46,8 +50,11 @@ class FakeVLLM:
             return web.json_response({"choices": [{"text": self.name}], "usage": usage})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for event in ({"choices": [{"text": self.name}]}, {"choices": [], "usage": usage}):
-            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+        await out.write(f"data: {json.dumps({'choices': [{'text': self.name}]})}\n\n".encode())
+        last = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        for part in (last[:40], last[40:]) if self.split_usage else (last,):
+            await out.write(part)
+            await asyncio.sleep(0.1 if self.split_usage else 0)
         await out.write(b"data: [DONE]\n\n")
         return out
 
@@ -57,6 +64,7 @@ class FakeVLLM:
     async def __aenter__(self) -> FakeVLLM:
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -284,13 +292,103 @@ async def test_a_bad_body_is_a_400_and_the_config_is_checked():
     async with FakeVLLM("a") as a, Running(RouterConfig((a.url,))) as r:
         async with r.http.post(f"http://127.0.0.1:{r.port}/v1/completions", data=b"[1]") as resp:
             assert resp.status == 400 and "JSON object" in (await resp.json())["error"]["message"]
-        assert "lmcache_router_requests_total 1" in await (await r.http.get(
+        deep = b"[" * 100_000 + b"]" * 100_000  # beyond the JSON reader's recursion
+        async with r.http.post(f"http://127.0.0.1:{r.port}/v1/completions", data=deep) as resp:
+            assert resp.status == 400 and "nested too deeply" in (await resp.json())["error"]["message"]
+        assert "lmcache_router_requests_total 2" in await (await r.http.get(
             f"http://127.0.0.1:{r.port}/metrics")).text()
-    for bad in ({"instances": ()}, {"policy": "random"}, {"policy": "kv-aware"},
-                {"kv_events": ("tcp://h:1", "tcp://h:2")}, {"kv_events": ("h:1",)},
-                {"shared_kv_events": ("http://h:1",)}):
-        with pytest.raises(ValueError):
+        assert a.bodies == []
+    for bad, named in (({"instances": ()}, "instances"), ({"policy": "random"}, "policy"),
+                       ({"policy": "kv-aware"}, "needs kv_events"),
+                       ({"kv_events": ("tcp://h:1", "tcp://h:2")}, "2 endpoint"),
+                       ({"kv_events": ("h:1",)}, "'h:1'"), ({"shared_kv_events": ("http://h:1",)}, "'http://h:1'"),
+                       ({"kv_events": ("tcp://nohost",)}, "expected tcp://HOST:PORT"),
+                       ({"kv_events": ("tcp://*:5557",)}, "the publisher binds"),
+                       ({"max_blocks": 0}, "max_blocks=0"), ({"request_cost": -1}, "request_cost=-1"),
+                       ({"tier_weights": {"GPU": math.nan}}, "GPU=nan"),
+                       ({"tier_weights": {"CPU": math.inf}}, "CPU=inf"),
+                       ({"tier_weights": {"CPU": -0.5}}, "CPU=-0.5")):
+        with pytest.raises(ValueError, match=re.escape(named)):
             RouterConfig(**{"instances": ("http://h:1",), **bad})
+
+
+@async_test
+async def test_a_wrong_method_is_a_405_naming_the_allowed_one():
+    async with FakeVLLM("a") as a, Running(RouterConfig((a.url,))) as r:
+        async with r.http.get(f"http://127.0.0.1:{r.port}/v1/completions") as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+            assert (await resp.json())["error"]["code"] == 405
+
+
+@async_test
+async def test_a_chat_body_the_template_cannot_render_is_forwarded_as_a_miss():
+    """The engine judges a body the router cannot tokenize (vLLM answers it 400): messages without a
+    role, with a role that is not a string, or none at all go to an instance, not a 500."""
+    model = local_model_path("float32")
+    async with FakeVLLM("a") as a, FakeVLLM("b") as b:
+        config = RouterConfig((a.url, b.url), "kv-aware", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model)
+        async with Running(config) as r:
+            for messages in ([{"content": "hi"}], [{"role": 5, "content": "hi"}], []):
+                async with r.http.post(f"http://127.0.0.1:{r.port}/v1/chat/completions",
+                                       json={"messages": messages}) as resp:
+                    assert resp.status == 200, await resp.text()
+            assert len(a.bodies) + len(b.bodies) == 3
+
+
+@async_test
+async def test_served_hits_are_compared_when_the_usage_event_arrives_in_two_reads():
+    model = local_model_path("float32")
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": "The old sailor " * 20})
+    async with FakeVLLM("a", cached=32) as a:
+        a.split_usage = True
+        async with Running(RouterConfig((a.url,), "round-robin", ("tcp://127.0.0.1:1",), model)) as r:
+            r.router.index.apply(a.url, [BlockStored([1, 2], None, tokens[:32], 16, None, "GPU", None)])
+            status, text = await r.ask("The old sailor " * 20 + "went home", stream=True,
+                                       stream_options={"include_usage": True})
+            assert status == 200 and '"cached_tokens": 32' in text
+            stats = await r.get("/stats")
+            assert (stats["hits_compared"], stats["predicted_hit_tokens"], stats["served_hit_tokens"]) == \
+                (1, 32, 32)
+
+
+@async_test
+async def test_blocks_stored_under_a_cache_salt_are_predicted_only_for_that_salt():
+    """vLLM hashes a request's cache_salt into its first block (its events carry it in
+    ``extra_keys``): another tenant's request finds none of those blocks, the same tenant's does."""
+    model = local_model_path("float32")
+    prompt = "The old sailor " * 20
+    tokens = PromptTokenizer(model)("/v1/completions", {"prompt": prompt})
+    async with FakeVLLM("a") as a, FakeVLLM("b") as b:
+        config = RouterConfig((a.url, b.url), "kv-aware", ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), model)
+        async with Running(config) as r:
+            r.router.index.apply(b.url, [BlockStored([11, 12], None, tokens[:32], 16, None, "GPU", None,
+                                                     extra_keys=[("tenant-A",), None])])
+            assert (await r.ask(prompt + "went home", cache_salt="tenant-B"))[0] == 200
+            assert (await r.get("/stats"))["predicted_hit_tokens"] == 0
+            for _ in range(2):
+                status, answer = await r.ask(prompt + "went home", cache_salt="tenant-A")
+                assert status == 200 and answer["choices"][0]["text"] == "b"
+            assert (await r.get("/stats"))["predicted_hit_tokens"] == 2 * 32
+
+
+@async_test
+async def test_a_prompt_wholly_on_the_shared_server_is_predicted_served_but_its_last_token():
+    """LMCache's connector loads what the shared server holds beyond the instance's own prefix, up to
+    the prompt's last token but one: 511 of 512, not 256 (the chunks cut to whole ones)."""
+    from lmcache.chunk_hash import chunk_digests
+
+    tokens = list(range(1000, 1512))  # two 256-token chunks
+    async with FakeVLLM("a", cached=511) as a:
+        config = RouterConfig((a.url,), "kv-aware", ("tcp://127.0.0.1:1",), local_model_path("float32"),
+                              shared_kv_events=("tcp://127.0.0.1:3",))
+        async with Running(config) as r:
+            own = BlockStored(list(range(31)), None, tokens[:496], 16, None, "GPU", None)  # 496 tokens
+            r.router.index.apply(a.url, [own])
+            r.router.watch.shared.apply([BlockStored([d], None, [], 256, None, "CPU", None)
+                                         for d in chunk_digests(tokens, 256, whole_only=True)])
+            assert (await r.ask(tokens))[0] == 200
+            stats = await r.get("/stats")
+            assert stats["predicted_hit_tokens"] == stats["served_hit_tokens"] == 511
 
 
 @async_test
@@ -343,9 +441,9 @@ async def test_the_pd_front_counts_what_a_shared_cache_server_publishes_for_ever
         for _ in range(100):  # a subscription takes a moment to reach the publisher: publish until seen
             publisher.publish(events)
             await asyncio.sleep(0.05)
-            if watch.match(config.prefillers[0], tokens, None).tokens:
+            if watch.match(config.prefillers[0], tokens).tokens:
                 break
-        assert [watch.match(url, tokens, None).by_tier for url in config.prefillers] == \
+        assert [watch.match(url, tokens).by_tier for url in config.prefillers] == \
             [{"shared": 2 * CHUNK}] * 2
     finally:
         await runner.cleanup()
