@@ -13,9 +13,11 @@ here. A thread sends a heartbeat every interval the server asked for, maps the a
 server has grown (so copies take no page faults), and attaches (again) whenever the engine is not
 attached, so a server that starts late, or again after a crash, is used without restarting the
 engine. A failed exchange (no answer within `timeout`, the connection dropped, a reply saying the
-server restarted or forgot this engine) detaches: until the next attach every call answers a miss
-at once (stores are skipped, loads find nothing). A request that is safe to repeat looks once for
-a restarted server (`RETRY_ATTACH_TIMEOUT`). Closing the client ends an exchange still waiting for
+server restarted, forgot this engine or failed on the request) detaches: until the next attach
+every call answers a miss at once (stores are skipped, loads find nothing). A request the server
+refuses as malformed (code "bad") is a miss too, counted in ``refused``, but no outage: the engine
+stays attached. A request that is safe to repeat looks once for a restarted server
+(`RETRY_ATTACH_TIMEOUT`). Closing the client ends an exchange still waiting for
 its answer (`Closing`, not a fault), so an engine shuts down at once even if its server stalled.
 Slots of an old attachment are never committed to a new server (its memory is a different
 segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
@@ -59,7 +61,7 @@ from lmcache.memory_management import (
     MemoryObjMetadata,
     TensorMemoryObj,
 )
-from lmcache.observability import Counters
+from lmcache.observability import Counters, log_once
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ SERVER = "server"  # the client's one failure domain
 
 class ServerAway(ConnectionError):
     """The exchange with the server failed: it is not attached, did not answer, or restarted."""
+
+
+class Refused(Exception):
+    """The server refused a request as malformed (code "bad"): nothing of it was done. A fault of
+    that request, not of the server: the engine stays attached and the request is a miss."""
 
 
 class Closing(Exception):
@@ -158,7 +165,20 @@ class Attachment:
         if done:
             self._done()
 
+    def hold(self) -> None:
+        """One user of the arena more (a slot, or a reply whose slots are being made): the arena
+        stays mapped until it `let_go`es. Only while attached (the client's I/O lock held, this
+        the current attachment), so it is never mapped again once unmapped."""
+        with self.lock:
+            assert not self.detached, "a detached attachment's arena may be unmapped already"
+            self.live += 1
+
+    def let_go(self) -> None:
+        """A `hold` ends."""
+        self._drop()
+
     def adopt(self, obj: ServerSlot) -> ServerSlot:
+        """`obj` (made while a `hold` on this attachment is in force) is a user of its arena."""
         with self.lock:
             self.live += 1
         return obj
@@ -206,9 +226,11 @@ class _Link:
                 continue  # the answer to an earlier request that timed out
             if reply.get("ok"):
                 return reply
+            if reply.get("code") == "bad":
+                raise Refused(f"the server refused {request['op']} as malformed: {reply.get('error')}")
             if reply.get("code") in ("session", "engine"):
                 raise ServerAway(reply.get("error", "this attachment is no longer valid"))
-            raise ServerAway(f"the server refused {request['op']}: {reply.get('error')}")
+            raise ServerAway(f"the server failed on {request['op']}: {reply.get('error')}")
         raise ServerAway(f"no answer to {request['op']} within {timeout:g} s")
 
     def send(self, message: dict[str, Any]) -> bool:
@@ -236,7 +258,7 @@ class CacheServerClient(MemoryAllocatorInterface):
         self.faults = FailureDomains(lambda _: f"the cache server at {url}",
                                      consequence="the engine computes what it would have loaded and "
                                                  "stores nothing until the server is back",
-                                     passthrough=(Closing,))
+                                     passthrough=(Closing, Refused))
         self.client_id = uuid.uuid4().hex  # lets the server drop attachments this client gave up on
         self._io = threading.RLock()  # the link and the attachment
         self._zmq = zmq.Context()
@@ -345,14 +367,21 @@ class CacheServerClient(MemoryAllocatorInterface):
     # ---- exchanges ------------------------------------------------------------------------------
 
     def call(self, op: str, **fields: Any) -> dict[str, Any] | None:
-        """Request `op`; the answer, or None (a miss) when not attached or the exchange fails (an
+        """Request `op`; the answer, or None (a miss) when not attached, the server refuses the
+        request as malformed (counted in ``refused``; still attached) or the exchange fails (an
         outage: detached). After a failed exchange, a request that is safe to repeat tries one
         attach (without the I/O lock) and asks again: a server that restarted answers at once."""
         answered = self._request(op, fields)
-        return answered[0] if answered is not None else None
+        if answered is None:
+            return None
+        reply, attachment = answered
+        attachment.let_go()
+        return reply
 
     def _request(self, op: str, fields: dict[str, Any]) -> tuple[dict[str, Any], Attachment] | None:
-        """`call`, with the attachment that answered."""
+        """`call`, with the attachment that answered, held (`Attachment.hold`): the caller makes
+        the reply's slots on it, then lets go. Another thread may detach meanwhile (its exchange
+        failed), but the arena stays mapped until then."""
         for attempt in (0, 1):
             attachment = self.attachment if attempt == 0 else self._try_attach(RETRY_ATTACH_TIMEOUT)
             with self._io:
@@ -363,11 +392,18 @@ class CacheServerClient(MemoryAllocatorInterface):
                 self._tell_given_back(attachment)
                 exchange = partial(self._link.exchange, request, next(self._ids), self.timeout)
                 try:
-                    return self.faults.run(SERVER, exchange), attachment
+                    reply = self.faults.run(SERVER, exchange)
                 except Closing:
+                    return None
+                except Refused as e:
+                    self.counts.add("refused")
+                    log_once(logger, ("refused", op), "cache server: %s (logged once per request kind)", e)
                     return None
                 except DomainFault:
                     self._detach()
+                else:
+                    attachment.hold()
+                    return reply, attachment
             if op not in RETRY_SAFE:
                 break
         return None
@@ -412,8 +448,11 @@ class CacheServerClient(MemoryAllocatorInterface):
         if answered is None:
             return []
         reply, attachment = answered
-        return [attachment.adopt(ServerSlot(attachment, int(offset), shape, dtype, slot=int(slot)))
-                for (slot, offset), shape in zip(reply["slots"], shapes, strict=False)]
+        try:
+            return [attachment.adopt(ServerSlot(attachment, int(offset), shape, dtype, slot=int(slot)))
+                    for (slot, offset), shape in zip(reply["slots"], shapes, strict=False)]
+        finally:
+            attachment.let_go()
 
     def free(self, memory_obj: Any) -> None:
         raise AssertionError("a ServerSlot is freed by its attachment")
@@ -457,15 +496,19 @@ class CacheServerClient(MemoryAllocatorInterface):
             return []
         reply, attachment = answered
         out: list[ServerSlot] = []
-        for i, (read, offset, shape, dtype) in enumerate(reply["objs"]):
-            try:
-                out.append(attachment.adopt(ServerSlot(attachment, offset, torch.Size(shape), m.DTYPES[dtype],
-                                                       read=read)))
-            except (ServerAway, KeyError, TypeError, ValueError) as e:  # a bad answer ends the prefix
-                self.counts.add("bad_replies")
-                logger.warning("cache server: unusable chunk in a get reply (%s); the prefix ends there", e)
-                self.notify(attachment, "release", reads=[r[0] for r in reply["objs"][i:]])
-                break
+        try:
+            for i, (read, offset, shape, dtype) in enumerate(reply["objs"]):
+                try:
+                    out.append(attachment.adopt(ServerSlot(attachment, offset, torch.Size(shape),
+                                                           m.DTYPES[dtype], read=read)))
+                except (ServerAway, KeyError, TypeError, ValueError) as e:  # a bad answer ends the prefix
+                    self.counts.add("bad_replies")
+                    logger.warning("cache server: unusable chunk in a get reply (%s); the prefix ends there",
+                                   e)
+                    self.notify(attachment, "release", reads=[r[0] for r in reply["objs"][i:]])
+                    break
+        finally:
+            attachment.let_go()
         return out
 
     # ---- end ------------------------------------------------------------------------------------

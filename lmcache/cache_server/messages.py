@@ -18,17 +18,20 @@ Requests (beside ``op``, ``id``, ``session``, ``engine``) and their answers' fie
   lower-tier chunks into L1 (where the engine's last ``contains`` found them, when it asked about
   these keys: a leased lookup asks the tiers once); ``unlease`` {lease};
 - ``reserve`` {shapes, dtype} -> {slots: [[slot, offset], ...]}: slots of the arena the engine
-  writes chunks into, for the leading shapes that fit (fewer: L1 is full); ``commit`` {slots,
-  keys, texts} makes them those keys' chunks (`texts`, optional: per key null or ``[the chunk
-  hash of the chunk before or null, base64 of the token ids as little-endian int64]``, what the
-  server's KV events say the chunk holds: `text_to_wire`), ``abort`` {slots} gives them back;
+  writes chunks into, for the leading shapes that fit (fewer: L1 is full, or the shapes add up to
+  more than it holds; a single shape larger than the arena is a bad request); ``commit`` {slots,
+  keys, texts} makes them those keys' chunks (each slot named once; `texts`, optional: per key
+  null or ``[the chunk hash of the chunk before or null, base64 of the token ids as little-endian
+  int64]``, what the server's KV events say the chunk holds: `text_to_wire`), ``abort`` {slots}
+  gives them back;
 - ``get`` {keys} -> {objs: [[read, offset, shape, dtype], ...]}: the cached prefix, held for the
   engine (never evicted or reused) until ``release`` {reads};
 - ``bye`` {}: the engine leaves; everything it held is given back.
 
 A bad request gets {ok: false, error, code}; `code` "session" (the server restarted since the
 engine attached: attach again) or "engine" (the server does not know this engine: it was reaped,
-attach again) or "bad" (the request is malformed).
+attach again) or "bad" (the request is malformed: nothing of it was done, the engine stays
+attached); a request the server failed on gets code "internal".
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def decode(frames: list[bytes]) -> dict[str, Any]:
         raise BadMessage(f"a request is one frame, got {len(frames)}")
     try:
         message = json.loads(frames[0])
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise BadMessage(f"not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an int too long, nested too deep
+        raise BadMessage(f"not JSON: {str(e)[:200]}") from None
     if not isinstance(message, dict):
         raise BadMessage(f"a request is a JSON object, got {type(message).__name__}")
     if message.get("op") not in OPS:
@@ -93,7 +96,7 @@ def decode_reply(frames: list[bytes]) -> dict[str, Any]:
     """A server's answer ({} if it is not one JSON object: it then matches no request)."""
     try:
         reply = json.loads(frames[-1]) if frames else None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return {}
     return reply if isinstance(reply, dict) else {}
 
@@ -205,14 +208,20 @@ def key_of(message: dict[str, Any], value: Any) -> CacheEngineKey:
         raise BadMessage(f"{message['op']}: {e}") from None
 
 
-def shapes_field(message: dict[str, Any]) -> list[torch.Size]:
+def shapes_field(message: dict[str, Any], dtype: torch.dtype, max_bytes: int) -> list[torch.Size]:
+    """The ``shapes`` of objects of `dtype`, each of at most `max_bytes` bytes (counted in Python
+    ints: torch's numel() wraps around int64, so a huge shape would pass as empty)."""
     value = field(message, "shapes")
     if not isinstance(value, list) or len(value) > MAX_KEYS:
         raise BadMessage(f"{message['op']}: 'shapes' must be a list of at most {MAX_KEYS} shapes")
     for shape in value:
         if not isinstance(shape, list) or not 0 < len(shape) <= MAX_DIMS or \
-                not all(_is_int(v) and 0 < v < 1 << 40 for v in shape):
-            raise BadMessage(f"{message['op']}: a shape is a list of 1..{MAX_DIMS} ints > 0, got {shape!r}")
+                not all(_is_int(v) and v > 0 for v in shape):
+            raise BadMessage(f"{message['op']}: a shape is a list of 1..{MAX_DIMS} ints > 0, "
+                             f"got {str(shape)[:200]}")
+        if math.prod(shape) * dtype.itemsize > max_bytes:
+            raise BadMessage(f"{message['op']}: a shape {str(shape)[:200]} of {dtype_tag(dtype)} is more "
+                             f"than the {max_bytes} bytes of the arena")
     return [torch.Size(shape) for shape in value]
 
 

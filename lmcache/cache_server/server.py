@@ -409,9 +409,7 @@ class CacheServer:
 
     def _reserve(self, engine: Engine, msg: dict[str, Any]) -> dict[str, Any]:
         dtype = m.dtype_field(msg)
-        shapes = m.shapes_field(msg)
-        if sum(shape.numel() for shape in shapes) * dtype.itemsize > self.arena.size:
-            raise BadMessage("reserve: more bytes than the arena holds")
+        shapes = m.shapes_field(msg, dtype, self.arena.size)
         slots = []
         for obj in engine.model.storage.allocate_many(shapes, dtype, MemoryFormat.KV_BLOB):
             slot = next(self._ids)
@@ -425,8 +423,10 @@ class CacheServer:
     def _commit(self, engine: Engine, msg: dict[str, Any]) -> None:
         slots, keys = m.int_list(msg, "slots"), m.keys_field(msg)
         texts = m.texts_field(msg, len(keys))
-        if len(slots) != len(keys) or not all(s in engine.reserved for s in slots):
-            raise BadMessage(f"commit: {len(slots)} slots (held by the engine?) for {len(keys)} keys")
+        named = set(slots)
+        if len(slots) != len(keys) or len(named) != len(slots) or not named <= engine.reserved.keys():
+            raise BadMessage(f"commit: {len(slots)} slots (each named once, held by the engine?) "
+                             f"for {len(keys)} keys")
         objs = [engine.reserved.pop(s) for s in slots]
         if texts is not None and self.kv_events is not None:
             self.kv_events.texts.add(keys, texts)  # before the tiers' events are taken

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -33,6 +34,7 @@ from lmcache.memory_management.memory_obj import (
     MemoryObj,
     MemoryObjMetadata,
     TensorMemoryObj,
+    release_all,
 )
 
 GROWER_NICENESS = 19  # the background growth's niceness: the lowest priority
@@ -89,13 +91,18 @@ class MemoryAllocatorInterface(abc.ABC):
 def allocate_leading(allocate: Callable[[torch.Size, torch.dtype | None, MemoryFormat], MemoryObj | None],
                      shapes: Sequence[torch.Size], dtype: torch.dtype | None,
                      fmt: MemoryFormat) -> list[MemoryObj]:
-    """`allocate` each of `shapes` in order, up to the first that does not fit."""
+    """`allocate` each of `shapes` in order, up to the first that does not fit. If `allocate`
+    raises, the objects taken so far are given back before the error propagates."""
     out: list[MemoryObj] = []
-    for shape in shapes:
-        obj = allocate(shape, dtype, fmt)
-        if obj is None:
-            break
-        out.append(obj)
+    try:
+        for shape in shapes:
+            obj = allocate(shape, dtype, fmt)
+            if obj is None:
+                break
+            out.append(obj)
+    except BaseException:
+        release_all(out)
+        raise
     return out
 
 
@@ -181,10 +188,12 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
     ) -> TensorMemoryObj | None:
         shape = torch.Size(shape)
         dtype = dtype or torch.uint8
-        nbytes = shape.numel() * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: torch's numel() wraps around int64
         if nbytes <= 0:
             raise ValueError(f"cannot allocate an empty object of shape {tuple(shape)}")
         size = self.aligned_size(nbytes)
+        if size > self.total:
+            return None  # never fits (and growing the buffer for it would only touch its pages)
         while True:
             seen = self._grown
             if (taken := self._first_fit(size)) is not None:

@@ -3,9 +3,10 @@
 A listening socket and a thread per sender connection, in the decode instance's worker. Chunks
 are reserved in, written into and committed to a `SlotStore` (the "PDBackend" tier): inline bytes
 are read from the socket straight into the reserved object, NIXL writes land there directly. A bad
-frame, a broken connection or a NIXL write whose notification never comes frees the connection's
-reservations (nothing half-written becomes visible) and closes that connection only; other
-senders are unaffected.
+frame, a broken connection, a sender that stalls between an offer and its `written`
+(`NOTIF_TIMEOUT`, `FRAME_TIMEOUT`) or a NIXL write whose notification never comes frees the
+connection's reservations (nothing half-written becomes visible) and closes that connection only;
+other senders are unaffected.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from lmcache.storage_backend.serde.seal import ForgedBlobError, Sealer
 from lmcache.storage_backend.serde.serde import CorruptBlobError
 
 logger = logging.getLogger(__name__)
-FRAME_TIMEOUT = 30.0  # seconds the bytes of a `written` may take to arrive
-NOTIF_TIMEOUT = 30.0  # seconds between a `written` and its NIXL notification
+FRAME_TIMEOUT = 30.0  # seconds a `written` frame, and then its inline bytes, may take to arrive
+NOTIF_TIMEOUT = 30.0  # seconds from an offer's answer to its `written` (its NIXL write lands
+#                       meanwhile), and from a `written` to its NIXL notification
 PROGRESS_INTERVAL = 0.001  # seconds between NIXL progress calls while a write may be landing
 
 
@@ -144,18 +146,29 @@ class ReceiverServer:
             conn.close()
 
     def _next_message(self, conn: socket.socket, offer: _Offer) -> dict[str, Any] | None:
-        """The connection's next message; while its sender may be writing into reserved slots,
-        the NIXL agent is kept progressing (it has no progress thread of its own), for up to
-        NOTIF_TIMEOUT."""
-        if offer.slots and self.agent is not None:
-            deadline = time.monotonic() + NOTIF_TIMEOUT
-            readable = select.poll()  # not select(): a vLLM process may hold more than 1024 files
-            readable.register(conn, select.POLLIN)
-            while not readable.poll(PROGRESS_INTERVAL * 1000):
-                if time.monotonic() > deadline:
-                    raise WireError(f"no `written` within {NOTIF_TIMEOUT:.0f} s of the offer")
+        """The connection's next message. While it holds reservations (an offer not written yet),
+        its `written` must start within NOTIF_TIMEOUT and arrive within FRAME_TIMEOUT more, or
+        the connection ends and frees them (a sender that stalls without closing would otherwise
+        hold them for good); meanwhile the NIXL agent is kept progressing (it has no progress
+        thread of its own: the sender's write may be landing)."""
+        if not offer.slots:
+            return recv_message(conn)
+        deadline = time.monotonic() + NOTIF_TIMEOUT
+        readable = select.poll()  # not select(): a vLLM process may hold more than 1024 files
+        readable.register(conn, select.POLLIN)
+        step = PROGRESS_INTERVAL if self.agent is not None else NOTIF_TIMEOUT
+        while not readable.poll(max(0.0, min(step, deadline - time.monotonic())) * 1000):
+            if time.monotonic() >= deadline:
+                raise WireError(f"no `written` within {NOTIF_TIMEOUT:g} s of the offer")
+            if self.agent is not None:
                 self.agent.progress()
-        return recv_message(conn)
+        conn.settimeout(FRAME_TIMEOUT)
+        try:
+            return recv_message(conn)
+        except TimeoutError:
+            raise WireError(f"a `written` frame took more than {FRAME_TIMEOUT:g} s to arrive") from None
+        finally:
+            conn.settimeout(None)
 
     def _hello(self, conn: socket.socket, message: dict[str, Any], peer: str | None) -> str | None:
         if bool(message.get("sealed")) != (self.sealer is not None):
@@ -174,7 +187,7 @@ class ReceiverServer:
             raise WireError(f"an offer lists 1..{MAX_CHUNKS_PER_OFFER} chunks")
         if offer.slots:
             raise WireError("a new offer before the previous one was written")
-        chunks = [Chunk.from_json(c) for c in raw]
+        chunks = [Chunk.from_json(c, self.store.buffer.nbytes) for c in raw]
         answers: list[Any] = []
         for i, (chunk, got) in enumerate(zip(chunks, self.store.reserve(chunks), strict=True)):
             if isinstance(got, MemoryObj):

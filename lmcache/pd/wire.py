@@ -17,7 +17,9 @@ agent's metadata, base64, and the receiver's buffer address) else "tcp". `offer`
 for chunks in order: a slot (``{"offset", "inline"}``) is room reserved in the receive buffer,
 "have" means the receiver holds the chunk already, "foreign" that it is not the receiver's model's
 KV (another model, dtype, layout or rank: never retried), null that it has no room (nor for any
-chunk after it). `written` ends the offer: the receiver reads the inline bytes, waits for the NIXL
+chunk after it); a chunk larger than the whole receive buffer makes the offer a bad frame.
+`written` ends the offer (it must come within the receiver's `NOTIF_TIMEOUT`, or the connection
+is closed and its reservations freed): the receiver reads the inline bytes, waits for the NIXL
 notification `notif` of the others, and only then makes the reserved chunks visible; a
 connection that breaks first frees its reservations, so a half-written chunk is never served.
 A bad frame gets ``{"ok": false, "error": message}`` and the connection is closed.
@@ -32,6 +34,7 @@ sealed (they go between registered memories, not over this connection).
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from dataclasses import dataclass
@@ -65,15 +68,16 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: torch's numel() wraps
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key.to_string(), "shape": list(self.shape),
                 "dtype": str(self.dtype).removeprefix("torch."), "fmt": self.fmt.name}
 
     @staticmethod
-    def from_json(d: Any) -> Chunk:
-        """Raises WireError for anything malformed."""
+    def from_json(d: Any, max_bytes: int) -> Chunk:
+        """The chunk `d` describes; WireError for anything malformed, or a chunk of more than
+        `max_bytes` bytes (the receive buffer's size: it could never be received)."""
         try:
             key = CacheEngineKey.from_string(d["key"])
             shape = tuple(int(x) for x in d["shape"])
@@ -83,7 +87,11 @@ class Chunk:
             raise WireError(f"malformed chunk {str(d)[:200]}: {e!r}") from None
         if not isinstance(dtype, torch.dtype) or not shape or min(shape) <= 0:
             raise WireError(f"malformed chunk {str(d)[:200]}: bad dtype or shape")
-        return Chunk(key, shape, dtype, fmt)
+        chunk = Chunk(key, shape, dtype, fmt)
+        if chunk.nbytes > max_bytes:
+            raise WireError(f"chunk {key.to_string()[:200]} of shape {list(shape)[:8]} needs "
+                            f"{chunk.nbytes} bytes; the receive buffer holds {max_bytes}")
+        return chunk
 
 
 def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -105,8 +113,8 @@ def recv_message(sock: socket.socket) -> dict[str, Any] | None:
     assert body is not None
     try:
         message = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"frame is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an int too long, nested too deep
+        raise WireError(f"frame is not JSON: {str(e)[:200]}") from None
     if not isinstance(message, dict):
         raise WireError(f"frame must be a JSON object, got {type(message).__name__}")
     return message

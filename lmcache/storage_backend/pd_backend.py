@@ -90,28 +90,40 @@ class PDBackend(StorageBackendInterface):
         """Room for each chunk, in order: an object in the receive buffer (reserved, invisible
         until `commit`), HAVE when it is held already (here or in another local tier) or being
         received, FOREIGN when it is not this engine's KV, None when there is no room for it (nor
-        then for any chunk after it)."""
+        then for any chunk after it). If it raises, nothing stays reserved."""
         out: list[MemoryObj | str | None] = []
         room = True
-        for chunk in chunks:
-            if not self._is_ours(chunk):
-                self.counts.add("foreign")
-                out.append(FOREIGN)
-                continue
-            with self._lock:
-                taken = chunk.key in self._reserved or chunk.key in self._objs
-            if taken or self.ctx.has_local(chunk.key):
-                out.append(HAVE)
-                continue
-            obj = self._allocate(chunk) if room else None
-            if obj is None:
-                room = False
-                self.counts.add("no_room")
-            else:
-                with self._lock:
-                    self._reserved.add(chunk.key)
-            out.append(obj)
+        try:
+            for chunk in chunks:
+                got = self._reserve_one(chunk, room)
+                room = room and got is not None
+                out.append(got)
+        except BaseException:
+            taken = [(chunk, got) for chunk, got in zip(chunks, out) if isinstance(got, MemoryObj)]
+            self.abort([chunk for chunk, _ in taken], [got for _, got in taken])
+            raise
         return out
+
+    def _reserve_one(self, chunk: Chunk, room: bool) -> MemoryObj | str | None:
+        if not self._is_ours(chunk):
+            self.counts.add("foreign")
+            return FOREIGN
+        if self.ctx.has_local(chunk.key):
+            return HAVE
+        with self._lock:  # claimed before allocating: a concurrent offer of it is answered HAVE
+            if chunk.key in self._reserved or chunk.key in self._objs:
+                return HAVE
+            self._reserved.add(chunk.key)
+        obj: MemoryObj | None = None
+        try:
+            obj = self._allocate(chunk) if room else None
+        finally:
+            if obj is None:
+                with self._lock:
+                    self._reserved.discard(chunk.key)
+        if obj is None:
+            self.counts.add("no_room")
+        return obj
 
     def _is_ours(self, chunk: Chunk) -> bool:
         k = chunk.key

@@ -330,6 +330,21 @@ def test_a_commit_with_a_malformed_text_is_refused_and_its_slot_stays_the_engine
     sock.close()
 
 
+def test_a_commit_naming_a_slot_twice_is_refused_and_the_slot_stays_the_engines(server, url):
+    sock, _, ident, slot, _ = holding_a_slot(url)
+    other = RAW_KEY.replace("00ff", "00fe")
+    reply = ask_raw(sock, {"op": "commit", "id": 3, **ident, "slots": [slot, slot], "keys": [RAW_KEY, other]})
+    assert reply is not None and (reply["ok"], reply["code"]) == (False, "bad"), reply
+    (engine,) = server.get("/stats")["engines"].values()
+    assert engine["slots_reserved"] == 1
+    contains = ask_raw(sock, {"op": "contains", "id": 4, **ident, "keys": [RAW_KEY, other]})
+    assert contains["hits"] == [False, False]
+    ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
+    wait_for(lambda: not server.get("/stats")["engines"], 5)
+    assert server.get("/stats")["arena"]["used_bytes"] == 0  # the engine left: its slot came back
+    sock.close()
+
+
 # ---- server faults ------------------------------------------------------------------------------
 
 def test_engines_answer_while_the_server_is_dead_and_attach_again_to_a_new_one(url, workers):
@@ -476,6 +491,52 @@ def test_a_full_l1_drops_stores_at_once(url, workers):
         server.stop()
 
 
+def test_a_prompt_larger_than_l1_stores_its_leading_chunks_and_the_engine_stays_attached(url, workers):
+    server = CacheServerProcess(url, size_gb=8 * CHUNK_BYTES / (1 << 30)).start()
+    try:
+        a = workers()
+        prompt = DOC + [d + 100 for d in DOC]  # 16 chunks, in one reserve; L1 holds 8
+        assert a.ask("store", tokens=prompt, seed=16) == {"stored": True}
+        assert a.ask("attached") == {"attached": True}
+        assert a.ask("faults") == {"failures": 0, "skipped": 0}
+        assert a.ask("retrieve", tokens=prompt, seed=16) == {"hit": 64, "exact": True}
+        a.close()
+    finally:
+        server.stop()
+
+
+def test_a_reserve_for_more_than_l1_gets_the_leading_slots_and_one_larger_than_l1_nothing(url):
+    server = CacheServerProcess(url, size_gb=8 * CHUNK_BYTES / (1 << 30)).start()
+    sock = raw_client(url)
+    try:
+        att = hello(sock, pid=os.getpid())
+        ident = {"session": att["session"], "engine": att["engine"]}
+        fit = att["arena_size"] // CHUNK_BYTES
+        chunk = [2, 2, 8, 8]
+
+        def reserve(*shapes: list[int]) -> dict:
+            reply = ask_raw(sock, {"op": "reserve", "id": 2, **ident, "shapes": list(shapes),
+                                   "dtype": "bfloat16"})
+            assert reply is not None
+            return reply
+
+        for shapes in ([chunk, [2, 2, 8, 8 * (fit + 1)]],  # the second is larger than the arena
+                       [chunk, chunk, [2**25, 2**39]]):  # 2**64 elements: torch's numel() wraps to 0
+            reply = reserve(*shapes)
+            assert (reply["ok"], reply["code"]) == (False, "bad") and "arena" in reply["error"], reply
+            assert server.get("/stats")["arena"]["used_bytes"] == 0
+        reply = reserve(*[chunk] * (fit + 2))  # a prompt longer than L1: what fits is stored
+        assert reply["ok"] and len(reply["slots"]) == fit
+        (engine,) = server.get("/stats")["engines"].values()
+        assert (engine["slots_reserved"], engine["reserve_full"]) == (fit, 2)
+        ask_raw(sock, {"op": "bye", **ident}, timeout=0.2)
+        wait_for(lambda: not server.get("/stats")["engines"], 5)
+        assert server.get("/stats")["arena"]["used_bytes"] == 0
+    finally:
+        sock.close()
+        server.stop()
+
+
 def test_models_sharing_a_full_l1_evict_each_others_least_recently_used_chunks(url, workers):
     """The arena is full of model A's chunks; model B's store evicts A's least recently used ones
     (A's other chunks and what A reads stay)."""
@@ -522,8 +583,20 @@ def test_malformed_control_messages_get_an_error_and_the_server_keeps_serving(se
     sock, ident = served
     reply = ask_raw(sock, frames, timeout=5)
     assert reply is not None and reply["ok"] is False and reply["error"], reply
+    assert reply["code"] != "internal", reply  # a malformed request is not the server's failure
     beat = ask_raw(sock, {"op": "heartbeat", "id": 7, **ident})
     assert beat is not None and (beat["ok"], beat["id"]) == (True, 7)
+
+
+@pytest.mark.parametrize("body", [b'{"op": "heartbeat", "id": ' + b"1" * 5000 + b"}",
+                                  b"[" * 100_000 + b"]" * 100_000],
+                         ids=["more-digits-than-python-ints-take", "nested-deeper-than-json-recurses"])
+def test_json_that_python_will_not_parse_is_a_bad_request(served, body):
+    sock, ident = served
+    reply = ask_raw(sock, [body])
+    assert reply is not None and (reply["ok"], reply["code"]) == (False, "bad"), reply
+    beat = ask_raw(sock, {"op": "heartbeat", "id": 8, **ident})
+    assert beat is not None and beat["ok"]
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,31 @@ def test_empty_allocation_is_rejected():
         alloc().allocate((0, 4), torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(2**32, 2**32), (2**25, 2**39), (65 * ALIGN,)],
+                         ids=["numel-wraps-to-0", "bytes-wrap-to-0", "larger-than-the-buffer"])
+def test_an_object_larger_than_the_whole_buffer_never_fits_and_grows_nothing(shape):
+    a = TensorMemoryAllocator(torch.zeros(64 * ALIGN, dtype=torch.uint8), grow_bytes=ALIGN)
+    assert a.allocate(shape, torch.bfloat16) is None
+    assert a.grown == ALIGN and a.used_bytes == 0
+    a.check_integrity()
+
+
+def test_allocate_many_gives_back_what_it_took_when_an_allocation_raises():
+    a = alloc()
+    real = a.allocate
+
+    def failing_third(shape, dtype, fmt):
+        if shape[0] == 3:
+            raise RuntimeError("the device failed")
+        return real(shape, dtype, fmt)
+
+    a.allocate = failing_third
+    with pytest.raises(RuntimeError, match="device failed"):
+        a.allocate_many([torch.Size([1]), torch.Size([2]), torch.Size([3])], torch.uint8)
+    assert a.used_bytes == 0
+    a.check_integrity()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * ALIGN)), min_size=1, max_size=80),
        st.integers(0, 2**32))

@@ -4,19 +4,24 @@ sender wait a bounded time and skip, broken or foreign transfers are never visib
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import resource
 import socket
 import struct
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from lmcache.pd import nixl_agent
+from lmcache.cache_key import CacheEngineKey
+from lmcache.memory_management import release_all
+from lmcache.pd import nixl_agent, receiver
 from lmcache.pd.sender import PDSender
-from lmcache.pd.wire import recv_message, send_message
+from lmcache.pd.wire import Chunk, recv_message, send_message
 from lmcache.storage_backend import pd_backend
 from lmcache.storage_backend.events import EventKind, RemovalReason
 from tests.helpers.paged_kv import PagedKV, build_engine
@@ -314,8 +319,38 @@ def test_a_receiver_that_goes_down_is_one_failure_and_one_warning_then_skipped_u
 
 
 def _frame(message) -> bytes:
-    data = json.dumps(message).encode()
-    return struct.pack("<I", len(data)) + data
+    return _raw_frame(json.dumps(message).encode())
+
+
+def _raw_frame(body: bytes) -> bytes:
+    return struct.pack("<I", len(body)) + body
+
+
+def offer_of(engine, tokens) -> list[dict]:
+    """The `offer` entries of the chunks `engine` holds for `tokens`."""
+    held = engine.held_prefix(tokens)
+    release_all([obj for _, obj in held])
+    return [{"key": key.to_string(), "shape": list(obj.metadata.shape), "dtype": "bfloat16", "fmt": "KV_BLOB"}
+            for key, obj in held]
+
+
+@contextlib.contextmanager
+def raw_sender(rx) -> Iterator[socket.socket]:
+    """A connection to `rx`'s KV channel, past its `hello` (TCP)."""
+    host, port = address(rx).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        send_message(s, {"op": "hello"})
+        assert recv_message(s)["channel"] == "tcp"
+        yield s
+
+
+def nothing_held(rx, within: float = 5.0) -> dict:
+    """The receive buffer's gauges once it holds and reserves nothing (or after `within` s)."""
+    tier = rx.storage_manager.backends["PDBackend"]
+    deadline = time.monotonic() + within
+    while any(tier.stats().gauges.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return tier.stats().gauges
 
 
 def test_a_transfer_that_breaks_midway_is_never_visible_and_frees_its_room():
@@ -323,26 +358,88 @@ def test_a_transfer_that_breaks_midway_is_never_visible_and_frees_its_room():
     tx = build_engine(CHUNK)
     try:
         tokens, _ = stored(tx, 16)
-        held = tx.held_prefix(tokens)
-        chunks = [{"key": k.to_string(), "shape": list(o.metadata.shape), "dtype": "bfloat16",
-                   "fmt": "KV_BLOB"} for k, o in held]
-        host, port = address(rx).rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            send_message(s, {"op": "hello"})
-            assert recv_message(s)["channel"] == "tcp"
-            send_message(s, {"op": "offer", "chunks": chunks})
+        with raw_sender(rx) as s:
+            send_message(s, {"op": "offer", "chunks": offer_of(tx, tokens)})
             assert all(isinstance(slot, dict) for slot in recv_message(s)["slots"])
             send_message(s, {"op": "written", "inline": [0, 1]})
             s.sendall(b"\0" * (chunk_bytes(tx) + 10))  # the first chunk and a bit of the second
-        tier = rx.storage_manager.backends["PDBackend"]
-        deadline = time.monotonic() + 5
-        while tier.stats().gauges["bytes_used"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
         assert rx.lookup(tokens) == 0
-        for _, obj in held:
-            obj.ref_count_down()
     finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_sender_that_stalls_after_its_offer_loses_its_reservations_and_others_get_the_chunks(monkeypatch):
+    monkeypatch.setattr(receiver, "NOTIF_TIMEOUT", 0.3)  # how long an offer may wait for its `written`
+    rx = receiver_engine()
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, _ = stored(tx, 16)
+        with raw_sender(rx) as stalled:  # neither writes nor closes: a hung prefill process
+            send_message(stalled, {"op": "offer", "chunks": offer_of(tx, tokens)})
+            assert all(isinstance(slot, dict) for slot in recv_message(stalled)["slots"])
+            answer = recv_message(stalled)
+            assert answer is not None and answer["ok"] is False and "written" in answer["error"]
+            assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+            assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+        assert rx.lookup(tokens) == 16
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_nothing():
+    rx = receiver_engine()
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    try:
+        tokens, _ = stored(tx, 16)
+        chunks = offer_of(tx, tokens)
+        other = dataclasses.replace(CacheEngineKey.from_string(chunks[0]["key"]), chunk_hash="00ff")
+        huge = dict(chunks[0], key=other.to_string(), shape=[2**32, 2**32])  # torch's numel() wraps to 0
+        with raw_sender(rx) as s:
+            send_message(s, {"op": "offer", "chunks": [*chunks, huge]})
+            answer = recv_message(s)
+            assert answer is not None and answer["ok"] is False and "receive buffer" in answer["error"]
+        assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)  # not answered "have"
+        assert rx.lookup(tokens) == 16
+    finally:
+        sender.close()
+        tx.close()
+        rx.close()
+
+
+def test_a_reservation_that_fails_midway_leaves_nothing_reserved(monkeypatch):
+    rx = receiver_engine()
+    tx = build_engine(CHUNK)
+    sender = PDSender(tx, tx.config, rank=0)
+    tier = rx.storage_manager.backends["PDBackend"]
+    allocate = tier.allocator.allocate
+    calls = []
+
+    def failing_second(*args):  # no real chunk makes the buffer's allocator raise any more
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("the allocator failed")
+        return allocate(*args)
+
+    try:
+        tokens, _ = stored(tx, 16)
+        chunks = [Chunk.from_json(c, tier.buffer.nbytes) for c in offer_of(tx, tokens)]
+        monkeypatch.setattr(tier.allocator, "allocate", failing_second)
+        with pytest.raises(RuntimeError, match="allocator failed"):
+            tier.reserve(chunks)
+        monkeypatch.undo()
+        assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        tier.check_integrity(at_rest=True)
+        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+        assert rx.lookup(tokens) == 16
+    finally:
+        sender.close()
         tx.close()
         rx.close()
 
@@ -357,6 +454,8 @@ BAD_FRAMES = [
     _frame({"op": "offer", "chunks": [{"key": "a@b@1@0@h@bfloat16", "shape": [-1], "dtype": "bfloat16",
                                        "fmt": "KV_BLOB"}]}),
     _frame({"op": "written", "inline": [7]}),
+    _raw_frame(b'{"op": "offer", "chunks": ' + b"1" * 5000 + b"}"),  # more digits than Python's int takes
+    _raw_frame(b"[" * 100_000 + b"]" * 100_000),  # nested deeper than json.loads recurses
 ]
 
 
