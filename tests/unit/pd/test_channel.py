@@ -391,26 +391,19 @@ def test_a_sender_that_stalls_after_its_offer_loses_its_reservations_and_others_
         rx.close()
 
 
-def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_nothing():
-    rx = receiver_engine()
-    tx = build_engine(CHUNK)
-    sender = PDSender(tx, tx.config, rank=0)
-    try:
-        tokens, _ = stored(tx, 16)
-        chunks = offer_of(tx, tokens)
-        other = dataclasses.replace(CacheEngineKey.from_string(chunks[0]["key"]), chunk_hash="00ff")
-        huge = dict(chunks[0], key=other.to_string(), shape=[2**32, 2**32])  # torch's numel() wraps to 0
-        with raw_sender(rx) as s:
-            send_message(s, {"op": "offer", "chunks": [*chunks, huge]})
-            answer = recv_message(s)
-            assert answer is not None and answer["ok"] is False and "receive buffer" in answer["error"]
-        assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
-        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)  # not answered "have"
-        assert rx.lookup(tokens) == 16
-    finally:
-        sender.close()
-        tx.close()
-        rx.close()
+def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_nothing(pair):
+    tx, sender, rx = pair
+    tokens, _ = stored(tx, 16)
+    chunks = offer_of(tx, tokens)
+    other = dataclasses.replace(CacheEngineKey.from_string(chunks[0]["key"]), chunk_hash="00ff")
+    huge = dict(chunks[0], key=other.to_string(), shape=[2**32, 2**32])  # torch's numel() wraps to 0
+    with raw_sender(rx) as s:
+        send_message(s, {"op": "offer", "chunks": [*chunks, huge]})
+        answer = recv_message(s)
+        assert answer is not None and answer["ok"] is False and "receive buffer" in answer["error"]
+    assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+    assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)  # not answered "have"
+    assert rx.lookup(tokens) == 16
 
 
 def test_a_reservation_that_fails_midway_leaves_nothing_reserved(monkeypatch):
@@ -460,24 +453,17 @@ BAD_FRAMES = [
 
 
 @pytest.mark.parametrize("frame", BAD_FRAMES)
-def test_a_bad_frame_gets_an_error_and_the_receiver_keeps_serving(frame):
-    rx = receiver_engine()
-    tx = build_engine(CHUNK)
-    sender = PDSender(tx, tx.config, rank=0)
-    try:
-        host, port = address(rx).rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(frame)
-            answer = recv_message(s)
-            assert answer is not None and answer["ok"] is False and answer["error"]
-            assert recv_message(s) is None  # and the connection is closed
-        tokens, _ = stored(tx, 16)
-        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
-        assert rx.lookup(tokens) == 16
-    finally:
-        sender.close()
-        tx.close()
-        rx.close()
+def test_a_bad_frame_gets_an_error_and_the_receiver_keeps_serving(frame, pair):
+    tx, sender, rx = pair
+    host, port = address(rx).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(frame)
+        answer = recv_message(s)
+        assert answer is not None and answer["ok"] is False and answer["error"]
+        assert recv_message(s) is None  # and the connection is closed
+    tokens, _ = stored(tx, 16)
+    assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+    assert rx.lookup(tokens) == 16
 
 
 def test_a_receiver_port_in_use_is_a_clear_error():
