@@ -49,6 +49,16 @@ def engines_stopped_at_the_end() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def cli_processes_stopped_at_the_end() -> Iterator[None]:
+    """The `lmcache` servers a failed test left running (before its clean-up) do not outlive the
+    session, nor keep their shared memory."""
+    yield
+    from tests.helpers.servers import stop_leftovers
+
+    stop_leftovers()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def vllm_sockets_in_a_folder_of_the_session() -> Iterator[None]:
     """vLLM's engines make their ZMQ ipc sockets in ``VLLM_RPC_BASE_PATH`` (the temporary folder
     by default) and leave them there, even when stopped cleanly (7 per OpenAI server): here they go

@@ -396,27 +396,34 @@ def start_cli(args: list[str], ready: str, timeout: float = 600,
         os.close(fd)
     LOGS[proc.pid] = Path(log)
     STARTED.add(proc.pid)
+    _PROCS.append(proc)
+    line, why = first_line(proc, timeout)
+    if m := re.search(ready, line):
+        return proc, m
+    proc.kill()
+    proc.wait(timeout=30)
+    why = why or f"it printed {line!r}"
+    raise RuntimeError(f"lmcache {args[0]} did not start: {why}; its log ends:\n{_tail(proc.pid)}")
+
+
+STALLED = 120.0  # seconds a starting process may go without using a CPU second: then it hangs
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The first line `proc` prints (text mode stdout), waited for while it works: (line, ""), or
+    ("", why) if it exited, used less than a CPU second in `STALLED` seconds (a hang; a start
+    slowed by a loaded machine keeps using CPU) or printed nothing within `timeout` seconds."""
     assert proc.stdout is not None
     progress = CpuProgress(lambda: [proc.pid])
     deadline = time.monotonic() + timeout
     while True:
         if select.select([proc.stdout], [], [], 1.0)[0]:
             line = proc.stdout.readline()
-            if m := re.search(ready, line):
-                return proc, m
-            why = f"it printed {line!r}" if line else f"it exited with code {proc.wait(timeout=30)}"
-        elif time.monotonic() > deadline:
-            why = f"it did not print within {timeout:g} s"
-        elif progress.stalled_for() > STALLED:
-            why = f"it used less than a CPU second in {STALLED:g} s"
-        else:
-            continue
-        proc.kill()
-        proc.wait(timeout=30)
-        raise RuntimeError(f"lmcache {args[0]} did not start: {why}; its log ends:\n{_tail(proc.pid)}")
-
-
-STALLED = 120.0  # seconds a starting process may go without using a CPU second: then it hangs
+            return (line, "") if line else ("", f"it exited with code {proc.wait(timeout=30)}")
+        if time.monotonic() > deadline:
+            return "", f"it did not print within {timeout:g} s"
+        if progress.stalled_for() > STALLED:
+            return "", f"it used less than a CPU second in {STALLED:g} s"
 
 
 class CpuProgress:
@@ -466,6 +473,22 @@ def process_group(pgid: int) -> list[int]:
 
 LOGS: dict[int, Path] = {}  # the stderr of each `start_cli` process still running, by pid
 STARTED: set[int] = set()  # every process `start_cli` started in this (test) process
+_PROCS: list[subprocess.Popen] = []  # the same processes
+
+
+def stop_leftovers() -> None:
+    """Stop the `start_cli` processes still running (a test that failed before its clean-up left
+    them): SIGTERM, so that a cache server unlinks its arena, then SIGKILL after 30 s."""
+    running = [proc for proc in _PROCS if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    _PROCS.clear()
 
 
 @atexit.register

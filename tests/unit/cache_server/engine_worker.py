@@ -23,6 +23,7 @@ from lmcache.cache_engine import LMCacheEngine, _make_allocator
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.gpu_connector import TokenMajorConnector
 from lmcache.memory_management import release_all
+from lmcache.process_exit import skip_final_collection
 from lmcache.token_database import ChunkedTokenDatabase
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK, SLOTS = 2, 2, 4, 8, 512
@@ -93,6 +94,7 @@ def run(engine: LMCacheEngine, cmd: dict) -> dict:
 held: list = []
 
 if __name__ == "__main__":
+    skip_final_collection()  # as in vLLM's workers with the connector: seconds at exit, more under load
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = build(sys.argv[1], *sys.argv[2:3], *map(float, sys.argv[3:4]))
     print(json.dumps({"ready": True}), flush=True)

@@ -35,7 +35,7 @@ from lmcache.cache_server import messages as m
 from lmcache.cache_server import shm
 from lmcache.cache_server.server import CacheServer
 from lmcache.config import LMCacheEngineMetadata
-from tests.helpers.servers import REPO, STARTED, CacheServerProcess, free_port, native_stacks
+from tests.helpers.servers import REPO, STARTED, CacheServerProcess, first_line, free_port, native_stacks
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 CHUNK_BYTES = 2 * 2 * 8 * 8 * 2  # [2, layers, chunk, hidden] bf16
@@ -80,6 +80,7 @@ SLOW_HEARTBEAT = 600.0
 # How long a worker may take to exit once told to close (its engine does not wait on the server:
 # see the test of a close while the server stalls); one that takes longer shows its threads' stacks.
 CLOSE_WAIT = 30.0
+START_CAP = 600.0  # seconds an engine worker may take to start while it keeps using CPU
 
 
 class Worker:
@@ -92,7 +93,14 @@ class Worker:
                                      text=True, env=env)
 
     def wait_ready(self) -> None:
-        assert self._line(60) == {"ready": True}
+        """Waits while it starts (imports torch: minutes on a loaded machine)."""
+        line, why = first_line(self.proc, START_CAP)
+        assert line, f"the engine worker did not start: {why}; its stderr:\n{self.stop_for_log()}"
+        assert json.loads(line) == {"ready": True}
+
+    def stop_for_log(self) -> str:
+        self.proc.kill()
+        return self.proc.communicate(timeout=30)[1]
 
     def _line(self, timeout: float) -> dict:
         assert self.proc.stdout is not None

@@ -1,7 +1,8 @@
 """The tests' server processes: their start-up wait tells a slow start from a hung one by the CPU
-they use (a start that keeps working is waited for, one that sleeps fails early), a server
-started at a lower priority is niced where the scheduler weighs it, its session, and a thread
-that polls without pause is found and niced below the threads that work."""
+they use (a start that keeps working is waited for, one that sleeps fails early), a server a
+failed test left running is stopped at the session's end, a server started at a lower priority is
+niced where the scheduler weighs it, its session, and a thread that polls without pause is found
+and niced below the threads that work."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.openai_server import nice_session, renice_pollers
-from tests.helpers.servers import CpuProgress, process_group
+from tests.helpers.servers import CpuProgress, LMServer, process_group, stop_leftovers
 
 
 @pytest.fixture
@@ -41,6 +42,13 @@ def test_a_group_that_sleeps_is_stalled_for_as_long_as_it_sleeps(group):
     progress = CpuProgress(lambda: process_group(group.pid))
     time.sleep(2.0)
     assert progress.stalled_for() >= 2.0
+
+
+def test_a_server_a_test_left_running_is_stopped_by_sigterm_at_the_sessions_end():
+    left = LMServer().start()  # and never stopped, as by a test that failed before its clean-up
+    assert left.proc is not None and left.proc.poll() is None
+    stop_leftovers()
+    assert left.proc.returncode == 0  # SIGTERM: a server that stops cleanly exits 0
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="this kernel has no autogroups")
