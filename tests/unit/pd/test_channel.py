@@ -370,25 +370,19 @@ def test_a_transfer_that_breaks_midway_is_never_visible_and_frees_its_room():
         rx.close()
 
 
-def test_a_sender_that_stalls_after_its_offer_loses_its_reservations_and_others_get_the_chunks(monkeypatch):
+def test_a_sender_that_stalls_after_its_offer_loses_its_reservations_and_others_get_the_chunks(
+        pair, monkeypatch):
     monkeypatch.setattr(receiver, "NOTIF_TIMEOUT", 0.3)  # how long an offer may wait for its `written`
-    rx = receiver_engine()
-    tx = build_engine(CHUNK)
-    sender = PDSender(tx, tx.config, rank=0)
-    try:
-        tokens, _ = stored(tx, 16)
-        with raw_sender(rx) as stalled:  # neither writes nor closes: a hung prefill process
-            send_message(stalled, {"op": "offer", "chunks": offer_of(tx, tokens)})
-            assert all(isinstance(slot, dict) for slot in recv_message(stalled)["slots"])
-            answer = recv_message(stalled)
-            assert answer is not None and answer["ok"] is False and "written" in answer["error"]
-            assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
-            assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
-        assert rx.lookup(tokens) == 16
-    finally:
-        sender.close()
-        tx.close()
-        rx.close()
+    tx, sender, rx = pair
+    tokens, _ = stored(tx, 16)
+    with raw_sender(rx) as stalled:  # neither writes nor closes: a hung prefill process
+        send_message(stalled, {"op": "offer", "chunks": offer_of(tx, tokens)})
+        assert all(isinstance(slot, dict) for slot in recv_message(stalled)["slots"])
+        answer = recv_message(stalled)
+        assert answer is not None and answer["ok"] is False and "written" in answer["error"]
+        assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+    assert rx.lookup(tokens) == 16
 
 
 def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_nothing(pair):
@@ -406,10 +400,8 @@ def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_noth
     assert rx.lookup(tokens) == 16
 
 
-def test_a_reservation_that_fails_midway_leaves_nothing_reserved(monkeypatch):
-    rx = receiver_engine()
-    tx = build_engine(CHUNK)
-    sender = PDSender(tx, tx.config, rank=0)
+def test_a_reservation_that_fails_midway_leaves_nothing_reserved(pair, monkeypatch):
+    tx, sender, rx = pair
     tier = rx.storage_manager.backends["PDBackend"]
     allocate = tier.allocator.allocate
     calls = []
@@ -420,21 +412,16 @@ def test_a_reservation_that_fails_midway_leaves_nothing_reserved(monkeypatch):
             raise RuntimeError("the allocator failed")
         return allocate(*args)
 
-    try:
-        tokens, _ = stored(tx, 16)
-        chunks = [Chunk.from_json(c, tier.buffer.nbytes) for c in offer_of(tx, tokens)]
-        monkeypatch.setattr(tier.allocator, "allocate", failing_second)
-        with pytest.raises(RuntimeError, match="allocator failed"):
-            tier.reserve(chunks)
-        monkeypatch.undo()
-        assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
-        tier.check_integrity(at_rest=True)
-        assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
-        assert rx.lookup(tokens) == 16
-    finally:
-        sender.close()
-        tx.close()
-        rx.close()
+    tokens, _ = stored(tx, 16)
+    chunks = [Chunk.from_json(c, tier.buffer.nbytes) for c in offer_of(tx, tokens)]
+    monkeypatch.setattr(tier.allocator, "allocate", failing_second)
+    with pytest.raises(RuntimeError, match="allocator failed"):
+        tier.reserve(chunks)
+    monkeypatch.undo()
+    assert tier.stats().gauges == {"chunks": 0, "bytes_used": 0, "reserved": 0}
+    tier.check_integrity(at_rest=True)
+    assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+    assert rx.lookup(tokens) == 16
 
 
 BAD_FRAMES = [
