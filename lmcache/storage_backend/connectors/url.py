@@ -60,36 +60,52 @@ class RemoteURL:
 
 
 def parse_remote_url(url: str) -> RemoteURL:
-    shown = redact_url(url)
-    if not shown:
+    parts = _split(url)
+    if parts is None:
         raise ValueError("remote_url must look like scheme://host:port (it has no '://')")
-    scheme, _, rest = url.partition("://")
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    userinfo, _, netloc = netloc.rpartition("@")
-    user, colon, pw = userinfo.partition(":")
-    if not rest:
+    shown = parts.redacted()
+    if not url.partition("://")[2].partition("?")[0]:  # nothing between :// and the options
         raise ValueError(f"remote_url {shown!r} must look like scheme://host:port")
-    username = unquote(user) or None
-    password = unquote(pw) if colon else None
-    hosts = [_host_port(shown, hp) for hp in netloc.split(",")]
-    options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    return RemoteURL(shown, scheme, hosts, [p for p in path.split("/") if p], username, password, options)
+    hosts = [_host_port(shown, hp) for hp in parts.netloc.split(",")]
+    options = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)))
+    password = unquote(parts.password) if parts.password is not None else None
+    return RemoteURL(shown, parts.scheme, hosts, [p for p in parts.path.split("/") if p],
+                     unquote(parts.user) or None, password, options)
 
 
 def redact_url(url: str) -> str:
     """`url` as messages and logs show it: the password as ``***``, without the ``auth_token``
     option; "" for a string without ``://`` (where its secrets would be is unclear)."""
+    parts = _split(url)
+    return parts.redacted() if parts is not None else ""
+
+
+@dataclass(frozen=True)
+class _Parts:
+    scheme: str
+    user: str
+    password: str | None  # None: no ``:`` in the user info
+    at: str  # "@" if the URL has user info
+    netloc: str  # host:port[,host:port...]
+    path: str
+    query: str
+
+    def redacted(self) -> str:
+        kept = "&".join(p for p in self.query.split("&") if p and p.partition("=")[0] != "auth_token")
+        return (f"{self.scheme}://{self.user}{':***' if self.password is not None else ''}{self.at}"
+                f"{self.netloc}" + (f"/{self.path}" if self.path else "") + (f"?{kept}" if kept else ""))
+
+
+def _split(url: str) -> _Parts | None:
+    """The parts of ``scheme://[user[:password]@]netloc[/path][?query]`` (None without ``://``)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return ""
+        return None
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
     userinfo, at, netloc = netloc.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    kept = "&".join(p for p in query.split("&") if p and p.partition("=")[0] != "auth_token")
-    return (f"{scheme}://{user}{':***' if colon else ''}{at}{netloc}" + (f"/{path}" if path else "")
-            + (f"?{kept}" if kept else ""))
+    user, colon, password = userinfo.partition(":")
+    return _Parts(scheme, user, password if colon else None, at, netloc, path, query)
 
 
 def _host_port(url: str, hp: str) -> tuple[str, int]:
