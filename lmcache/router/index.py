@@ -12,7 +12,9 @@ instance holds blocks of), so blocks stored for another salt or adapter, or with
 with vLLM's hashes and extra keys (`lmcache.integration.vllm.kv_events`): they chain the same way.
 The event's block hash (vLLM's, or LMCache's in its own events) is mapped, per instance and medium,
 to the router's hash so that parent links (looked up in the block's medium first, then in any
-other) and ``BlockRemoved`` work; ``AllBlocksCleared`` empties the instance.
+other) and ``BlockRemoved`` work. ``AllBlocksCleared`` is vLLM's prefix-cache reset (LMCache's
+connector and cache server never send it: it names no medium), so it drops the instance's blocks
+in vLLM's own media (`ENGINE_MEDIA`) and keeps what LMCache's tiers hold.
 
 `match(instance, tokens, keys)` walks the prompt's chain (for every block size the instance holds
 blocks of) while the instance holds the block in any tier, and returns the cached prefix: tokens,
@@ -232,9 +234,8 @@ class KVIndex:
                     for h in event.block_hashes:
                         inst.drop((event.medium, h))
                 elif isinstance(event, AllBlocksCleared):  # prompts in flight store their blocks again
-                    cleared, inst = inst, _Instance()
-                    inst.engine_block_size, inst.sending = cleared.engine_block_size, cleared.sending
-                    self._instances[instance] = inst
+                    for key in [k for k in inst.entries if k[0] in ENGINE_MEDIA]:
+                        inst.drop(key)
 
     def _store(self, inst: _Instance, event: BlockStored) -> None:
         if not event.block_hashes:

@@ -54,6 +54,22 @@ def test_removal_cuts_the_prefix_and_clear_empties_the_instance():
     assert index.match("a", tokens).tokens == 0 and index.blocks("a") == 0
 
 
+def test_vllms_prefix_cache_reset_keeps_what_lmcaches_tiers_hold():
+    """``AllBlocksCleared`` comes from vLLM's own block pool (LMCache never sends it): the
+    instance's LMCache tiers still hold their chunks, and a later block chains onto them."""
+    tokens = list(range(4 * B))
+    index = KVIndex()
+    index.apply("a", [stored([1, 2], None, tokens[:2 * B], "CPU"), stored([3], 2, tokens[2 * B:3 * B], "STORAGE"),
+                      stored([11, 12, 13, 14], None, tokens, "GPU")])
+    assert index.match("a", tokens).by_tier == {"GPU": 4 * B}
+    index.apply("a", [AllBlocksCleared()])
+    match = index.match("a", tokens)
+    assert (match.tokens, match.by_tier) == (3 * B, {"CPU": 2 * B, "STORAGE": B})
+    assert index.blocks("a") == 3
+    index.apply("a", [stored([4], 3, tokens[3 * B:], "STORAGE")])
+    assert index.match("a", tokens).by_tier == {"CPU": 2 * B, "STORAGE": 2 * B}
+
+
 def test_a_block_in_several_tiers_weighs_as_its_best_and_its_parent_may_be_in_another_tier():
     tokens = list(range(3 * B))
     index = KVIndex(tier_weights={"GPU": 1.0, "CPU": 0.5})
