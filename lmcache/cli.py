@@ -122,7 +122,8 @@ def _router(args: argparse.Namespace) -> int:
         weights = {k: float(v) for k, _, v in (w.partition("=") for w in _split(args.tier_weights))}
         config = RouterConfig(_split(args.instance), args.policy, _split(args.kv_events), args.model,
                               args.host, args.port, args.request_cost, args.max_blocks,
-                              {**TIER_WEIGHTS, **weights}, shared_kv_events=_split(args.shared_kv_events))
+                              {**TIER_WEIGHTS, **weights}, shared_kv_events=_split(args.shared_kv_events),
+                              stall_timeout=args.stall_timeout)
     except ValueError as e:
         raise SystemExit(f"lmcache router: {e}") from None
     _log_to_stderr()
@@ -293,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ",".join(f"{medium}={weight:g}" for medium, weight in TIER_WEIGHTS.items())
     r.add_argument("--tier-weights", default="",
                    help=f"kv-aware: MEDIUM=WEIGHT,... (default {defaults}; GPU is vLLM's own prefix cache)")
+    r.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="seconds a request may wait with nothing from its instance (no answer, or no "
+                        "next chunk of a stream) before the instance's /health is probed; an instance whose "
+                        "/health does not answer is marked down, the request sent to another "
+                        "(default %(default)s)")
     _add_pd_arguments(r, required=False)
     r.set_defaults(func=_router)
     k = sub.add_parser("keygen", help="write a new AES-256 KV sealing key file (mode 0600) for "

@@ -13,8 +13,12 @@ it with ``--enable-prompt-tokens-details``; for a stream, with ``stream_options.
 Faults: an instance that cannot be reached (or breaks off before anything reached the client) is
 marked down, its index entries forgotten, and the request retried on the next instance the policy
 ranks; a down instance's ``/health`` is probed every ``probe_interval`` seconds and it is back when
-it answers 200. A stream that breaks off after its first chunk ends with an SSE error event. When
-no instance answers: 503.
+it answers 200. An instance that stops answering without closing its connections (a stopped or
+hung process): each ``stall_timeout`` seconds a request waits for its answer (or a stream for its
+next chunk), the instance's ``/health`` is probed (one probe per instance, shared by the requests
+waiting on it); one that does not answer 200 within ``health_timeout`` is marked down as above.
+A stream that breaks off after its first chunk ends with an SSE error event. When no instance
+answers: 503.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the answer's
 ``X-LMCache-Instance`` header names the instance that gave it), ``GET /v1/models``,
@@ -29,9 +33,10 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -60,6 +65,7 @@ from lmcache.router.watch import KVWatch
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "X-LMCache-Instance"  # names the instance that answered a completion
+T = TypeVar("T")
 COUNTERS = ("requests", "bad_requests", "retries", "instance_failures", "unanswered", "hits_compared",
             "predicted_hit_tokens", "served_hit_tokens")
 
@@ -85,6 +91,7 @@ class RouterConfig:
     probe_interval: float = 1.0
     health_timeout: float = 2.0
     shared_kv_events: tuple[str, ...] = ()
+    stall_timeout: float = 10.0  # seconds with no answer (or next chunk) before /health is probed
 
     def __post_init__(self) -> None:
         self.instances = tuple(base_url("instances", url) for url in self.instances)
@@ -100,7 +107,7 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy} needs kv_events (one per instance) and model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: must be a TCP port (0 = any free one)")
-        for name in ("probe_interval", "health_timeout"):
+        for name in ("probe_interval", "health_timeout", "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if self.request_cost < 0:
@@ -122,6 +129,7 @@ class Router:
         self.policy: Policy = POLICIES[config.policy](self.watch, config.request_cost)
         self.counters = Counters()
         self.client = ClientSession()
+        self._checks: dict[str, tuple[float, asyncio.Future[bool]]] = {}  # url -> (started, /health answered)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """Probes down instances while the app runs; closes the subscribers after."""
@@ -174,15 +182,16 @@ class Router:
         headers = passed_on(request) | {"Content-Type": "application/json"}
         try:
             with inst.serving(uncached) as prefilled, self.watch.sending(inst.url, tokens, routed.keys):
-                async with self.client.session.post(inst.url + request.path, data=raw, headers=headers) as r:
+                posted = self.client.session.post(inst.url + request.path, data=raw, headers=headers)
+                async with await self._watched(inst, posted) as r:
                     if stream and r.status == 200:
-                        first = await r.content.readany()
+                        first = await self._watched(inst, r.content.readany())
                         if not first:
                             raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
                         prefilled()
                         return await relay_stream(request, r, self._chunks(first, r, inst, predicted),
                                                   {INSTANCE_HEADER: inst.url})
-                    answer = await r.read()
+                    answer = await self._watched(inst, r.read())
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             return None
@@ -198,12 +207,40 @@ class Router:
             while chunk:
                 served.feed(chunk)
                 yield chunk
-                chunk = await answer.content.readany()
+                chunk = await self._watched(inst, answer.content.readany())
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             yield sse_error(503, f"instance {inst.url} failed: {str(e) or type(e).__name__}")
             return
         self._compare(predicted, served.cached)
+
+    async def _watched(self, inst: Instance, awaitable: Awaitable[T]) -> T:
+        """`awaitable` (`inst`'s answer, or its next chunk); each `stall_timeout` seconds it has not
+        come, `inst`'s /health is probed, and if that does not answer, `Unresponsive` (the wait is
+        cancelled)."""
+        task = asyncio.ensure_future(awaitable)
+        waited = 0.0
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.stall_timeout)
+                if done:
+                    return task.result()
+                waited += self.config.stall_timeout
+                if not await self._answering(inst):
+                    raise Unresponsive(f"nothing came for {waited:g} s and /health did not answer 200 "
+                                       f"within {self.config.health_timeout:g} s")
+        finally:
+            task.cancel()  # nothing when it is done
+
+    async def _answering(self, inst: Instance) -> bool:
+        """Whether `inst`'s /health answers 200 within `health_timeout`: one probe at a time per
+        instance, its answer kept for `stall_timeout` for the other requests waiting on it."""
+        check = self._checks.get(inst.url)
+        now = time.monotonic()
+        if check is None or (check[1].done() and now - check[0] >= self.config.stall_timeout):
+            probe = health_of(self.client.session, inst.url, self.config.health_timeout)
+            check = self._checks[inst.url] = (now, asyncio.ensure_future(probe))
+        return await asyncio.shield(check[1])
 
     def _failed(self, inst: Instance, error: BaseException) -> None:
         self.counters.add("instance_failures")
@@ -222,8 +259,10 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         for inst in sorted(self.instances, key=lambda i: not i.up):
             try:
-                async with self.client.session.get(inst.url + request.path, headers=passed_on(request)) as r:
-                    return relayed(r.status, await r.read(), r.headers.get("Content-Type"))
+                got = self.client.session.get(inst.url + request.path, headers=passed_on(request))
+                async with await self._watched(inst, got) as r:
+                    body = await self._watched(inst, r.read())
+                    return relayed(r.status, body, r.headers.get("Content-Type"))
             except aiohttp.ClientError as e:
                 self._failed(inst, e)
         return error_response(503, "no instance answered")
@@ -247,6 +286,10 @@ class Router:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=prometheus_text(self.snapshot()), content_type="text/plain")
+
+
+class Unresponsive(aiohttp.ClientError):
+    """An instance that keeps its connection open but answers nothing, not even its /health."""
 
 
 def prometheus_text(stats: dict[str, Any]) -> str:

@@ -9,8 +9,10 @@ import asyncio
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import aiohttp
@@ -39,6 +41,9 @@ class FakeVLLM:
         self.bodies: list[dict] = []
         self.gate: asyncio.Event | None = None  # set: answers wait for it
         self.split_usage = False
+        self.freeze_after_first = False  # a stream's first chunk, then nothing more, /health included
+        self.frozen = False
+        self.health_checks = 0
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -51,6 +56,10 @@ class FakeVLLM:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         await out.write(f"data: {json.dumps({'choices': [{'text': self.name}]})}\n\n".encode())
+        if self.freeze_after_first:
+            self.frozen = True
+            await self.thawed.wait()
+            return out
         last = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
         for part in (last[:40], last[40:]) if self.split_usage else (last,):
             await out.write(part)
@@ -59,9 +68,13 @@ class FakeVLLM:
         return out
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        if self.frozen:
+            await self.thawed.wait()
         return web.Response(text="")
 
     async def __aenter__(self) -> FakeVLLM:
+        self.thawed = asyncio.Event()  # set as it stops: a frozen one's handlers end
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
@@ -72,6 +85,7 @@ class FakeVLLM:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.thawed.set()
         await self.runner.cleanup()
 
     @property
@@ -221,6 +235,62 @@ async def test_a_dead_instance_is_retried_around_and_comes_back_when_healthy():
             status, answer = await r.ask("x")
             assert status == 503 and "no instance answered" in answer["error"]["message"]
             assert (await r.ask("x", headers={"Content-Type": "application/json"}))[0] == 503
+
+
+@async_test
+async def test_an_instance_that_answers_nothing_is_marked_down_and_its_request_answered_by_another():
+    """A stopped process's port: the kernel accepts connections into its backlog, and nothing
+    reads or answers them, its /health included."""
+    with socket.socket() as stopped:
+        stopped.bind(("127.0.0.1", 0))
+        stopped.listen(16)
+        url = "127.0.0.1:%d" % stopped.getsockname()[1]
+        async with FakeVLLM("a") as a:
+            config = RouterConfig((url, a.url), "round-robin", stall_timeout=0.3, health_timeout=0.3,
+                                  probe_interval=0.1)
+            async with Running(config) as r:
+                started = time.monotonic()
+                status, answer = await r.ask("x")
+                assert (status, answer["choices"][0]["text"]) == (200, "a")
+                assert time.monotonic() - started < 5
+                stats = await r.get("/stats")
+                assert (stats["instance_failures"], stats["retries"]) == (1, 1)
+                assert (await r.get("/health"))["instances"][0]["up"] is False
+                assert [(await r.ask("x"))[1]["choices"][0]["text"] for _ in range(2)] == ["a", "a"]
+
+
+@async_test
+async def test_a_stream_whose_instance_stops_mid_way_ends_with_an_error_event():
+    async with FakeVLLM("a") as a, FakeVLLM("b") as b:
+        a.freeze_after_first = True
+        config = RouterConfig((a.url, b.url), "round-robin", stall_timeout=0.3, health_timeout=0.3,
+                              probe_interval=0.1)
+        async with Running(config) as r:
+            status, text = await r.ask("x", stream=True)
+            assert status == 200
+            events = [line.removeprefix("data: ") for line in text.split("\n") if line]
+            assert json.loads(events[0])["choices"][0]["text"] == "a"
+            error = json.loads(events[-1])["error"]
+            assert error["code"] == 503 and "/health did not answer" in error["message"]
+            assert (await r.get("/health"))["instances"][0]["up"] is False
+            assert "b" in (await r.ask("x", stream=True))[1]
+
+
+@async_test
+async def test_a_slow_healthy_instance_is_waited_for_with_one_health_probe_at_a_time():
+    async with FakeVLLM("a") as a:
+        a.gate = asyncio.Event()
+        config = RouterConfig((a.url,), stall_timeout=0.2, health_timeout=1.0)
+        async with Running(config) as r:
+            asking = [asyncio.ensure_future(r.ask("x", stream=i % 2 == 1)) for i in range(6)]
+            await asyncio.sleep(1.5)
+            a.gate.set()
+            answers = await asyncio.gather(*asking)
+            assert [status for status, _ in answers] == [200] * 6
+            assert all("a" in str(answer) for _, answer in answers)
+            assert 3 <= a.health_checks <= 1.5 / 0.2 + 2  # not one per waiting request
+            stats = await r.get("/stats")
+            assert (stats["instance_failures"], stats["retries"]) == (0, 0)
 
 
 def test_the_fronts_start_without_torch():
