@@ -106,7 +106,8 @@ def _router(args: argparse.Namespace) -> int:
         try:
             pd = ProxyConfig.parse(args.prefiller, args.decoder, args.decoder_kv or "", args.kv_protocol,
                                    args.host, args.port, args.prefill_timeout, args.prefill_policy,
-                                   args.prefiller_kv_events or "", args.model, args.shared_kv_events)
+                                   args.prefiller_kv_events or "", args.model, args.shared_kv_events,
+                                   args.stall_timeout)
         except ValueError as e:
             raise SystemExit(f"lmcache {args.command}: {e}") from None
         _log_to_stderr()
@@ -143,6 +144,10 @@ def _add_pd_arguments(x: argparse.ArgumentParser, required: bool) -> None:
                         "pulls it)")
     x.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     x.add_argument("--port", type=int, default=8000, help="TCP port")
+    x.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="seconds a request may wait with nothing from its instance (no answer, or no "
+                        "next chunk of a stream) before the instance's /health is probed; one whose "
+                        "/health does not answer is a failed instance (default %(default)s)")
     x.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="seconds to wait for a prefiller before the decoder answers alone")
     x.add_argument("--prefill-policy", default="round-robin", choices=("round-robin", "session", "kv-aware"),
@@ -294,11 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ",".join(f"{medium}={weight:g}" for medium, weight in TIER_WEIGHTS.items())
     r.add_argument("--tier-weights", default="",
                    help=f"kv-aware: MEDIUM=WEIGHT,... (default {defaults}; GPU is vLLM's own prefix cache)")
-    r.add_argument("--stall-timeout", type=float, default=10.0,
-                   help="seconds a request may wait with nothing from its instance (no answer, or no "
-                        "next chunk of a stream) before the instance's /health is probed; an instance whose "
-                        "/health does not answer is marked down, the request sent to another "
-                        "(default %(default)s)")
     _add_pd_arguments(r, required=False)
     r.set_defaults(func=_router)
     k = sub.add_parser("keygen", help="write a new AES-256 KV sealing key file (mode 0600) for "

@@ -40,6 +40,10 @@ Faults (each backend is an incident of its own: one warning, then "works again")
   back to the client and no decoder is asked (``prefill_rejected``).
 - A decoder that cannot be reached or dies mid-answer: 503 naming it (a stream already started
   ends with an SSE error event instead), counted in ``decoder_failures``.
+- A backend that keeps its connection open and answers nothing (a stopped or hung process) is
+  found by its ``/health`` (`lmcache.router.http.StallWatch`: probed each ``stall_timeout``
+  seconds a request waits on it) and is then a failure as above: a prefiller's request goes to
+  the decoder alone, a decoder's is a 503 (or ends its stream with an SSE error event).
 - A body that is not a JSON object (nested too deeply to read included): 400, nothing forwarded
   (``bad_requests``). A chat body the model's chat template cannot render is forwarded as a miss
   (the prefiller judges it).
@@ -72,6 +76,7 @@ from lmcache.pd.params import with_receiver
 from lmcache.router.http import (
     Backend,
     ClientSession,
+    StallWatch,
     base_url,
     error_response,
     health_of,
@@ -165,6 +170,7 @@ class ProxyConfig:
     backoff: float = 1.0
     health_timeout: float = 2.0
     prefill_policy: str = "round-robin"
+    stall_timeout: float = 10.0  # seconds with no answer (or next chunk) before /health is probed
     prefiller_kv_events: tuple[str, ...] = ()  # the prefillers' KV events endpoints, same order
     model: str | None = None  # the tokenizer's folder (kv-aware)
     shared_kv_events: tuple[str, ...] = ()  # of cache servers every prefiller is attached to (kv-aware)
@@ -194,7 +200,7 @@ class ProxyConfig:
             raise ValueError(f"prefill_policy {self.prefill_policy} needs prefiller_kv_events and model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: must be a TCP port (0 = any free one)")
-        for name in ("prefill_timeout", "backoff", "health_timeout"):
+        for name in ("prefill_timeout", "backoff", "health_timeout", "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
 
@@ -202,7 +208,8 @@ class ProxyConfig:
     def parse(cls, prefillers: str, decoders: str, decoder_kv: str = "", kv_protocol: str | None = None,
               host: str = "127.0.0.1", port: int = 8000, prefill_timeout: float = 600.0,
               prefill_policy: str = "round-robin", prefiller_kv_events: str = "",
-              model: str | None = None, shared_kv_events: str = "") -> ProxyConfig:
+              model: str | None = None, shared_kv_events: str = "",
+              stall_timeout: float = 10.0) -> ProxyConfig:
         """From the command line's comma-separated lists (`kv_protocol` None: the default)."""
         def split(value: str) -> tuple[str, ...]:
             return tuple(part.strip() for part in value.split(",") if part.strip())
@@ -210,7 +217,7 @@ class ProxyConfig:
         return cls(split(prefillers), split(decoders), split(decoder_kv), kv_protocol or LMCachePush.name,
                    host, port, prefill_timeout, prefill_policy=prefill_policy,
                    prefiller_kv_events=split(prefiller_kv_events), model=model,
-                   shared_kv_events=split(shared_kv_events))
+                   shared_kv_events=split(shared_kv_events), stall_timeout=stall_timeout)
 
 
 def _address(field: str, value: str) -> str:
@@ -271,6 +278,7 @@ class Proxy:
                                     for url, address in zip(config.decoders, kv, strict=True)])
         self.counters = Counters()
         self.client = ClientSession()
+        self.stalls = StallWatch(self.client, config.stall_timeout, config.health_timeout)
         self.watch = KVWatch(config.prefillers, config.prefiller_kv_events, config.model,
                              shared=config.shared_kv_events)
         self.prefill_policy = POLICIES[config.prefill_policy](self.watch, REQUEST_COST)
@@ -332,9 +340,11 @@ class Proxy:
         try:
             with self.prefill_load[prefiller.url].serving(uncached), \
                     self.watch.sending(prefiller.url, tokens, routed.keys):
-                async with self.session.post(prefiller.url + path, json=sent, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                    status, answer, content_type = r.status, await r.read(), r.headers.get("Content-Type")
+                posted = self.session.post(prefiller.url + path, json=sent, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=timeout))
+                async with await self.stalls.started(prefiller.url, posted) as r:
+                    answer = await self.stalls.body(prefiller.url, r.content)
+                    status, content_type = r.status, r.headers.get("Content-Type")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.counters.add("prefill_failures")
             prefiller.failed(e if str(e) else f"no answer within {timeout} s")
@@ -356,11 +366,12 @@ class Proxy:
         decoder.sent += 1
         headers = passed_on(request) | ({} if body is None else {"Content-Type": "application/json"})
         try:
-            async with self.session.request("GET" if body is None else "POST", decoder.url + request.path,
-                                            data=body, headers=headers) as r:
+            sent = self.session.request("GET" if body is None else "POST", decoder.url + request.path,
+                                        data=body, headers=headers)
+            async with await self.stalls.started(decoder.url, sent) as r:
                 if stream and r.status == 200:
                     return await relay_stream(request, r, self._chunks(r, decoder))
-                answer = await r.read()
+                answer = await self.stalls.body(decoder.url, r.content)
         except aiohttp.ClientError as e:
             return error_response(503, self._decoder_failed(decoder, e))
         decoder.answered()
@@ -369,7 +380,7 @@ class Proxy:
     async def _chunks(self, answer: aiohttp.ClientResponse, decoder: Backend) -> AsyncIterator[bytes]:
         """The decoder's stream as it arrives; if the decoder dies, an SSE error event ends it."""
         try:
-            async for chunk in answer.content.iter_any():
+            while chunk := await self.stalls.chunk(decoder.url, answer.content):
                 yield chunk
         except aiohttp.ClientError as e:
             yield sse_error(503, self._decoder_failed(decoder, e))

@@ -1,14 +1,17 @@
 """The HTTP pieces every OpenAI-compatible front of LMCache shares (`lmcache router` and its
 prefill/decode policy, `lmcache.pd.proxy`): backends and their URLs, OpenAI-shaped errors, the
-headers passed on, relaying an answer (whole, or a stream chunk by chunk), the client session.
+headers passed on, relaying an answer (whole, or a stream chunk by chunk), the client session, and
+`StallWatch`, which finds a backend that keeps its connections open and answers nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -18,6 +21,7 @@ from lmcache.backoff import Backoff
 from lmcache.observability import IncidentLog
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 64 << 20  # long prompts and inline images are large
 ANSWER_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)  # an answer may take long
@@ -174,6 +178,85 @@ async def health_of(session: aiohttp.ClientSession, url: str, timeout: float) ->
             return r.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
+
+
+class Unresponsive(aiohttp.ClientError):
+    """A backend that keeps its connection open but answers nothing, not even its /health."""
+
+
+class StallWatch:
+    """Waits on backends' answers. Each `stall_timeout` seconds one has not come (an answer's
+    start, or the next chunk of its body), the backend's /health is probed, and if that does not
+    answer 200 within `health_timeout`, the wait ends in `Unresponsive` (a stopped or hung process;
+    a busy one still answers its /health). One probe per backend at a time, its answer kept for
+    `stall_timeout` for the other requests waiting on that backend."""
+
+    def __init__(self, client: ClientSession, stall_timeout: float, health_timeout: float) -> None:
+        self.client = client
+        self.stall_timeout, self.health_timeout = stall_timeout, health_timeout
+        self._checks: dict[str, tuple[float, asyncio.Future[bool]]] = {}  # url -> (started, /health answered)
+
+    async def started(self, url: str, request: Awaitable[T]) -> T:
+        """`request`'s answer (its status and headers) from the backend at `url`, awaited here (a
+        watchdog beside it cuts the wait short)."""
+        deadline = asyncio.timeout(None)
+        stalled: list[str] = []
+        try:
+            async with deadline:
+                watchdog = asyncio.ensure_future(self._watch(url, deadline, stalled))
+                try:
+                    return await request
+                finally:
+                    watchdog.cancel()
+        except TimeoutError:
+            if not stalled:
+                raise  # the request's own timeout
+            raise Unresponsive(stalled[0]) from None
+
+    async def _watch(self, url: str, deadline: asyncio.Timeout, stalled: list[str]) -> None:
+        waited = 0.0
+        while True:
+            await asyncio.sleep(self.stall_timeout)
+            waited += self.stall_timeout
+            if not await self._answering(url):
+                stalled.append(self._stalled(waited))
+                deadline.reschedule(asyncio.get_running_loop().time())
+                return
+
+    async def chunk(self, url: str, content: aiohttp.StreamReader) -> bytes:
+        """The next chunk of an answer's body (b"" at its end), read where it arrives (a wait cut
+        short leaves what came in `content`)."""
+        waited = 0.0
+        while True:
+            stall = asyncio.timeout(self.stall_timeout)
+            try:
+                async with stall:
+                    return await content.readany()
+            except TimeoutError:
+                if not stall.expired():
+                    raise  # the request's own timeout
+            waited += self.stall_timeout
+            if not await self._answering(url):
+                raise Unresponsive(self._stalled(waited))
+
+    async def body(self, url: str, content: aiohttp.StreamReader) -> bytes:
+        """An answer's whole body."""
+        parts = []
+        while part := await self.chunk(url, content):
+            parts.append(part)
+        return b"".join(parts)
+
+    async def _answering(self, url: str) -> bool:
+        check = self._checks.get(url)
+        now = time.monotonic()
+        if check is None or (check[1].done() and now - check[0] >= self.stall_timeout):
+            probe = health_of(self.client.session, url, self.health_timeout)
+            check = self._checks[url] = (now, asyncio.ensure_future(probe))
+        return await asyncio.shield(check[1])
+
+    def _stalled(self, waited: float) -> str:
+        return (f"nothing came for {waited:g} s and /health did not answer 200 within "
+                f"{self.health_timeout:g} s")
 
 
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:

@@ -33,10 +33,9 @@ import asyncio
 import json
 import logging
 import math
-import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -45,6 +44,7 @@ from lmcache.kv_events import check_endpoints
 from lmcache.observability import Counters
 from lmcache.router.http import (
     ClientSession,
+    StallWatch,
     base_url,
     error_response,
     health_of,
@@ -65,7 +65,6 @@ from lmcache.router.watch import KVWatch
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "X-LMCache-Instance"  # names the instance that answered a completion
-T = TypeVar("T")
 COUNTERS = ("requests", "bad_requests", "retries", "instance_failures", "unanswered", "hits_compared",
             "predicted_hit_tokens", "served_hit_tokens")
 
@@ -129,7 +128,7 @@ class Router:
         self.policy: Policy = POLICIES[config.policy](self.watch, config.request_cost)
         self.counters = Counters()
         self.client = ClientSession()
-        self._checks: dict[str, tuple[float, asyncio.Future[bool]]] = {}  # url -> (started, /health answered)
+        self.stalls = StallWatch(self.client, config.stall_timeout, config.health_timeout)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """Probes down instances while the app runs; closes the subscribers after."""
@@ -183,15 +182,15 @@ class Router:
         try:
             with inst.serving(uncached) as prefilled, self.watch.sending(inst.url, tokens, routed.keys):
                 posted = self.client.session.post(inst.url + request.path, data=raw, headers=headers)
-                async with await self._watched(inst, posted) as r:
+                async with await self.stalls.started(inst.url, posted) as r:
                     if stream and r.status == 200:
-                        first = await self._watched(inst, r.content.readany())
+                        first = await self.stalls.chunk(inst.url, r.content)
                         if not first:
                             raise aiohttp.ServerDisconnectedError("the stream ended before its first chunk")
                         prefilled()
                         return await relay_stream(request, r, self._chunks(first, r, inst, predicted),
                                                   {INSTANCE_HEADER: inst.url})
-                    answer = await self._watched(inst, r.read())
+                    answer = await self.stalls.body(inst.url, r.content)
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             return None
@@ -207,40 +206,12 @@ class Router:
             while chunk:
                 served.feed(chunk)
                 yield chunk
-                chunk = await self._watched(inst, answer.content.readany())
+                chunk = await self.stalls.chunk(inst.url, answer.content)
         except aiohttp.ClientError as e:
             self._failed(inst, e)
             yield sse_error(503, f"instance {inst.url} failed: {str(e) or type(e).__name__}")
             return
         self._compare(predicted, served.cached)
-
-    async def _watched(self, inst: Instance, awaitable: Awaitable[T]) -> T:
-        """`awaitable` (`inst`'s answer, or its next chunk); each `stall_timeout` seconds it has not
-        come, `inst`'s /health is probed, and if that does not answer, `Unresponsive` (the wait is
-        cancelled)."""
-        task = asyncio.ensure_future(awaitable)
-        waited = 0.0
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.config.stall_timeout)
-                if done:
-                    return task.result()
-                waited += self.config.stall_timeout
-                if not await self._answering(inst):
-                    raise Unresponsive(f"nothing came for {waited:g} s and /health did not answer 200 "
-                                       f"within {self.config.health_timeout:g} s")
-        finally:
-            task.cancel()  # nothing when it is done
-
-    async def _answering(self, inst: Instance) -> bool:
-        """Whether `inst`'s /health answers 200 within `health_timeout`: one probe at a time per
-        instance, its answer kept for `stall_timeout` for the other requests waiting on it."""
-        check = self._checks.get(inst.url)
-        now = time.monotonic()
-        if check is None or (check[1].done() and now - check[0] >= self.config.stall_timeout):
-            probe = health_of(self.client.session, inst.url, self.config.health_timeout)
-            check = self._checks[inst.url] = (now, asyncio.ensure_future(probe))
-        return await asyncio.shield(check[1])
 
     def _failed(self, inst: Instance, error: BaseException) -> None:
         self.counters.add("instance_failures")
@@ -260,8 +231,8 @@ class Router:
         for inst in sorted(self.instances, key=lambda i: not i.up):
             try:
                 got = self.client.session.get(inst.url + request.path, headers=passed_on(request))
-                async with await self._watched(inst, got) as r:
-                    body = await self._watched(inst, r.read())
+                async with await self.stalls.started(inst.url, got) as r:
+                    body = await self.stalls.body(inst.url, r.content)
                     return relayed(r.status, body, r.headers.get("Content-Type"))
             except aiohttp.ClientError as e:
                 self._failed(inst, e)
@@ -286,10 +257,6 @@ class Router:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=prometheus_text(self.snapshot()), content_type="text/plain")
-
-
-class Unresponsive(aiohttp.ClientError):
-    """An instance that keeps its connection open but answers nothing, not even its /health."""
 
 
 def prometheus_text(stats: dict[str, Any]) -> str:

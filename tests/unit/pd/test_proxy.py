@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,7 +36,7 @@ class FakeVLLM:
     generation request, answers it OpenAI-shaped (an SSE stream of `words` when asked to stream)
     or, when `status` is not 200, with that error. `delay` holds every answer back; the stream
     waits for `gate` (if set) before its last word; `die_after` words it drops the connection;
-    `abandoned` is set when a stream's client goes away."""
+    `abandoned` is set when a stream's client goes away; `hung`: its /health answers nothing."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -45,6 +46,7 @@ class FakeVLLM:
         self.auth: list[str | None] = []
         self.status = 200
         self.healthy = True
+        self.hung = False
         self.delay = 0.0
         self.words = ["Hello", " from", f" {name}"]
         self.gate: asyncio.Event | None = None
@@ -127,6 +129,8 @@ class FakeVLLM:
         return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hung:
+            await asyncio.sleep(30)  # cancelled when it stops
         return web.Response(status=200 if self.healthy else 503)
 
 
@@ -384,6 +388,47 @@ async def test_decoder_dying_mid_answer_is_a_503() -> None:
     async with deployment([prefiller], [decoder]) as client:
         status, answer = await client.post("/v1/completions", {"prompt": "hi"})
         assert status == 503 and decoder.url in answer["error"]["message"]
+        assert (await client.stats())["decoder_failures"] == 1
+
+
+@async_test
+async def test_a_stopped_prefiller_or_decoder_is_found_by_its_health_not_waited_for() -> None:
+    """A stopped process's port: the kernel accepts connections into its backlog, and nothing
+    reads or answers them, its /health included."""
+    body = {"prompt": "hi", "max_tokens": 5}
+    for stopped_role in ("prefiller", "decoder"):
+        prefiller, decoder = FakeVLLM("p0"), FakeVLLM("d0")
+        stopped = prefiller if stopped_role == "prefiller" else decoder
+        with socket.socket() as port:
+            port.bind(("127.0.0.1", stopped.port))
+            port.listen(16)
+            async with deployment([prefiller], [decoder], dead=(stopped,), stall_timeout=0.3,
+                                  health_timeout=0.3) as client:
+                started = time.monotonic()
+                status, answer = await client.post("/v1/completions", body)
+                took = time.monotonic() - started
+                stats = await client.stats()
+        assert took < 5, stopped_role
+        if stopped_role == "prefiller":
+            assert (status, answer) == (200, decoder.answer(PATH))
+            assert stats["prefill_failures"] == 1 and decoder.received == [body]
+        else:
+            assert status == 503 and "/health did not answer" in answer["error"]["message"]
+            assert stats["decoder_failures"] == 1 and len(prefiller.received) == 1
+
+
+@async_test
+async def test_a_decoder_that_stops_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    prefiller, decoder = FakeVLLM("p0"), FakeVLLM("d0")
+    decoder.gate = asyncio.Event()  # never set: its last word never comes
+    async with deployment([prefiller], [decoder], stall_timeout=0.3, health_timeout=0.3) as client:
+        decoder.hung = True
+        async with client.session.post(client.base + "/v1/completions",
+                                       json={"prompt": "hi", "stream": True}) as r:
+            received = await r.content.read()
+        events = [json.loads(e.removeprefix(b"data: ")) for e in received.split(b"\n\n") if e]
+        assert [e["choices"][0]["text"] for e in events[:2]] == ["Hello", " from"]
+        assert len(events) == 3 and "/health did not answer" in events[2]["error"]["message"]
         assert (await client.stats())["decoder_failures"] == 1
 
 

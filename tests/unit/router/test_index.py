@@ -59,7 +59,8 @@ def test_vllms_prefix_cache_reset_keeps_what_lmcaches_tiers_hold():
     instance's LMCache tiers still hold their chunks, and a later block chains onto them."""
     tokens = list(range(4 * B))
     index = KVIndex()
-    index.apply("a", [stored([1, 2], None, tokens[:2 * B], "CPU"), stored([3], 2, tokens[2 * B:3 * B], "STORAGE"),
+    index.apply("a", [stored([1, 2], None, tokens[:2 * B], "CPU"),
+                      stored([3], 2, tokens[2 * B:3 * B], "STORAGE"),
                       stored([11, 12, 13, 14], None, tokens, "GPU")])
     assert index.match("a", tokens).by_tier == {"GPU": 4 * B}
     index.apply("a", [AllBlocksCleared()])

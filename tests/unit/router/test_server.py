@@ -244,7 +244,7 @@ async def test_an_instance_that_answers_nothing_is_marked_down_and_its_request_a
     with socket.socket() as stopped:
         stopped.bind(("127.0.0.1", 0))
         stopped.listen(16)
-        url = "127.0.0.1:%d" % stopped.getsockname()[1]
+        url = f"127.0.0.1:{stopped.getsockname()[1]}"
         async with FakeVLLM("a") as a:
             config = RouterConfig((url, a.url), "round-robin", stall_timeout=0.3, health_timeout=0.3,
                                   probe_interval=0.1)
