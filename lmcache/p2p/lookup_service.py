@@ -84,11 +84,15 @@ class LookupService:
             for key in keys:
                 s = key.to_string()
                 other.pop(s, None)
-                if len(into) < MAX_QUEUED:
-                    into[s] = None
-                else:
-                    self.num_dropped += 1
+                self._keep(s, into)
             self._cond.notify()
+
+    def _keep(self, name: str, into: dict[str, None]) -> None:
+        """Queue `name` in `into` (under `_cond`), unless `into` is full: counted in `num_dropped`."""
+        if name in into or len(into) < MAX_QUEUED:
+            into[name] = None
+        else:
+            self.num_dropped += 1
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued registration was sent (or failed); False on timeout."""
@@ -117,10 +121,10 @@ class LookupService:
                 if not sent:  # keep them for the next attempt, unless superseded meanwhile
                     for name in adds:
                         if name not in self._removes:
-                            self._adds.setdefault(name, None)
+                            self._keep(name, self._adds)
                     for name in removes:
                         if name not in self._adds:
-                            self._removes.setdefault(name, None)
+                            self._keep(name, self._removes)
                     retry_at = _now() + beat_every
                 if beat or not sent:
                     next_beat = _now() + beat_every

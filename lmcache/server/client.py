@@ -145,12 +145,12 @@ class LMCacheClient:
         turns out stale. Returns the (still borrowed) socket and the result; on an error the socket
         is closed."""
         for attempt in range(2):
-            sock, reused = self._borrow()
+            sock, reused = self._borrow() if attempt == 0 else (self._connect(), False)
             try:
                 return sock, exchange(sock)
             except (ConnectionError, EOFError) as e:
                 sock.close()
-                if reused and attempt == 0:
+                if reused:
                     continue  # a stale pooled connection: retry once on a fresh one
                 raise ConnectionError(f"lm://{self.host}:{self.port}: {e}") from e
             except BaseException:

@@ -16,9 +16,10 @@ Ops (key = a UTF-8 cache key of at most MAX_KEY_BYTES; only PUT carries a value)
                                                           "ops": requests served by op name}
     AUTH    present the shared secret as `key`         -> OK | UNAUTHORIZED (then closed)
 A server started with a secret answers UNAUTHORIZED to anything before a successful AUTH and
-closes the connection. A malformed or oversize header gets an ERROR response (value = message)
-and the connection is closed; requests on other connections are unaffected. Requests on one
-connection are answered in order, so a client may pipeline them.
+closes the connection. A malformed or oversize header gets an ERROR response (value = message, at
+most MAX_MESSAGE_BYTES, as for every status but OK) and the connection is closed; requests on
+other connections are unaffected. Requests on one connection are answered in order, so a client
+may pipeline them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ HEADER = struct.Struct("<HBBIQ")
 HEADER_SIZE = HEADER.size
 MAX_KEY_BYTES = 1024
 DEFAULT_MAX_VALUE_BYTES = 512 << 20
+MAX_MESSAGE_BYTES = 64 << 10  # the most a response other than OK carries (an ERROR's message)
 _LIST_ITEM = struct.Struct("<H")
 
 
@@ -90,9 +92,13 @@ def unpack_response(head: bytes) -> tuple[Status, int]:
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"bad response header (magic {magic:#x}, version {version})")
     try:
-        return Status(status), value_len
+        status = Status(status)
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
+    if status != Status.OK and value_len > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"a {status.name} refusal claims a {value_len}-byte message (at most "
+                            f"{MAX_MESSAGE_BYTES})")
+    return status, value_len
 
 
 def pack_key_list(keys: list[bytes]) -> bytes:

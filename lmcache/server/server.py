@@ -10,7 +10,8 @@ most `max_value_bytes` (a larger frame gets an ERROR and its connection is close
 `capacity_bytes` in total (least recently used entries are evicted). A connection may stay idle
 between frames for any time, but once a frame has started (its first byte), the rest of its header
 and then its key and value must each arrive within `frame_timeout` seconds (a stalled sender is
-disconnected).
+disconnected). A request whose answer fails (the subclass raised) gets an ERROR naming the failure,
+counted in `num_failed_requests` and logged once per incident; its connection keeps serving.
 With `auth_token`, every connection must AUTH first. SIGTERM / SIGINT close the listener and all
 connections and return.
 """
@@ -28,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from lmcache.observability import IncidentLog
 from lmcache.server import protocol
 from lmcache.server.lru_store import LRUByteStore
 from lmcache.server.protocol import Op, ProtocolError, Status
@@ -59,6 +61,9 @@ class FrameServer(abc.ABC):
         self.max_value_bytes = max_value_bytes
         self.frame_timeout = frame_timeout
         self.num_bad_frames = 0
+        self.num_failed_requests = 0  # requests answered with ERROR because answering raised
+        self._failures = IncidentLog(logger, f"{type(self).__name__} requests", with_traceback=True,
+                                     consequence="answered with an error")
         self.op_counts: Counter[str] = Counter()  # requests served, by op (reported by HEALTH)
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -95,7 +100,7 @@ class FrameServer(abc.ABC):
                         return
                     continue
                 self.op_counts[op.name] += 1
-                reply = await self._answer(op, key, value)
+                reply = await self._answer_or_error(op, key, value)
                 try:
                     writer.write(protocol.pack_response(reply.status, sum(memoryview(p).nbytes
                                                                           for p in reply.parts)))
@@ -116,6 +121,18 @@ class FrameServer(abc.ABC):
         finally:
             self._writers.discard(writer)
             writer.close()
+
+    async def _answer_or_error(self, op: Op, key: bytes, value: bytes) -> Reply:
+        """`_answer`, or an ERROR reply naming the failure if answering raised (the frame was read
+        whole: the connection keeps serving)."""
+        try:
+            reply = await self._answer(op, key, value)
+        except Exception as e:  # noqa: BLE001 - one failing request must not drop the connection
+            self.num_failed_requests += 1
+            self._failures.fail(e)
+            return Reply(Status.ERROR, [f"{op.name} failed: {e}".encode()[: protocol.MAX_MESSAGE_BYTES]])
+        self._failures.recover()
+        return reply
 
     async def _answer(self, op: Op, key: bytes, value: bytes) -> Reply:
         if op == Op.HEALTH:

@@ -1,6 +1,7 @@
 import signal
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from lmcache.server import protocol
 from lmcache.server.client import LMCacheClient, ValueTooLargeError
 from lmcache.server.protocol import Op
+from lmcache.server.server import LMCacheServer, ServerThread
 from tests.helpers.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -159,3 +161,55 @@ def test_client_reconnects_at_the_next_call_after_a_server_restart(lm_server):
             time.sleep(0.1)
     c.put("k2", b"v2")
     assert c.get("k2") == b"v2"
+
+
+def test_a_call_after_a_server_restart_succeeds_with_several_stale_pooled_connections():
+    """Every pooled connection is stale after a restart: the one retry is made on a fresh
+    connection, never on another stale one from the pool."""
+    srv = ServerThread(LMCacheServer(1 << 20), "127.0.0.1", 0)
+    port = srv.port
+    c = LMCacheClient("127.0.0.1", port, timeout=5)
+    c.put("k", b"v")
+    both_reading = threading.Barrier(3, timeout=5)
+
+    def read(_, stream, length):
+        both_reading.wait()  # two connections borrowed at once: two pooled afterwards
+
+    readers = [threading.Thread(target=c.get_many_into, args=(["k"], read)) for _ in range(2)]
+    for t in readers:
+        t.start()
+    both_reading.wait()
+    for t in readers:
+        t.join(5)
+    srv.close()
+    srv = ServerThread(LMCacheServer(1 << 20), "127.0.0.1", port)
+    try:
+        c.put("k2", b"v2")
+        assert c.get("k2") == b"v2"
+    finally:
+        c.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("status", [protocol.Status.NOT_FOUND, protocol.Status.ERROR])
+def test_a_refusal_claiming_a_huge_message_is_a_protocol_error_not_an_allocation(status):
+    """A server answering a refusal must not make the client buffer more than a message."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(struct.pack("<HBBIQ", protocol.MAGIC, protocol.VERSION, status, 0, 1 << 62))
+            conn.recv(1024)  # until the client hangs up
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    c = LMCacheClient("127.0.0.1", listener.getsockname()[1], timeout=5)
+    try:
+        with pytest.raises(protocol.ProtocolError, match="refusal"):
+            c.get("k")
+    finally:
+        c.close()
+        server.join(5)
+        listener.close()

@@ -248,3 +248,52 @@ def test_half_open_and_stalled_connections_are_dropped(peer_server):
     c.close()
     for s in idle:
         s.close()
+
+
+def test_a_chunk_that_fails_to_read_gets_an_error_reply_and_the_peer_server_keeps_serving(peer_server):
+    thread, k, _ = peer_server
+    failing = keys(1, "bad")[0]
+    server = thread.server
+    read_local = server._read_local
+
+    def read_or_fail(key):
+        if key == failing:
+            raise RuntimeError("the tier could not read the chunk")  # a local tier's bug
+        return read_local(key)
+
+    server._read_local = read_or_fail
+    c = LMCacheClient("127.0.0.1", thread.port, timeout=5)
+    try:
+        with pytest.raises(LMServerError, match="could not read"):
+            c.get(failing.to_string())
+        assert c.get(k.to_string()) is not None
+        assert c.health()["ops"]["GET"] == 2 and server.num_failed_requests == 1
+    finally:
+        c.close()
+
+
+def test_registrations_kept_for_a_stalled_store_stay_within_the_queue_bound(monkeypatch):
+    monkeypatch.setattr("lmcache.p2p.lookup_service.MAX_QUEUED", 10)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    svc = LookupService(f"redis://127.0.0.1:{silent.getsockname()[1]}", "x:1", ttl=0.9, timeout=0.3)
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            with svc._cond:
+                if condition():
+                    return
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    try:
+        wait_until(lambda: svc.fault_counts()["failures"] == 1 and not svc._sending)  # the first beat
+        svc.remove(keys(10, "a"))
+        wait_until(lambda: svc._sending and not svc._removes)  # on their way to the store
+        svc.remove(keys(10, "b"))  # queued meanwhile
+        wait_until(lambda: svc.fault_counts()["failures"] == 2 and not svc._sending)  # kept for later
+        with svc._cond:
+            assert len(svc._removes) <= 10 and svc.num_dropped == 10
+    finally:
+        svc.close()
+        silent.close()
