@@ -35,7 +35,7 @@ EQUAL, TIE, MISMATCH = "equal", "tie", "MISMATCH"
 class Judgement:
     verdict: str  # EQUAL, TIE or MISMATCH
     tokens_equal: bool
-    max_logprob_diff: float  # over the compared steps (inf where a needed logprob is missing)
+    max_logprob_diff: float  # over the compared steps (inf where a needed logprob is missing or NaN)
     first_difference: int | None  # the first step whose tokens differ
     note: str
 
@@ -46,7 +46,7 @@ def judge(cached: Completion, fresh: Completion, tolerance: float) -> Judgement:
     for i in range(steps):
         a, b = cached.token_ids[i], fresh.token_ids[i]
         if a == b:
-            worst = max(worst, abs(cached.logprobs[i] - fresh.logprobs[i]))
+            worst = max(worst, _diff(cached.logprobs[i], fresh.logprobs[i]))
             continue
         # the same token's logprob in both answers, for both tokens (missing: beyond the top-k)
         moved = max(_diff(cached.top[i].get(t), fresh.top[i].get(t)) for t in (a, b))
@@ -66,4 +66,7 @@ def judge(cached: Completion, fresh: Completion, tolerance: float) -> Judgement:
 
 
 def _diff(x: float | None, y: float | None) -> float:
-    return math.inf if x is None or y is None else abs(x - y)
+    """|x - y|; inf where either is missing or NaN (nothing to compare is never within a tolerance)."""
+    if x is None or y is None or math.isnan(x) or math.isnan(y):
+        return math.inf
+    return abs(x - y)

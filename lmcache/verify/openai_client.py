@@ -18,8 +18,11 @@ import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 class ServerError(RuntimeError):
@@ -61,35 +64,46 @@ class OpenAIClient:
         except json.JSONDecodeError as e:
             raise ServerError(f"{method} {url}: the answer is not JSON: {e}") from None
 
+    def _ask(self, method: str, path: str, body: dict[str, Any] | None, read: Callable[[Any], _T]) -> _T:
+        """`read` applied to the JSON answer; an answer it cannot read is a `ServerError`."""
+        answer = self._call(method, path, body)
+        try:
+            return read(answer)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise ServerError(f"{self.base_url}{path}: unexpected answer ({e!r}): "
+                              f"{json.dumps(answer)[:300]}") from None
+
     def model(self) -> str:
         """The name of the (first) model the server serves."""
-        data = self._call("GET", "/v1/models").get("data") or []
-        if not data:
+        names = self._ask("GET", "/v1/models", None,
+                          lambda answer: [str(m["id"]) for m in (answer.get("data") or [])[:1]])
+        if not names:
             raise ServerError(f"{self.base_url}/v1/models lists no model")
-        return str(data[0]["id"])
+        return names[0]
 
     def dtype(self) -> str | None:
         """The engine's model dtype (e.g. "float32") from vLLM's ``/server_info``; None where the
         server does not expose it (it needs ``VLLM_SERVER_DEV_MODE=1``)."""
         try:
-            info = self._call("GET", "/server_info")
+            config = self._ask("GET", "/server_info", None, lambda info: str(info.get("vllm_config", "")))
         except ServerError:
             return None
-        match = re.search(r"\bdtype=torch\.(\w+)", str(info.get("vllm_config", "")))
+        match = re.search(r"\bdtype=torch\.(\w+)", config)
         return match.group(1) if match else None
 
     def tokenize(self, model: str, text: str) -> list[int]:
-        return list(self._call("POST", "/tokenize", {"model": model, "prompt": text,
-                                                     "add_special_tokens": False})["tokens"])
+        return self._ask("POST", "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False},
+                         lambda answer: [_count(t) for t in answer["tokens"]])
 
     def detokenize(self, model: str, tokens: list[int]) -> str:
-        return str(self._call("POST", "/detokenize", {"model": model, "tokens": tokens})["prompt"])
+        return self._ask("POST", "/detokenize", {"model": model, "tokens": tokens},
+                         lambda answer: str(answer["prompt"]))
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """Empty vLLM's own prefix cache (vLLM refuses while blocks are in use: retried)."""
         for _ in range(attempts):
             try:
-                if self._call("POST", "/reset_prefix_cache").get("success", True):
+                if self._ask("POST", "/reset_prefix_cache", None, lambda answer: answer.get("success", True)):
                     return
             except ServerError as e:
                 raise ServerError(f"{e} (the endpoint needs the server started with "
@@ -104,23 +118,35 @@ class OpenAIClient:
                                 "return_tokens_as_token_ids": True}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        answer = self._call("POST", "/v1/completions", body)
-        try:
-            logprobs = answer["choices"][0]["logprobs"]
-            usage = answer["usage"]
-            details = usage.get("prompt_tokens_details") or {}
-            return Completion([_token_id(t) for t in logprobs["tokens"]],
-                              [float(x) for x in logprobs["token_logprobs"]],
-                              [{_token_id(t): float(x) for t, x in top.items()}
-                               for top in logprobs["top_logprobs"]],
-                              int(usage["prompt_tokens"]), details.get("cached_tokens"))
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise ServerError(f"{self.base_url}/v1/completions: unexpected answer ({e!r}): "
-                              f"{json.dumps(answer)[:300]}") from None
+        return self._ask("POST", "/v1/completions", body, _completion)
 
 
-def _token_id(token: str) -> int:
-    if not token.startswith("token_id:"):
+def _completion(answer: Any) -> Completion:
+    """The `Completion` of a ``/v1/completions`` answer; KeyError, ValueError, ... where it is not one
+    (every step needs its token, logprob and top logprobs, and there is at least one step)."""
+    logprobs = answer["choices"][0]["logprobs"]
+    usage = answer["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    tokens = [_token_id(t) for t in logprobs["tokens"]]
+    chosen = [float(x) for x in logprobs["token_logprobs"]]
+    top = [{_token_id(t): float(x) for t, x in step.items()} for step in logprobs["top_logprobs"]]
+    if not tokens or not len(tokens) == len(chosen) == len(top):
+        raise ValueError(f"{len(tokens)} tokens, {len(chosen)} token_logprobs and {len(top)} "
+                         "top_logprobs (expected as many, at least one)")
+    cached = details.get("cached_tokens")
+    return Completion(tokens, chosen, top, _count(usage["prompt_tokens"]),
+                      None if cached is None else _count(cached))
+
+
+def _count(value: Any) -> int:
+    """`value` if it is a non-negative integer (a token id or count); ValueError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _token_id(token: Any) -> int:
+    if not isinstance(token, str) or not token.startswith("token_id:"):
         raise ValueError(f"token {token!r} is not a token id: the server ignored return_tokens_as_token_ids")
     return int(token.removeprefix("token_id:"))
 

@@ -28,7 +28,7 @@ from lmcache.blend.retriever import SPTBlendRetriever, split_segments
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.transformers.llama_blend import LlamaBlendForward
-from lmcache.integration.transformers.prefix_cache import PrefixCacheLM, as_token_row
+from lmcache.integration.transformers.prefix_cache import PrefixCacheLM, as_token_row, fit_cache_to_generate
 
 
 @dataclass
@@ -127,6 +127,7 @@ class CacheBlendLM:
         tokens = as_token_row(input_ids)
         cache = self.prefill(tokens).past_key_values
         cache.crop(-1)  # drop the last token: generate recomputes it
+        fit_cache_to_generate(self.model, cache, generate_kwargs)
         ids = tokens.unsqueeze(0).to(self.prefix.device)
         generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
         return self.model.generate(input_ids=ids, past_key_values=cache, **generate_kwargs)

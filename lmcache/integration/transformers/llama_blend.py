@@ -70,6 +70,10 @@ class LlamaBlendForward:
         self.model = model
         self.executor = executor
         self.geometry = KVGeometry.of(model)
+        beyond = [layer for layer in executor.check_layers if layer >= self.geometry.num_layers]
+        if beyond:
+            raise ValueError(f"check layers {beyond} (blend_check_layers) are beyond the model's "
+                             f"{self.geometry.num_layers} layers: no token would ever be selected")
         self.encode, reverse = rotary_encoders(model)
         executor.set_positional_encoder(self.encode)
         executor.set_reverse_positional_encoder(reverse)
@@ -82,8 +86,14 @@ class LlamaBlendForward:
         base = self.model.model
         device = base.embed_tokens.weight.device
         num_tokens = input_ids.numel()
+        if input_ids.dim() != 1 or num_tokens == 0:
+            raise ValueError(f"input_ids must be non-empty token ids of shape [T], got shape "
+                             f"{tuple(input_ids.shape)}")
         forced = torch.zeros(num_tokens, dtype=torch.bool)
         if force_recompute is not None:
+            if force_recompute.shape != (num_tokens,):
+                raise ValueError(f"force_recompute must be a bool mask of shape ({num_tokens},), got "
+                                 f"shape {tuple(force_recompute.shape)}")
             forced |= force_recompute.to("cpu", torch.bool)
         forced[-1] = True
         no_kv = torch.zeros(num_tokens, dtype=torch.bool)

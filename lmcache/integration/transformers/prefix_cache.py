@@ -10,12 +10,16 @@
 - `generate(ids, **generate_kwargs)`: the same around `model.generate` (any HF generation options);
   it stores the prompt's KV, and with ``save_decode_cache`` the generated tokens' KV too.
 
+A cache whose layers do not hold every token's KV (sliding-window layers past their window) is
+not stored: such prompts are always computed.
+
 The engine is normally `create_hf_engine(model, config)`; its connector reads and writes HF's
 ``[1, num_kv_heads, T, head_size]`` tensors directly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,8 @@ from transformers import DynamicCache
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.integration.transformers.engine import KVGeometry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +53,18 @@ def as_token_row(input_ids: torch.Tensor) -> torch.Tensor:
     return ids.to("cpu", torch.int64)
 
 
+def fit_cache_to_generate(model: Any, cache: DynamicCache, generate_kwargs: dict[str, Any]) -> int:
+    """Repeat the batch row of a prefilled `cache` for every row `model.generate(**generate_kwargs)`
+    runs per prompt (``max(num_beams, num_return_sequences)``, from the generation config and its
+    overrides): generate widens its inputs, not a cache passed in. Returns that number of rows."""
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    rows = max(generate_kwargs.get("num_beams", config.num_beams) or 1,
+               generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
+    if rows > 1 and cache.get_seq_length() > 0:
+        cache.batch_repeat_interleave(rows)
+    return rows
+
+
 class PrefixCacheLM:
     def __init__(self, model: Any, engine: LMCacheEngine) -> None:
         geo = KVGeometry.of(model)
@@ -54,9 +72,13 @@ class PrefixCacheLM:
                 geo.num_kv_heads * geo.head_size:
             raise ValueError(f"engine KV shape {engine.metadata.kv_shape} does not fit the model "
                              f"({geo.num_layers} layers, {geo.num_kv_heads} KV heads of {geo.head_size})")
+        if engine.metadata.kv_dtype != model.dtype:
+            raise ValueError(f"the engine's KV dtype {engine.metadata.kv_dtype} differs from the model's "
+                             f"dtype {model.dtype}; build the engine for the model in its dtype")
         self.model = model
         self.engine = engine
         self.geometry = geo
+        self._warned_unstorable = False
 
     @property
     def device(self) -> torch.device:
@@ -87,10 +109,19 @@ class PrefixCacheLM:
         return cache, n
 
     def store(self, input_ids: torch.Tensor, past_key_values: DynamicCache) -> None:
-        """Store the KV of the first ``min(T, cache length)`` tokens of `input_ids` (batch row 0)."""
+        """Store the KV of the first ``min(T, cache length)`` tokens of `input_ids` (batch row 0);
+        nothing if a layer holds only the last tokens' KV (a sliding window)."""
         tokens = as_token_row(input_ids)
-        n = min(tokens.numel(), past_key_values.get_seq_length())
+        length = past_key_values.get_seq_length()
+        n = min(tokens.numel(), length)
         if n <= 0:
+            return
+        held = min(layer.keys.shape[-2] for layer in past_key_values.layers)  # type: ignore[union-attr]
+        if held < length:
+            if not self._warned_unstorable:
+                logger.warning("not storing the KV of %d tokens: a layer of the cache holds only the "
+                               "last %d (a sliding window); such prompts are computed", length, held)
+                self._warned_unstorable = True
             return
         kv = [(layer.keys[:1], layer.values[:1]) for layer in past_key_values.layers]  # type: ignore[union-attr,index]
         self.engine.store(tokens[:n], kvcaches=kv)
@@ -113,12 +144,12 @@ class PrefixCacheLM:
             raise ValueError("past_key_values is managed by PrefixCacheLM.generate")
         tokens = as_token_row(input_ids)
         cache, _ = self.load_prefix(tokens)
+        rows = fit_cache_to_generate(self.model, cache, generate_kwargs)
         ids = tokens.unsqueeze(0).to(self.device)
         generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
         out = self.model.generate(input_ids=ids, past_key_values=cache, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        beams = generate_kwargs.get("num_beams", getattr(self.model.generation_config, "num_beams", 1))
-        decode_kv_is_row0 = sequences.shape[0] == 1 and (beams or 1) == 1
+        decode_kv_is_row0 = sequences.shape[0] == 1 and rows == 1
         keep = sequences[0] if self.engine.config.save_decode_cache and decode_kv_is_row0 else tokens
         self.store(keep, cache)
         return out

@@ -138,3 +138,32 @@ def test_hf_keys_equal_the_keys_of_a_vllm_engine_for_the_same_model_and_dtype(ti
     assert keys == [k for _, _, k in ChunkedTokenDatabase(config, vllm).process_tokens(tokens)]
     bf16 = dataclasses.replace(vllm, kv_dtype=torch.bfloat16)
     assert keys[0] != ChunkedTokenDatabase(config, bf16).process_tokens(tokens)[0][2]
+
+
+def test_generate_with_beam_search_continues_from_the_blended_cache(
+        tiny_llama: Any, tiny_engine: LMCacheEngine, rag_input: torch.Tensor) -> None:
+    b = blender(tiny_llama, tiny_engine, 1.0)
+    got = b.generate(rag_input, max_new_tokens=4, num_beams=2, do_sample=False)
+    ref = tiny_llama.generate(rag_input.unsqueeze(0), attention_mask=torch.ones(1, rag_input.numel(),
+                              dtype=torch.long), max_new_tokens=4, num_beams=2, do_sample=False)
+    assert torch.equal(got, ref)
+    b.close()
+
+
+def test_check_layers_beyond_the_models_layers_are_rejected(tiny_llama: Any,
+                                                            tiny_engine: LMCacheEngine) -> None:
+    config = dataclasses.replace(tiny_engine.config, blend_check_layers=[1, 4])
+    with pytest.raises(ValueError, match=r"check layers \[4\] .* 4 layers"):
+        CacheBlendLM(tiny_llama, tiny_engine, spt=SPT, config=config)
+
+
+def test_forward_inputs_of_the_wrong_shape_are_rejected(tiny_llama: Any, tiny_engine: LMCacheEngine,
+                                                        rag_input: torch.Tensor) -> None:
+    b = blender(tiny_llama, tiny_engine, 0.0)
+    n = rag_input.numel()
+    task = b.retriever.new_request(rag_input, torch.tensor([0, n]))
+    with pytest.raises(ValueError, match="input_ids must be"):
+        b.forward(rag_input.unsqueeze(0), task)
+    with pytest.raises(ValueError, match=f"force_recompute must be .* \\({n},\\)"):
+        b.forward(rag_input, task, force_recompute=torch.zeros(n - 1, dtype=torch.bool))
+    b.close()

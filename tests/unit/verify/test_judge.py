@@ -48,3 +48,11 @@ def test_a_tie_after_a_step_beyond_the_tolerance_is_still_a_mismatch():
     cached = answer([{1: -0.5}, {7: -0.690, 8: -0.695}])
     fresh = answer([{1: -0.9}, {7: -0.697, 8: -0.693}])
     assert judge(cached, fresh, TOL).verdict == MISMATCH
+
+
+def test_nan_logprobs_are_a_mismatch_whether_the_tokens_agree_or_not():
+    nan = math.nan
+    same = judge(answer([{1: nan}]), answer([{1: -0.5}]), TOL)
+    assert same.verdict == MISMATCH and same.max_logprob_diff == math.inf
+    flipped = judge(answer([{2: nan, 1: nan}]), answer([{1: -0.5, 2: -0.6}]), TOL)
+    assert flipped.verdict == MISMATCH  # not a near tie

@@ -4,24 +4,27 @@ its exit status, report and errors. The real servers are in tests/integration/vl
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from lmcache.cli import main
-from lmcache.json_http import JsonHTTPService
+from lmcache.json_http import JsonHTTPService, RawReply
 from tests.helpers.servers import free_port
 
 
 class FakeServer:
     """Answers greedily from the prompt's tokens. A request without a salt whose prompt was asked
     before is "served from the cache": ``cached_tokens`` is all but one token, and its logprobs are
-    shifted by `fault`. `ignore_salt`: salted requests are served from the cache too."""
+    shifted by `fault`. `ignore_salt`: salted requests are served from the cache too. `mangle`: turns
+    every completion answer into another JSON value, as a broken server would."""
 
     def __init__(self, fault: float = 0.0, ignore_salt: bool = False, dtype: str = "float32",
-                 dev_mode: bool = True) -> None:
+                 dev_mode: bool = True, mangle: Callable[[dict[str, Any]], Any] | None = None) -> None:
         """`dev_mode`: serve vLLM's dev-mode endpoints (/server_info with `dtype`, /reset_prefix_cache)."""
-        self.fault, self.ignore_salt = fault, ignore_salt
+        self.fault, self.ignore_salt, self.mangle = fault, ignore_salt, mangle
         self.seen: set[tuple[int, ...]] = set()
         self.resets = 0
         routes: dict[tuple[str, str], Any] = {
@@ -41,7 +44,13 @@ class FakeServer:
         self.resets += 1
         return {"success": True}
 
-    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _complete(self, body: dict[str, Any]) -> dict[str, Any] | RawReply:
+        answer = self._answer(body)
+        if self.mangle is None:
+            return answer
+        return RawReply("application/json", json.dumps(self.mangle(answer)).encode())
+
+    def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body["prompt"]
         tokens = tuple(prompt if isinstance(prompt, list) else (ord(c) for c in prompt))
         hit = tokens in self.seen and (self.ignore_salt or "cache_salt" not in body)
@@ -173,3 +182,69 @@ def test_a_missing_prompts_file_an_unknown_dtype_and_no_dev_mode_exit_2(capsys, 
     assert no_dtype[0] == 2 and "give --dtype or --tolerance" in no_dtype[2]
     assert no_reset[0] == 2 and "HTTP 404" in no_reset[2] and "VLLM_SERVER_DEV_MODE=1" in no_reset[2]
     assert bad_tolerance[0] == 2 and "--tolerance must be >= 0" in bad_tolerance[2]
+
+
+def test_nan_logprobs_in_the_cached_answer_are_a_mismatch(capsys, prompts_file):
+    server = FakeServer(fault=math.nan)  # the cached answers' logprobs are NaN (e.g. corrupt KV)
+    try:
+        status, out, _ = run(capsys, "--url", server.url, "--prompts", prompts_file, "--json")
+    finally:
+        server.close()
+    assert status == 1
+    assert [r["verdict"] for r in json.loads(out)["prompts"]] == ["MISMATCH", "MISMATCH"]
+
+
+def _logprobs(answer: dict[str, Any]) -> dict[str, Any]:
+    return answer["choices"][0]["logprobs"]
+
+
+def _edit(change: Callable[[dict[str, Any]], object]) -> Callable[[dict[str, Any]], Any]:
+    """A mangle that changes the answer in place."""
+    def mangle(answer: dict[str, Any]) -> Any:
+        change(answer)
+        return answer
+    return mangle
+
+
+MALFORMED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "null top_logprobs": _edit(lambda a: _logprobs(a)["top_logprobs"].__setitem__(0, None)),
+    "null usage": _edit(lambda a: a.__setitem__("usage", None)),
+    "details not an object": _edit(lambda a: a["usage"].__setitem__("prompt_tokens_details", [3])),
+    "cached_tokens not a count": _edit(
+        lambda a: a["usage"].update(prompt_tokens_details={"cached_tokens": "7"})),
+    "token not a string": _edit(lambda a: _logprobs(a)["tokens"].__setitem__(0, 17)),
+    "fewer logprobs than tokens": _edit(lambda a: _logprobs(a)["token_logprobs"].pop()),  # a partial answer
+    "fewer top_logprobs than tokens": _edit(lambda a: _logprobs(a)["top_logprobs"].pop()),
+    "no tokens": _edit(lambda a: _logprobs(a).update(tokens=[], token_logprobs=[], top_logprobs=[])),
+    "not an object": lambda a: [a],
+}
+
+
+@pytest.mark.parametrize("mangle", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_completion_answer_exits_2_saying_so(capsys, prompts_file, mangle):
+    server = FakeServer(mangle=mangle)
+    try:
+        status, out, err = run(capsys, "--url", server.url, "--prompts", prompts_file)
+    finally:
+        server.close()
+    assert status == 2 and "/v1/completions: unexpected answer" in err
+    assert "Traceback" not in err and "all prompts equal" not in out
+
+
+@pytest.mark.parametrize(("route", "answer"), [
+    (("GET", "/v1/models"), {"data": [{"name": "fake"}]}),
+    (("GET", "/v1/models"), ["fake"]),
+    (("POST", "/tokenize"), {"ids": [1, 2]}),
+    (("POST", "/tokenize"), {"tokens": ["a", "b"]}),
+    (("POST", "/detokenize"), {"text": "abc"}),
+])
+def test_a_malformed_answer_of_another_endpoint_exits_2_naming_it(capsys, tmp_path, route, answer):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to cut prompts from " * 20)
+    server = FakeServer()
+    server.http._routes[route] = lambda _: RawReply("application/json", json.dumps(answer).encode())
+    try:
+        status, _, err = run(capsys, "--url", server.url, "--corpus", str(corpus), "--lengths", "50")
+    finally:
+        server.close()
+    assert status == 2 and f"{route[1]}: unexpected answer" in err
