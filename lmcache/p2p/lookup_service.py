@@ -11,7 +11,10 @@ dead instance's entries disappear by themselves `ttl` seconds after its last hea
 
 - `add(keys)` / `remove(keys)` queue registrations; a background thread sends them in one
   pipeline per batch, never on a request's critical path, and sends the heartbeat every
-  `ttl / 3` seconds. A failed batch is kept and sent again with the next one (bounded).
+  `ttl / 3` seconds. A failed batch is kept and sent again with the next one (bounded). The
+  instance's registrations are kept here too: a heartbeat that finds its ``alive`` entry gone (the
+  store restarted without its data, or the instance could not reach it for longer than `ttl`)
+  publishes all of them again.
 - `holders(keys)` answers, per key, the live instances other than this one that registered it:
   one pipelined round trip (plus one for the instance list, cached for `ttl / 3` seconds).
 The store is one failure domain (`lmcache.failures`): while it fails, `holders` answers nobody (a
@@ -57,6 +60,8 @@ class LookupService:
         self._cond = threading.Condition()
         self._adds: dict[str, None] = {}  # ordered sets
         self._removes: dict[str, None] = {}
+        self._held: dict[str, None] = {}  # every key added and not removed (as many as local tiers hold)
+        self._registered = False  # a heartbeat has reached the store
         self._peers: list[str] = []
         self._peers_at = -1.0
         self._sending = False
@@ -74,17 +79,22 @@ class LookupService:
     # ---- registrations ----------------------------------------------------------------------------
 
     def add(self, keys: Sequence[CacheEngineKey]) -> None:
-        self._queue(keys, self._adds, self._removes)
+        self._queue(keys, self._adds, self._removes, held=True)
 
     def remove(self, keys: Sequence[CacheEngineKey]) -> None:
-        self._queue(keys, self._removes, self._adds)
+        self._queue(keys, self._removes, self._adds, held=False)
 
-    def _queue(self, keys: Sequence[CacheEngineKey], into: dict[str, None], other: dict[str, None]) -> None:
+    def _queue(self, keys: Sequence[CacheEngineKey], into: dict[str, None], other: dict[str, None],
+               held: bool) -> None:
         with self._cond:
             for key in keys:
                 s = key.to_string()
                 other.pop(s, None)
                 self._keep(s, into)
+                if held:
+                    self._held[s] = None
+                else:
+                    self._held.pop(s, None)
             self._cond.notify()
 
     def _keep(self, name: str, into: dict[str, None]) -> None:
@@ -116,8 +126,14 @@ class LookupService:
                 removes, self._removes = list(self._removes), {}
                 self._sending = True
             beat = _now() >= next_beat
-            sent = self._send(adds, removes, beat)
+            lost = self._send(adds, removes, beat)
+            sent = lost is not None
             with self._cond:
+                if lost and self._registered:  # the store forgot this instance: publish all it holds
+                    for name in self._held:
+                        if name not in self._removes:
+                            self._keep(name, self._adds)
+                self._registered = self._registered or bool(sent and (beat or adds))
                 if not sent:  # keep them for the next attempt, unless superseded meanwhile
                     for name in adds:
                         if name not in self._removes:
@@ -131,23 +147,27 @@ class LookupService:
                 self._sending = False
                 self._cond.notify_all()
 
-    def _send(self, adds: list[str], removes: list[str], beat: bool) -> bool:
+    def _send(self, adds: list[str], removes: list[str], beat: bool) -> bool | None:
+        """One pipeline of registrations (and the heartbeat); None if it failed, else whether the
+        heartbeat found this instance's ``alive`` entry gone."""
         keys = self._keys(self.address)
         pipe = self.client.pipeline(transaction=False)
         if adds:
             pipe.sadd(keys, *adds)
         if removes:
             pipe.srem(keys, *removes)
+        alive_at = None  # the reply of the heartbeat's SET (the entry's old value)
         if beat or adds:
             pipe.sadd(self._instances, self.address)
-            pipe.set(self._alive(self.address), b"1", px=self.ttl_ms)
+            alive_at = bool(adds) + bool(removes) + 1
+            pipe.set(self._alive(self.address), b"1", px=self.ttl_ms, get=True)
             pipe.pexpire(keys, self.ttl_ms)
 
         def send() -> bool:
-            pipe.execute()
-            return True
+            replies = pipe.execute()
+            return alive_at is not None and replies[alive_at] is None
 
-        return self._store.call(STORE, send, False)
+        return self._store.call(STORE, send, None)
 
     # ---- queries ----------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from lmcache.cache_key import CacheEngineKey
@@ -66,6 +67,32 @@ def test_lookup_service_registers_withdraws_and_forgets_dead_instances(lookup_ur
         assert time.monotonic() < deadline, "a dead instance's registrations did not expire"
         time.sleep(0.1)
     b.close()
+
+
+def test_registrations_the_store_lost_are_published_again_at_the_next_heartbeat(valkey):
+    """The store restarted without its data (here: FLUSHALL): the instance's next heartbeat finds
+    its entry gone and registers every key it still holds, and only those."""
+    url = f"redis://127.0.0.1:{valkey.port}"
+    a = LookupService(url, "10.0.0.1:1", ttl=0.6, timeout=2)
+    b = LookupService(url, "10.0.0.2:2", ttl=0.6, timeout=2)
+    ks = keys(4)
+    try:
+        a.add(ks)
+        a.remove(ks[:1])
+        assert a.flush()
+        held = [[], ["10.0.0.1:1"], ["10.0.0.1:1"], ["10.0.0.1:1"]]
+        assert b.holders(ks) == held
+        store = redis.Redis(port=valkey.port)
+        store.flushall()
+        store.close()
+        assert b.holders(ks) == [[], [], [], []]
+        deadline = time.monotonic() + 5
+        while b.holders(ks) != held:
+            assert time.monotonic() < deadline, "the lost registrations were not published again"
+            time.sleep(0.05)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_the_lookup_service_refuses_a_non_redis_store():
