@@ -156,16 +156,17 @@ class LookupService:
             pipe.sadd(keys, *adds)
         if removes:
             pipe.srem(keys, *removes)
-        alive_at = None  # the reply of the heartbeat's SET (the entry's old value)
+        alive_at = None  # the reply saying whether the heartbeat's entry was still there
         if beat or adds:
             pipe.sadd(self._instances, self.address)
             alive_at = bool(adds) + bool(removes) + 1
-            pipe.set(self._alive(self.address), b"1", px=self.ttl_ms, get=True)
+            pipe.exists(self._alive(self.address))  # (SET's GET option needs Redis 6.2)
+            pipe.set(self._alive(self.address), b"1", px=self.ttl_ms)
             pipe.pexpire(keys, self.ttl_ms)
 
         def send() -> bool:
             replies = pipe.execute()
-            return alive_at is not None and replies[alive_at] is None
+            return alive_at is not None and not replies[alive_at]
 
         return self._store.call(STORE, send, None)
 
