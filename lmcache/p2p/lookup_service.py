@@ -159,7 +159,7 @@ class LookupService:
         alive_at = None  # the reply saying whether the heartbeat's entry was still there
         if beat or adds:
             pipe.sadd(self._instances, self.address)
-            alive_at = bool(adds) + bool(removes) + 1
+            alive_at = len(pipe)
             pipe.exists(self._alive(self.address))  # (SET's GET option needs Redis 6.2)
             pipe.set(self._alive(self.address), b"1", px=self.ttl_ms)
             pipe.pexpire(keys, self.ttl_ms)
