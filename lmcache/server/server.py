@@ -177,13 +177,13 @@ class LMCacheServer(FrameServer):
 
 async def serve(host: str, port: int, server: LMCacheServer) -> None:
     """Serve until SIGTERM/SIGINT; prints ``listening on HOST:PORT`` once bound (port 0 = any)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the port opens: a supervisor's first
+        loop.add_signal_handler(sig, stop.set)  # SIGTERM then stops it cleanly too
     listener = await asyncio.start_server(server.handle, host, port)
     bound = listener.sockets[0].getsockname()
     print(f"lmcache server listening on {bound[0]}:{bound[1]}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     async with listener:
         await stop.wait()
         listener.close()
