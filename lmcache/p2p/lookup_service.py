@@ -220,6 +220,11 @@ class LookupService:
         self._peers = [p for p in self._peers if p not in dead]
 
     @property
+    def peers(self) -> list[str]:
+        """The other instances alive at the last look (`holders` refreshes it; nothing is asked)."""
+        return list(self._peers)
+
+    @property
     def healthy(self) -> bool:
         return not self._store.failing()
 

@@ -129,13 +129,13 @@ class PeerBackend(StorageBackendInterface):
         return self.batched_contains([key])[0]
 
     def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        return [bool(h) for h in self._usable(self.lookup.holders(keys))]
+        return [bool(h) for h in self._usable(self._holders(keys))]
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self.batched_get([key])[0]
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        holders = self._usable(self.lookup.holders(keys))
+        holders = self._usable(self._holders(keys))
         out: list[MemoryObj | None] = [None] * len(keys)
         tried: set[str] = set()
         try:
@@ -186,6 +186,17 @@ class PeerBackend(StorageBackendInterface):
             release_all(out)
             return [None] * len(keys)
         return out
+
+    def _holders(self, keys: Sequence[CacheEngineKey]) -> list[list[str]]:
+        """`lookup.holders(keys)`, and the connections to peers no longer alive closed (a dead
+        peer's idle connections would otherwise wait in CLOSE_WAIT for ever)."""
+        holders = self.lookup.holders(keys)
+        live = set(self.lookup.peers)
+        with self._lock:
+            gone = [self._clients.pop(peer) for peer in [p for p in self._clients if p not in live]]
+        for client in gone:
+            client.close()
+        return holders
 
     def _client(self, peer: str) -> LMCacheClient:
         with self._lock:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import torch
@@ -111,6 +112,12 @@ def start_peer(lookup_url: str, ttl: float, *specs: str) -> tuple[subprocess.Pop
     return proc, line.split()[1]
 
 
+def connections_to(address: str) -> list:
+    """This process's TCP connections to `address` (host:port), closing ones included."""
+    port = int(address.rpartition(":")[2])
+    return [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port]
+
+
 def retrieve(engine, seed: int, n: int) -> int:
     kv = paged_kv(seed)
     slots = kv.slots_for(n)
@@ -122,23 +129,43 @@ def retrieve(engine, seed: int, n: int) -> int:
 
 def test_an_engine_reads_a_peer_process_chunks_and_survives_its_death(valkey):
     url = f"redis://127.0.0.1:{valkey.port}"
-    proc, _ = start_peer(url, 1.0, "1:40", "2:24")
+    proc, address = start_peer(url, 1.0, "1:40", "2:24")
     b = peer_engine(url, 1.0)
     try:
         assert b.lookup(tokens_for(1, 40)) == 40 and b.lookup(tokens_for(2, 24)) == 24
         assert retrieve(b, 1, 40) == 40  # bit-identical (checked in `retrieve`)
         assert b.storage_manager.contains_prefix(
             [k for _, _, k in b.token_database.process_tokens(tokens_for(1, 40))], "Hot").hits == 5
+        assert connections_to(address)  # kept for the next pull
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         t0 = time.monotonic()
         assert retrieve(b, 2, 24) == 0  # only the dead peer had these: a miss, no error
         assert time.monotonic() - t0 < 2.0 + 1.0  # within remote_timeout
+        assert not connections_to(address)  # a failed peer's connections are closed, none left
         deadline = time.monotonic() + 1.0 + 2.0  # the registry forgets it within p2p_ttl
         while b.lookup(tokens_for(2, 24)) != 0:
             assert time.monotonic() < deadline, "lookups still count a dead peer's chunks"
             time.sleep(0.05)
         assert b.lookup(tokens_for(1, 40)) == 40 and retrieve(b, 1, 40) == 40  # pulled ones stay hits
+    finally:
+        proc.kill()
+        b.close()
+
+
+def test_the_connections_to_a_peer_that_died_are_closed_once_the_registry_forgets_it(valkey):
+    url = f"redis://127.0.0.1:{valkey.port}"
+    proc, address = start_peer(url, 1.0, "3:40")
+    b = peer_engine(url, 1.0)
+    try:
+        assert retrieve(b, 3, 40) == 40 and connections_to(address)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 1.0 + 3.0  # p2p_ttl, and the instance list's refresh
+        while connections_to(address):  # lookups of a prompt nobody holds ask the registry, and
+            assert b.lookup(tokens_for(4, 40)) == 0  # never pull from the dead peer again
+            assert time.monotonic() < deadline, connections_to(address)
+            time.sleep(0.1)
     finally:
         proc.kill()
         b.close()
