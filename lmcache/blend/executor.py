@@ -126,6 +126,12 @@ class CacheBlendImpl(BlendExecutor):
         query_start_loc: torch.Tensor,
         token_dim: int,
     ) -> BlendOutput:
+        ndim = min(fresh_q.dim(), fresh_k.dim())
+        if not -ndim <= token_dim < ndim:
+            raise ValueError(f"token_dim={token_dim} is out of range for fresh q "
+                             f"{tuple(fresh_q.shape)} / k {tuple(fresh_k.shape)}")
+        if positions.dim() != 1:
+            raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
         n_fresh = fresh_q.shape[token_dim]
         if fresh_k.shape != fresh_v.shape or fresh_k.shape[token_dim] != n_fresh \
                 or positions.numel() != n_fresh:

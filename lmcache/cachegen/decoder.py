@@ -75,7 +75,9 @@ def decode_substreams(tables: StreamTables, payload: bytes | memoryview, lengths
                       dtype: torch.dtype, coder: Kernels | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """All substreams of `tables.layout` (byte lengths [B * 2L], one after another in `payload`)
-    -> [2L, T, C] of `dtype` (CPU), into `out` if given."""
+    -> [2L, T, C] of `dtype` (CPU), into `out` if given (any shape of 2L * T * C elements;
+    ValueError otherwise)."""
+    _check_out(out, tables.layout.num_pairs * tables.steps.shape[1] * tables.means.shape[1])
     if len(lengths) != tables.layout.num_blocks * tables.layout.num_pairs or \
             int(np.sum(lengths)) != len(payload):
         raise CorruptBlobError("cachegen substream lengths do not match the payload")
@@ -87,11 +89,13 @@ def decode_substreams(tables: StreamTables, payload: bytes | memoryview, lengths
 def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Kernels | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """A whole stream -> KV [2, nlayers, ntokens, nchannels] of `dtype` (CPU for rANS streams,
-    the CUDA device for nvCOMP ones), written into `out` if given. `coder`: the CPU kernels
-    (default: native if available)."""
+    the CUDA device for nvCOMP ones), written into `out` if given (2 * nlayers * ntokens *
+    nchannels elements; ValueError otherwise). `coder`: the CPU kernels (default: native if
+    available)."""
     if encoded.coder == fmt.CODER_NVCOMP:
+        _check_out(out, encoded.channel_means.numel() * encoded.max_tensors_key.shape[1])
         values = gpu.decode(encoded, dtype)
-        return values if out is None else out.copy_(values)
+        return values if out is None else out.copy_(values.reshape(out.shape))
     nlayers, ntok = encoded.max_tensors_key.shape
     tables = StreamTables.of(encoded, coder)
     starts = encoded.start_indices.long()
@@ -100,6 +104,14 @@ def decode_stream(encoded: CacheGenEncoderOutput, dtype: torch.dtype, coder: Ker
     lengths = starts.diff(dim=1).reshape(-1).numpy()
     values = decode_substreams(tables, encoded.bytestream, lengths, dtype, coder, out)
     return values.view(2, nlayers, ntok, -1)
+
+
+def _check_out(out: torch.Tensor | None, numel: int) -> None:
+    """Raise ValueError unless `out` is None or holds exactly `numel` elements (the kernels
+    write the whole stream into it)."""
+    if out is not None and out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements ({tuple(out.shape)}); the stream decodes "
+                         f"to {numel}")
 
 
 def decode_kv(encoded: CacheGenGPUEncoderOutput, dtype: torch.dtype,

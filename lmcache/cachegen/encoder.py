@@ -36,7 +36,7 @@ from lmcache.cachegen.kernels import ChunkCode, Kernels, Quantized, coded_input
 from lmcache.cachegen.kernels import kernels as default_kernels
 from lmcache.cachegen.layout import CodeLayout, channel_classes
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what it encodes
 Bins = Sequence[int] | torch.Tensor | np.ndarray  # one entry per layer
 
 
@@ -198,7 +198,7 @@ def check_kv(kv: torch.Tensor, nlayers: int, chunk_size: int) -> None:
     """Raise ValueError unless kv is float KV [2, nlayers, T, C] and chunk_size >= 1."""
     if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
         raise ValueError(f"CacheGen encodes KV of shape [2, L, T, C]; got {tuple(kv.shape)}")
-    if kv.dtype not in _FLOAT_DTYPES:
+    if kv.dtype not in FLOAT_DTYPES:
         raise ValueError(f"CacheGen encodes floating-point KV; got {kv.dtype}")
     if kv.shape[1] != nlayers:
         raise ValueError(f"KV has {kv.shape[1]} layers, CacheGen config has {nlayers}")

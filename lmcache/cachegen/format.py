@@ -18,10 +18,11 @@ Layout, in order (``G = 2 * L`` (K/V, layer) pairs, ``B`` blocks, ``N`` symbol g
     key_bins         u16[L]   bins per layer (informational; decoding uses the step exponents)
     value_bins       u16[L]
     block_tokens     u32[B]   tokens per block (sum = T)
-    channel_means    bf16[G*C]            per (K/V, layer, channel) mean, subtracted before
-                                          quantization
+    channel_means    bf16[G*C]            per (K/V, layer, channel) mean (finite), subtracted
+                                          before quantization
     exp_base         i16[G]               step exponents e[g, t] = exp_base[g] + exp_offset[g, t]
-    exp_offset       i8[G*T]              (step = 2 ** (e / 8), see quant)
+    exp_offset       i8[G*T]              (step = 2 ** (e / 8), see quant; e in
+                                          [EXP_MIN, EXP_LIMIT])
   coder 1 (rANS):
     anchor_refine    u8[ceil(B*G*C*3/8)]  3-bit refinement of each block's first token
                                           ([B, G, C], packed most significant bit first)
@@ -50,6 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lmcache.cachegen.quant import EXP_LIMIT, EXP_MIN
 from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
 
 MAGIC = b"CGEN"
@@ -223,7 +225,12 @@ def unpack(bs: bytes | bytearray | memoryview, view: bool = False) -> dict[str, 
         value_bins=torch.from_numpy(value_bins.astype(np.int32)),
         block_tokens=torch.from_numpy(block_tokens.astype(np.int64)),
     )
+    if not bool(torch.isfinite(fields["channel_means"]).all()):
+        raise CorruptBlobError("cachegen channel means are not all finite")
     exps = torch.from_numpy(base[:, None] + offsets.astype(np.int16)).reshape(2, nlayers, ntokens)
+    if int(exps.min()) < EXP_MIN or int(exps.max()) > EXP_LIMIT:  # steps past 2**127 are inf
+        raise CorruptBlobError(f"cachegen step exponents [{int(exps.min())}, {int(exps.max())}] "
+                               f"outside the encoders' [{EXP_MIN}, {EXP_LIMIT}]")
     fields.update(max_tensors_key=exps[0].clone(), max_tensors_value=exps[1].clone())
     if coder == CODER_NVCOMP:
         if ngroups:

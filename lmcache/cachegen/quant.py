@@ -49,6 +49,7 @@ ANCHOR_BITS = 3
 ANCHOR_SCALE = 1 << ANCHOR_BITS
 QMAX = 2047
 EXP_LIMIT = 100 * STEPS_PER_OCTAVE  # steps within 2**-100 .. 2**100
+EXP_MIN = -EXP_LIMIT - ANCHOR_BITS * STEPS_PER_OCTAVE  # the lowest exponent (a GPU-coded anchor's)
 EXP_WINDOW = 255
 NON_FINITE = "cannot CacheGen-encode non-finite KV values (or values too large to sum)"
 PARTIALS = 8  # sum of squares: 8 partial sums over channels c = j (mod 8)

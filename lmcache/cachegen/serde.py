@@ -8,7 +8,8 @@ header, parses the stream and decodes it (`decoder.decode_stream`); `from_bytes_
 straight into the arena buffer the tier allocates (no extra copy).
 
 Errors: anything inconsistent raises `CorruptBlobError` (the tiers count a miss and delete the
-value); a stream of the previous format version raises its subclass `StaleStreamError`; an
+value), also a blob that is not a float chunk of this engine's shape (checked before decoding); a
+stream of the previous format version raises its subclass `StaleStreamError`; an
 nvCOMP-coded stream where CUDA or nvCOMP is missing raises `UnavailableCoderError` (a miss, the
 value kept). Each of the last two is logged once per process.
 """
@@ -25,7 +26,7 @@ from lmcache.cachegen import gpu
 from lmcache.cachegen.config import CacheGenConfig
 from lmcache.cachegen.decoder import decode_stream
 from lmcache.cachegen.encoded import CacheGenEncoderOutput
-from lmcache.cachegen.encoder import check_kv, code_blocks
+from lmcache.cachegen.encoder import FLOAT_DTYPES, check_kv, code_blocks
 from lmcache.cachegen.kernels import Kernels
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.memory_management import MemoryFormat, MemoryObj
@@ -79,9 +80,10 @@ class CacheGenSerializer(Serializer):
     def to_parts(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
         """The blob as [header, stream header and tables, substreams] (what the tiers write;
         saves joining them)."""
-        if tensor.dim() != 4 or tensor.shape[3] != self.num_heads * self.head_size:
-            raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T, {self.num_heads * self.head_size}]"
-                             f"; got {tuple(tensor.shape)}")
+        if tensor.dim() != 4 or tensor.shape[3] != self.num_heads * self.head_size \
+                or tensor.shape[2] > self.chunk_size:
+            raise ValueError(f"CacheGen serializes KV_BLOB [2, L, T <= {self.chunk_size}, "
+                             f"{self.num_heads * self.head_size}]; got {tuple(tensor.shape)}")
         check_kv(tensor, self.cachegen_config.nlayers, 1)
         if gpu.available():  # packed straight from the encoder's pinned payload (no copy)
             enc = gpu.encode(tensor, self.key_bins, self.value_bins)
@@ -121,6 +123,7 @@ class CacheGenDeserializer(Deserializer):
         super().__init__(dtype)
         self.chunk_size = config.chunk_size
         self.nlayers = metadata.num_layers
+        self.hidden = metadata.hidden_dim
         self.cachegen_config = CacheGenConfig.from_model_name(metadata.model_name, self.nlayers)
         self.coder = coder
 
@@ -136,6 +139,7 @@ class CacheGenDeserializer(Deserializer):
 
     def _parse(self, bs: bytes | bytearray | memoryview) -> tuple[blob.Blob, CacheGenEncoderOutput]:
         header = blob.unpack(bs, "cachegen")
+        self._check_header(header)
         try:
             encoded = CacheGenEncoderOutput.from_bytes(header.payload, view=True)  # decoded at once
         except (fmt.StaleStreamError, fmt.UnavailableCoderError) as e:
@@ -146,6 +150,20 @@ class CacheGenDeserializer(Deserializer):
         if tuple(header.shape) != shape:
             raise CorruptBlobError(f"blob header shape {tuple(header.shape)} != stream shape {shape}")
         return header, encoded
+
+    def _check_header(self, header: blob.Blob) -> None:
+        """Raise CorruptBlobError unless the blob holds what the serializer of this engine writes:
+        a float KV_BLOB chunk [2, L, T <= chunk_size, C] of this model (before decoding it, so
+        that a small stream cannot make the decoder allocate a huge tensor)."""
+        if header.dtype not in FLOAT_DTYPES:
+            raise CorruptBlobError(f"a cachegen blob of dtype {header.dtype}; CacheGen codes float KV")
+        shape = tuple(header.shape)
+        if len(shape) != 4 or shape[0] != 2 or shape[1] != self.nlayers or shape[3] != self.hidden:
+            raise CorruptBlobError(f"cachegen blob of shape {shape}; this model's chunks are [2, "
+                                   f"{self.nlayers} layers, T, {self.hidden}]")
+        if not 1 <= shape[2] <= self.chunk_size:
+            raise CorruptBlobError(f"cachegen blob of {shape[2]} tokens; a chunk holds 1 to "
+                                   f"chunk_size={self.chunk_size}")
 
     def _decode(self, encoded: CacheGenEncoderOutput, dtype: torch.dtype,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -231,6 +231,20 @@ def test_bad_arguments_raise_value_errors(kwargs: dict[str, torch.Tensor], match
              torch.randn(8, KV_HIDDEN), x["fresh_v"], torch.arange(8), **kwargs)
 
 
+@pytest.mark.parametrize(("token_dim", "positions", "match"), [
+    (2, torch.arange(8), "token_dim=2"),
+    (-3, torch.arange(8), "token_dim=-3"),
+    (0, torch.arange(8).view(2, 4), "positions"),
+])
+def test_a_token_dim_outside_the_tensors_or_2d_positions_raise_value_errors(
+        token_dim: int, positions: torch.Tensor, match: str) -> None:
+    x = make_inputs(8)
+    with pytest.raises(ValueError, match=match):
+        CacheBlendImpl(0.5).blend(1, x["retrieved_k"], x["retrieved_v"], torch.ones(8, dtype=torch.bool),
+                                  torch.arange(8), x["fresh_q"], torch.randn(8, KV_HIDDEN), x["fresh_v"],
+                                  positions, torch.tensor([0, 8]), token_dim)
+
+
 def test_retrieved_kv_of_the_wrong_length_is_rejected() -> None:
     x = make_inputs(8)
     with pytest.raises(ValueError, match="do not match the 8 input tokens"):

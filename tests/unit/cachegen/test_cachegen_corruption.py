@@ -11,6 +11,8 @@ import torch
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import gpu
 from lmcache.cachegen import serde as cachegen_serde
+from lmcache.cachegen.serde import CacheGenSerializer
+from lmcache.config import LMCacheEngineMetadata
 from lmcache.observability import forget_logged_once
 from lmcache.storage_backend.serde import blob
 from lmcache.storage_backend.serde.serde import CorruptBlobError, ForeignSerdeError
@@ -182,3 +184,67 @@ def test_a_gpu_coded_stream_with_symbol_groups_is_rejected(serde, good: bytes, s
     fields[8] = 3
     with pytest.raises(CorruptBlobError, match="no symbol groups"):
         serde[1].from_bytes(rewrap(good, fmt._HEAD.pack(*fields) + payload[fmt._HEAD.size:]))
+
+
+# ---- well-formed streams whose contents no encoder writes (a buggy or hostile writer) ---------
+
+
+def test_step_exponents_outside_the_encoders_range_are_rejected(serde, good: bytes, stream_of) -> None:
+    """Exponents past quant.EXP_LIMIT make steps of 2**4000: the KV would decode to inf/NaN."""
+    out = stream_of(good)
+    out.max_tensors_value[1] = 32000
+    with pytest.raises(CorruptBlobError, match="step exponent"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
+def test_non_finite_channel_means_are_rejected(serde, good: bytes, stream_of) -> None:
+    out = stream_of(good)
+    out.channel_means[0, 2, 5] = float("nan")
+    with pytest.raises(CorruptBlobError, match="channel means"):
+        serde[1].from_bytes(rewrap(good, out.to_bytes()))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_a_blob_header_naming_a_dtype_cachegen_never_writes_is_rejected(serde, good: bytes,
+                                                                        dtype: torch.dtype) -> None:
+    head = blob.unpack(good, "cachegen")
+    payload = bytes(head.payload)
+    bad = blob.pack_header("cachegen", head.shape, dtype, payload) + payload
+    with pytest.raises(CorruptBlobError, match="dtype"):
+        serde[1].from_bytes(bad)
+
+
+def test_a_stream_of_another_layer_count_is_rejected(engine_config, metadata, serde, make_kv,
+                                                     dims) -> None:
+    """The stream of a 2-layer model under this 4-layer engine's key would hand it KV of the
+    wrong shape."""
+    other = LMCacheEngineMetadata("test-model", 1, 0, "vllm", torch.bfloat16,
+                                  (2, 2, dims["chunk"], dims["heads"], dims["head_size"]))
+    data = CacheGenSerializer(engine_config, other).to_bytes(make_kv(nlayers=2, ntokens=8))
+    with pytest.raises(CorruptBlobError, match="layers"):
+        serde[1].from_bytes(data)
+
+
+def test_a_small_stream_claiming_a_huge_chunk_is_rejected_before_allocating(serde, dims) -> None:
+    """~500 KB that decode to [2, 1, 65536, 65535] bf16 (16 GiB) if believed: every channel has a
+    single symbol, so there are no substreams to check the claimed size against."""
+    nlayers, ntok, hidden = 1, 1 << 16, 65535
+    pairs = 2 * nlayers
+    tables = fmt.RansTables(np.zeros((1, pairs, hidden), np.uint8), np.zeros((pairs, hidden), np.uint8),
+                            np.zeros(pairs, np.int16), np.ones(pairs, np.uint16),
+                            np.full(pairs, 4096, np.uint16), np.zeros(pairs, np.uint32))
+    parts = fmt.pack_fields(fmt.CODER_RANS, 1, hidden, np.full(nlayers, 32), np.full(nlayers, 32),
+                            np.array([ntok]), np.zeros((pairs, hidden), np.int16),
+                            np.zeros((pairs, ntok), np.int32), tables, b"")
+    stream = b"".join(parts)
+    assert len(stream) < 600_000
+    data = blob.pack_header("cachegen", (2, nlayers, ntok, hidden), torch.bfloat16, stream) + stream
+    asked: list[tuple[int, ...]] = []
+
+    def allocate(shape, dtype, fmt_):  # type: ignore[no-untyped-def]
+        asked.append(tuple(shape))
+        return None
+
+    with pytest.raises(CorruptBlobError, match="chunk"):
+        serde[1].from_bytes_to(data, allocate)
+    assert asked == []

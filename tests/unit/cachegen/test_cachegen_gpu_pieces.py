@@ -8,7 +8,7 @@ import torch
 
 from lmcache.cachegen import format as fmt
 from lmcache.cachegen import gpu
-from lmcache.cachegen.quant import steps
+from lmcache.cachegen.quant import EXP_MIN, steps
 from lmcache.storage_backend.serde import blob
 
 
@@ -66,3 +66,16 @@ def test_an_nvcomp_stream_without_the_checksum_is_stale(serde, make_kv, stream_o
     payload[5] = fmt.CODER_NVCOMP_UNCHECKED
     with pytest.raises(fmt.StaleStreamError, match="symbol checksum"):
         fmt.unpack(bytes(payload))
+
+
+def test_a_gpu_coded_stream_of_tiny_kv_keeps_its_anchor_exponents(dims) -> None:
+    """KV of 1e-30 gets the finest step, and the GPU coder's anchors one 8x finer still: the
+    lowest exponent a stream may hold (`quant.EXP_MIN`), which the parser must accept."""
+    nlayers, hidden = dims["nlayers"], dims["hidden"]
+    bins = torch.full((nlayers,), 32, dtype=torch.int32)
+    _, means, exps = gpu.quantize(torch.full((2, nlayers, 8, hidden), 1e-30), bins, bins)
+    assert int(exps.min()) == EXP_MIN
+    parts = fmt.pack_fields(fmt.CODER_NVCOMP, 1, hidden, bins.numpy(), bins.numpy(), np.array([8]),
+                            means.to(torch.bfloat16).view(torch.int16).numpy(), exps, None, bytes(64), 1)
+    fields = fmt.unpack(b"".join(parts))
+    assert int(fields["max_tensors_key"].min()) == EXP_MIN

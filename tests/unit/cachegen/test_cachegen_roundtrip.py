@@ -8,8 +8,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lmcache.cachegen.config import CacheGenConfig
-from lmcache.cachegen.decoder import StreamTables, decode_kv
+from lmcache.cachegen.decoder import StreamTables, decode_kv, decode_stream
 from lmcache.cachegen.encoded import CacheGenGPUEncoderOutput
+from lmcache.cachegen.encoder import encode_stream
+from lmcache.cachegen.kernels import kernels
 from lmcache.cachegen.quant import steps
 from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
 from lmcache.compat.cachegen_seed import decode_chunk, encode_function
@@ -98,6 +100,8 @@ def test_rejects_non_finite_wrong_shape_and_integer_input(serde, make_kv, dims) 
         ser.to_bytes(torch.zeros(2, nl, 4, hidden + 1))
     with pytest.raises(ValueError, match="layers"):
         ser.to_bytes(torch.zeros(2, nl + 1, 4, hidden))
+    with pytest.raises(ValueError, match="KV_BLOB"):  # the deserializer refuses more than a chunk
+        ser.to_bytes(torch.zeros(2, nl, dims["chunk"] + 1, hidden))
     with pytest.raises(ValueError, match="floating-point"):
         ser.to_bytes(torch.zeros(2, nl, 4, hidden, dtype=torch.int32))
 
@@ -164,3 +168,20 @@ def test_hypothesis_random_shapes_roundtrip(make_kv, within_half_step, nlayers: 
     out = CacheGenDeserializer(cfg, md, dtype).from_bytes(data)
     assert out.shape == kv.shape and out.dtype == dtype
     within_half_step(kv, out, data)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_decoding_into_a_buffer_of_the_wrong_size_is_refused_and_writes_nothing(make_kv, dims,
+                                                                                 use_native: bool
+                                                                                 ) -> None:
+    """`out` a contiguous prefix of a larger tensor: the native decoder wrote past its end."""
+    kv = make_kv(ntokens=40)
+    bins = torch.full((dims["nlayers"],), 32)
+    stream = encode_stream(kv, bins, bins, 64)
+    memory = torch.zeros(2 * kv.numel(), dtype=kv.dtype)
+    for size in (kv.numel() // 2, kv.numel() + 1):
+        with pytest.raises(ValueError, match="out"):
+            decode_stream(stream, kv.dtype, kernels(use_native), out=memory[:size])
+        assert int(memory.count_nonzero()) == 0
+    decode_stream(stream, kv.dtype, kernels(use_native), out=memory[:kv.numel()].view(kv.shape))
+    assert torch.equal(memory[:kv.numel()].view(kv.shape), decode_stream(stream, kv.dtype))
