@@ -314,7 +314,7 @@ class LMCacheEngine:
 
     def lookup(self, tokens: torch.Tensor, search_range: str | list[str] | None = None, *,
                extra_key: str | None = None, lease_id: str | None = None,
-               lease_ttl: float = 60.0, state_ends: Iterable[int] = ()) -> int:
+               lease_ttl: float = 60.0, state_ends: Iterable[int] = (), count: bool = True) -> int:
         """How many prefix tokens of `tokens` are cached in the tiers named by `search_range`
         (one name, or a subset of "Hot" (alias "LocalCPUBackend"), "LocalDiskBackend",
         "RemoteBackend", "PeerBackend" (alias "P2PBackend"); None = all; ValueError for an
@@ -329,7 +329,10 @@ class LMCacheEngine:
         A hybrid model's count (`metadata.state_layout`) ends at the last boundary whose
         recurrent state is held: the end of a full chunk, or one of `state_ends` (token counts
         within `tokens` where the serving engine may have kept a state mid-chunk; the prefix up to
-        it, its trailing partial chunk included, must be cached); the lease pins the state too."""
+        it, its trailing partial chunk included, must be cached); the lease pins the state too.
+
+        `count=False`: not added to the engine's lookup counters (an operator's question, not a
+        serving engine's lookup)."""
         chunks = list(self.token_database.process_tokens(tokens, extra_key=extra_key))
         found = self.storage_manager.contains_prefix([c.key for c in chunks], search_range)
         hit = chunks[found.hits - 1].end if found.hits else 0
@@ -341,8 +344,9 @@ class LMCacheEngine:
                                                lease_ttl)
             for lookup in pinned:
                 self.storage_manager.prefetch(lookup)
-        self.stats.add("lookup_requests")
-        self.stats.add("lookup_hit_tokens", hit)
+        if count:
+            self.stats.add("lookup_requests")
+            self.stats.add("lookup_hit_tokens", hit)
         return hit
 
     def release(self, lease_id: str) -> None:

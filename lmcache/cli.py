@@ -166,6 +166,7 @@ def _add_pd_arguments(x: argparse.ArgumentParser, required: bool) -> None:
 def _controller_call(args: argparse.Namespace) -> int:
     """One request to an engine's controller or a cache server's operations endpoint; prints the
     JSON answer (exit 1 on an error)."""
+    import http.client
     import json
     import urllib.error
     import urllib.request
@@ -182,13 +183,22 @@ def _controller_call(args: argparse.Namespace) -> int:
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            print(json.dumps(json.loads(response.read()), indent=2))
-            return 0
+            answer = response.read()
     except urllib.error.HTTPError as e:
         print(f"error {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
-    except (urllib.error.URLError, OSError) as e:
+        return 1
+    except http.client.InvalidURL as e:
+        print(f"bad --url {base}: {e}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         print(f"cannot reach {base}: {e}", file=sys.stderr)
-    return 1
+        return 1
+    try:
+        print(json.dumps(json.loads(answer), indent=2))
+    except ValueError:
+        print(f"{base} did not answer JSON: {answer[:200].decode(errors='replace')!r}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _request_body(args: argparse.Namespace) -> dict | None:
@@ -202,7 +212,7 @@ def _request_body(args: argparse.Namespace) -> dict | None:
     if args.text is not None:
         body["text"] = args.text
     if args.tokens is not None:
-        body["tokens"] = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+        body["tokens"] = args.tokens
     if args.extra_key is not None:
         body["extra_key"] = args.extra_key
     if getattr(args, "ttl", None) is not None:
@@ -216,19 +226,36 @@ def _verify(args: argparse.Namespace) -> int:
     return verify(args)
 
 
+def _token_ids(value: str) -> list[int]:
+    try:
+        return [int(t) for t in value.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list of comma-separated token ids") from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def _add_controller_commands(sub: argparse._SubParsersAction) -> None:
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary)
         p.add_argument("--url", help="the engine's controller or a cache server's operations endpoint, "
                                      "HOST:PORT (default: $LMCACHE_CONTROLLER_URL)")
-        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+        p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for the answer")
         p.set_defaults(func=_controller_call)
         return p
 
     def prompt(p: argparse.ArgumentParser, required: bool = True) -> None:
         which = p.add_mutually_exclusive_group(required=required)
         which.add_argument("--text", help="the prompt as text (tokenized by the engine's tokenizer)")
-        which.add_argument("--tokens", help="the prompt as comma-separated token ids")
+        which.add_argument("--tokens", type=_token_ids, help="the prompt as comma-separated token ids")
         p.add_argument("--extra-key", help="the request's extra key (e.g. vLLM's cache_salt)")
 
     command("health", "is the engine's cache working (per tier)")
@@ -238,7 +265,7 @@ def _add_controller_commands(sub: argparse._SubParsersAction) -> None:
     clear.add_argument("--tier", required=True, choices=("hot", "disk", "all"))
     pin = command("pin", "keep a prompt's cached prefix cached (until unpinned or --ttl)")
     prompt(pin)
-    pin.add_argument("--ttl", type=float, help="seconds the pin lasts (default 3600)")
+    pin.add_argument("--ttl", type=_seconds, help="seconds the pin lasts (default 3600)")
     unpin = command("unpin", "end a pin (by prompt or by --lease)")
     prompt(unpin, required=False)
     unpin.add_argument("--lease", help="the lease id `lmcache pin` printed")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import types
 import typing
@@ -75,6 +76,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PYTHONPATH", "inherited", "extended, not replaced, for vLLM processes by "
            "`cpu_build.forced_build_env`"),
 )
+_SECRET_URLS = ("remote_url", "lookup_url")  # fields whose passwords and tokens repr() hides
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -232,7 +234,8 @@ class LMCacheEngineConfig:
                 scheme = parse_remote_url(_as_url(self.lookup_url)).scheme
             except ValueError:
                 scheme = ""
-            _check(scheme in schemes and scheme != "lm", "lookup_url", self.lookup_url,
+            shown = redact_url(self.lookup_url) or self.lookup_url  # without its password
+            _check(scheme in schemes and scheme != "lm", "lookup_url", shown,
                    "must be a Valkey/Redis URL (redis://, valkey://, rediss://, redis-sentinel://, "
                    "redis-cluster://) or 'host:port'")
         for name, lowest in (("distributed_url", 0), ("controller_url", 0)):
@@ -292,6 +295,14 @@ class LMCacheEngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def __repr__(self) -> str:
+        """The fields, the URLs' passwords and auth tokens redacted (`redact_url`)."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in _SECRET_URLS:
+            if shown[name] is not None:
+                shown[name] = redact_url(shown[name])
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -455,14 +466,19 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
                 pass
         raise ValueError(f"invalid config value {name}={value!r}: expected an int")
     if typ is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise ValueError(f"invalid config value {name}={value!r}: expected a number")
+        if number is None:
+            raise ValueError(f"invalid config value {name}={value!r}: expected a number")
+        if not math.isfinite(number):  # an infinite size or timeout overflows where it is used
+            raise ValueError(f"invalid config value {name}={value!r}: expected a finite number")
+        return number
     if typ is str:
         if isinstance(value, str):
             return value
@@ -491,7 +507,7 @@ def _file_values(file_path: str) -> dict[str, Any]:
     try:
         with open(file_path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read LMCache config file {file_path!r}: {e}") from e
     except yaml.YAMLError as e:
         raise ValueError(f"LMCache config file {file_path!r} is not valid YAML: {e}") from e
@@ -501,7 +517,8 @@ def _file_values(file_path: str) -> dict[str, Any]:
         raise ValueError(f"LMCache config file {file_path!r} must hold a mapping, got {type(data).__name__}")
     unknown = set(data) - set(_field_types())
     if unknown:
-        raise ValueError(f"LMCache config file {file_path!r} has unknown field(s): {sorted(unknown)}")
+        unknown_names = sorted(unknown, key=str)  # YAML keys may be numbers too
+        raise ValueError(f"LMCache config file {file_path!r} has unknown field(s): {unknown_names}")
     return dict(data)
 
 

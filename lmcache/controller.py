@@ -8,7 +8,7 @@ a tier, pin a prefix, check health, read counters. JSON in and out.
                       "tiers": {tier: prefix cached in that tier alone},
                       "peers": {address: prefix that peer holds}}
     POST /clear   {"tier": "hot" | "disk" | "all"} -> {"cleared": {tier: chunks dropped}}
-    POST /pin     {"tokens" | "text", "extra_key"?, "ttl"?: seconds (default 3600)}
+    POST /pin     {"tokens" | "text", "extra_key"?, "ttl"?: seconds > 0, finite (default 3600)}
                   -> {"pinned_tokens": n, "lease": id}: the cached prefix stays cached (in
                   whichever tier holds it) until unpinned or the ttl ends
     POST /unpin   {"tokens" | "text", "extra_key"?} or {"lease": id} -> {"released": id}
@@ -23,6 +23,7 @@ server binds to `controller_url`'s host (loopback unless configured), on its own
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -47,7 +48,8 @@ class ControlledEngine(Protocol):
     stats: EngineStats
 
     def lookup(self, tokens: torch.Tensor, search_range: str | list[str] | None = None, *,
-               extra_key: str | None = None, lease_id: str | None = None, lease_ttl: float = 60.0) -> int: ...
+               extra_key: str | None = None, lease_id: str | None = None, lease_ttl: float = 60.0,
+               count: bool = True) -> int: ...
 
     def release(self, lease_id: str) -> None: ...
 
@@ -79,7 +81,8 @@ class Controller(JsonHTTPService):
         fields(body, {"tokens", "text", "extra_key"})
         tokens, extra_key = prompt_tokens(body, self.tokenize), opt_str(body, "extra_key")
         sm = self.engine.storage_manager
-        per_tier = {t.name: self.engine.lookup(tokens, t.name, extra_key=extra_key) for t in sm.tiers}
+        per_tier = {t.name: self.engine.lookup(tokens, t.name, extra_key=extra_key, count=False)
+                    for t in sm.tiers}
         chunks = list(self.engine.token_database.process_tokens(tokens, extra_key=extra_key))
         peers: dict[str, int] = {}
         for tier in sm.tiers:
@@ -88,7 +91,7 @@ class Controller(JsonHTTPService):
                 for peer in sorted({p for h in holders for p in h}):
                     held = next((i for i, h in enumerate(holders) if peer not in h), len(holders))
                     peers[peer] = chunks[held - 1][1] if held else 0
-        cached = self.engine.lookup(tokens, extra_key=extra_key)
+        cached = self.engine.lookup(tokens, extra_key=extra_key, count=False)
         return {"tokens": int(tokens.shape[0]), "cached_tokens": cached, "tiers": per_tier, "peers": peers}
 
     def clear(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +104,7 @@ class Controller(JsonHTTPService):
 
     def pin(self, body: dict[str, Any]) -> dict[str, Any]:
         tokens, extra_key, ttl, lease = pin_request(body, self.tokenize)
-        hit = self.engine.lookup(tokens, extra_key=extra_key, lease_id=lease, lease_ttl=ttl)
+        hit = self.engine.lookup(tokens, extra_key=extra_key, lease_id=lease, lease_ttl=ttl, count=False)
         return {"pinned_tokens": hit, "lease": lease}
 
     def unpin(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +138,8 @@ def pin_request(body: dict[str, Any], tokenize: Callable[[str], list[int]] | Non
     fields(body, {"tokens", "text", "extra_key", "ttl"})
     tokens, extra_key = prompt_tokens(body, tokenize), opt_str(body, "extra_key")
     ttl = body.get("ttl", DEFAULT_PIN_TTL)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-        raise BadRequest(f"'ttl' must be a number of seconds > 0, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= sys.float_info.max:
+        raise BadRequest(f"'ttl' must be a finite number of seconds > 0, got {ttl!r}")
     return tokens, extra_key, float(ttl), _pin_id(tokens, extra_key)
 
 

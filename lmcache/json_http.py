@@ -3,8 +3,9 @@
 
 Routes map (method, path) to a function of the JSON body that returns a JSON object, or a
 `RawReply` (e.g. Prometheus text). Bad input — a body that is not a JSON object, or a route's
-`BadRequest` / ValueError — gets 400 with {"error": message}; an unknown path 404, a wrong method
-405, a body over 16 MiB 413, a failing route 500 (the service keeps serving).
+`BadRequest` / ValueError, a Content-Length that is not a byte count, JSON nested too deeply to
+parse — gets 400 with {"error": message}; an unknown path 404, a wrong method 405, a body over
+16 MiB 413, a failing route 500 (the service keeps serving).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class JsonHTTPService:
             return HTTPStatus.NOT_FOUND, {"error": f"no endpoint {path}; the endpoints are {paths}"}
         try:
             body = json.loads(raw) if raw.strip() else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python parses
             return HTTPStatus.BAD_REQUEST, {"error": f"the body is not valid JSON: {e}"}
+        except RecursionError:
+            return HTTPStatus.BAD_REQUEST, {"error": "the body's JSON is nested too deeply"}
         if not isinstance(body, dict):
             return HTTPStatus.BAD_REQUEST, {"error": "the body must be a JSON object"}
         try:
@@ -103,7 +106,12 @@ def token_ids(body: dict[str, Any]) -> list[int]:
 def _handler_for(service: JsonHTTPService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _serve(self, method: str) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
+            declared = self.headers.get("Content-Length") or "0"
+            if not (declared.isascii() and declared.isdigit()):
+                error = f"Content-Length must be a byte count, got {declared}"
+                self._reply(HTTPStatus.BAD_REQUEST, {"error": error})
+                return
+            length = int(declared) if len(declared) <= 18 else MAX_BODY + 1  # int() refuses 4,300+ digits
             if length > MAX_BODY:
                 self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"body over {MAX_BODY} bytes"})
                 return
@@ -133,6 +141,12 @@ def _handler_for(service: JsonHTTPService) -> type[BaseHTTPRequestHandler]:
 
         def do_DELETE(self) -> None:
             self._serve("DELETE")
+
+        def do_PATCH(self) -> None:
+            self._serve("PATCH")
+
+        def do_OPTIONS(self) -> None:
+            self._serve("OPTIONS")
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("%s: " + format, service._name, *args)

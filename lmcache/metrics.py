@@ -40,7 +40,7 @@ from lmcache.observability import EngineStats
 
 PREFIX = "lmcache:"
 DOCS = {
-    "lookup_requests": "Cache lookups (how many prefix tokens are cached?)",
+    "lookup_requests": "Cache lookups of the serving engine (how many prefix tokens are cached?)",
     "lookup_hit_tokens": "Prefix tokens that lookups found cached",
     "store_requests": "Store requests",
     "stored_tokens": "Tokens whose KV was stored",

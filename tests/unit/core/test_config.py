@@ -218,3 +218,35 @@ def test_a_remote_url_of_an_unknown_scheme_is_refused_without_echoing_its_secret
     with pytest.raises(ValueError, match="remote_url=\"\\(no '://'\\)\"") as e:
         LMCacheEngineConfig(remote_url="user:S3cret@h:1")
     assert "S3cret" not in str(e.value)
+
+
+def test_a_refused_lookup_url_is_not_echoed_with_its_password():
+    with pytest.raises(ValueError, match=r"lookup_url='lm://user:\*\*\*@h:1'") as e:
+        LMCacheEngineConfig(lookup_url="lm://user:S3cret@h:1")
+    assert "S3cret" not in str(e.value)
+
+
+def test_the_repr_of_a_config_hides_the_secrets_of_its_urls():
+    c = LMCacheEngineConfig(remote_url="lm://h:1?auth_token=T0k&ttl=5", lookup_url="redis://:S3cret@h:2")
+    shown = repr(c)
+    assert "T0k" not in shown and "S3cret" not in shown
+    assert "remote_url='lm://h:1?ttl=5'" in shown and "lookup_url='redis://:***@h:2'" in shown
+    assert c.remote_url == "lm://h:1?auth_token=T0k&ttl=5"  # the config itself keeps them
+
+
+@pytest.mark.parametrize("field", ["max_local_cpu_size", "max_local_disk_size", "remote_timeout",
+                                   "lookup_timeout", "p2p_ttl", "pd_send_timeout"])
+@pytest.mark.parametrize("value", ["inf", float("inf"), "Infinity"])
+def test_a_size_or_time_that_is_not_finite_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"invalid config value {field}=.*expected a finite number"):
+        LMCacheEngineConfig.from_defaults(**{field: value})
+
+
+def test_a_config_file_with_keys_of_mixed_types_or_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("1: x\nchunk_sise: 512\n")
+    with pytest.raises(ValueError, match=r"unknown field\(s\): \[1, 'chunk_sise'\]"):
+        LMCacheEngineConfig.from_file(str(p))
+    p.write_bytes(b"chunk_size: 256\nlocal_disk: /data/\xff\n")
+    with pytest.raises(ValueError, match=f"cannot read LMCache config file '{p}'"):
+        LMCacheEngineConfig.from_file(str(p))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from lmcache import cli
+from lmcache.json_http import JsonHTTPService, RawReply
 from tests.helpers import WRITE_WAIT
 from tests.helpers.paged_kv import PagedKV, build_engine
 
@@ -148,3 +150,95 @@ def test_the_command_line_wraps_the_controller(served, capsys):
     capsys.readouterr()
     assert cli.main(["health", "--url", "127.0.0.1:1"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def raw_exchange(port: int, request: bytes) -> bytes:
+    """`request` sent as is on a fresh connection; what the server answered before closing it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-1", b"-5", b"1e3"])
+def test_a_bad_content_length_gets_400_and_the_server_keeps_serving(served, length):
+    engine, base = served
+    answer = raw_exchange(engine.controller.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                          + length + b"\r\n\r\n{}")
+    assert answer.startswith(b"HTTP/1.0 400")
+    assert b"Content-Length must be a byte count, got " + length in answer
+    assert call(base, "/health")[0] == 200
+
+
+def test_a_content_length_of_thousands_of_digits_gets_413(served):
+    engine, base = served
+    answer = raw_exchange(engine.controller.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                          + b"9" * 5000 + b"\r\n\r\n{}")
+    assert answer.startswith(b"HTTP/1.0 413") and b"body over" in answer
+    assert call(base, "/health")[0] == 200
+
+
+@pytest.mark.parametrize("value, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"1" * 5000, "not valid JSON: Exceeds the limit (4300 digits)"),
+])
+def test_json_python_cannot_parse_gets_400_not_a_dropped_connection(served, value, message):
+    _, base = served
+    status, answer = call(base, "/lookup", raw=b'{"tokens": ' + value + b"}")
+    assert status == 400 and message in answer["error"]
+    assert call(base, "/health")[0] == 200
+
+
+@pytest.mark.parametrize("ttl", [b"1" + b"0" * 400, b"1e999", b"Infinity"])
+def test_a_ttl_too_large_for_a_float_gets_400(served, ttl):
+    _, base = served
+    status, answer = call(base, "/pin", raw=b'{"tokens": [1, 2, 3], "ttl": ' + ttl + b"}")
+    assert status == 400 and "'ttl' must be a finite number of seconds > 0" in answer["error"]
+
+
+@pytest.mark.parametrize("method", ["PATCH", "OPTIONS"])
+def test_other_methods_get_405_in_json(served, method):
+    _, base = served
+    status, answer = call(base, "/lookup", method=method)
+    assert status == 405 and answer == {"error": f"{method} is not allowed on /lookup"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["lookup", "--tokens", "1,a"], "--tokens: '1,a' is not a list of comma-separated token ids"),
+    (["health", "--timeout", "-1"], "--timeout: must be a number of seconds > 0, got '-1'"),
+])
+def test_the_command_line_refuses_bad_arguments_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--url", "127.0.0.1:1"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_reports_a_bad_url_or_an_answer_that_is_not_json(capsys):
+    assert cli.main(["health", "--url", "127.0.0.1:port"]) == 1
+    assert "bad --url http://127.0.0.1:port" in capsys.readouterr().err
+    not_json = RawReply("text/plain", b"hello")
+    service = JsonHTTPService({("GET", "/health"): lambda body: not_json}, "127.0.0.1", 0, "test")
+    try:
+        assert cli.main(["health", "--url", f"127.0.0.1:{service.port}"]) == 1
+        assert "did not answer JSON" in capsys.readouterr().err
+    finally:
+        service.close()
+
+
+def test_an_operators_lookup_and_pin_are_not_counted_as_serving_lookups(served):
+    """The engine's lookup counters (and vLLM's hit rate from them) are the serving engine's; a
+    /lookup asked the engine once per tier and once more, and each call counted."""
+    engine, base = served
+    tokens = torch.arange(400, 424)
+    store(engine, tokens)
+    before = engine.stats.snapshot()
+    assert call(base, "/lookup", {"tokens": tokens.tolist()})[1]["cached_tokens"] == 24
+    assert call(base, "/pin", {"tokens": tokens.tolist()})[1]["pinned_tokens"] == 24
+    after = engine.stats.snapshot()
+    assert after.get("lookup_requests", 0) == before.get("lookup_requests", 0)  # was 4 more
+    assert after.get("lookup_hit_tokens", 0) == before.get("lookup_hit_tokens", 0)  # was 96 more
+    engine.lookup(tokens)  # a serving lookup counts
+    assert engine.stats.snapshot()["lookup_requests"] == before.get("lookup_requests", 0) + 1
