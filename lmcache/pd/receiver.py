@@ -200,7 +200,7 @@ class ReceiverServer:
     def _written(self, conn: socket.socket, message: dict[str, Any], offer: _Offer) -> None:
         inline = message.get("inline", [])
         notif = message.get("notif")
-        if not isinstance(inline, list) or any(i not in offer.slots for i in inline) \
+        if not isinstance(inline, list) or not all(isinstance(i, int) and i in offer.slots for i in inline) \
                 or len(set(inline)) != len(inline):
             raise WireError("`inline` must list reserved slots of the offer, once each")
         if len(inline) < len(offer.slots) and (self.agent is None or not isinstance(notif, str)):

@@ -83,7 +83,7 @@ class Chunk:
             shape = tuple(int(x) for x in d["shape"])
             dtype = getattr(torch, d["dtype"])
             fmt = MemoryFormat[d["fmt"]]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:  # Overflow: Infinity
             raise WireError(f"malformed chunk {str(d)[:200]}: {e!r}") from None
         if not isinstance(dtype, torch.dtype) or not shape or min(shape) <= 0:
             raise WireError(f"malformed chunk {str(d)[:200]}: bad dtype or shape")

@@ -21,9 +21,10 @@ told apart. Commands:
 
 With tensor parallelism the client asks every rank at once and waits for all of them until one
 deadline (`timeout`): a lookup takes as long as the slowest rank, not the sum. A rank that does not
-answer in time, or answers an error, makes the lookup 0 hits; its socket is then replaced (what it
-had not delivered yet is dropped), and the lease is released at once on every rank: the ranks that
-answered confirm it before `lookup` returns, a rank still busy with the lookup gets it right after.
+answer in time, or answers an error or no token count, makes the lookup 0 hits; its socket is then
+replaced (what it had not delivered yet is dropped), and the lease is released at once on every
+rank: the ranks that answered confirm it before `lookup` returns, a rank still busy with the lookup
+gets it right after.
 """
 
 from __future__ import annotations
@@ -193,9 +194,12 @@ class LookupClient:
         with self._lock:
             answers = self._ask(self._all_ranks(), {"cmd": "lookup", "lease": lease, "extra_key": extra_key},
                                 data)
-            hits = [int(a.get("hit", 0)) for a in answers.values() if a is not None]
-            if len(hits) == len(answers):
-                return min(hits, default=0)
+            hits = [a.get("hit") for a in answers.values() if a is not None]
+            counts = [h for h in hits if isinstance(h, int) and not isinstance(h, bool) and h >= 0]
+            if len(counts) == len(answers):
+                return min(counts, default=0)
+            if len(counts) < len(hits):
+                self._incidents.fail(f"a lookup answer without a token count: {hits}")
             self._release(lease, answered=[r for r, a in answers.items() if a is not None],
                           missing=[r for r, a in answers.items() if a is None])
         return 0

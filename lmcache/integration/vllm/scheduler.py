@@ -4,6 +4,9 @@
   LMCache holds, pinning them under a lease named by the request id; answers the tokens beyond
   vLLM's own hit, always leaving at least one prompt token to compute. It may be called repeatedly
   for a waiting request, so the answer is remembered until the request is admitted.
+- What names a request's KV: its prompt tokens, under `utils.extra_key` (cache salt, LoRA, the
+  identifiers of its images: their placeholder tokens are the same for every image). A prompt
+  given as embeddings (placeholder token ids) is neither looked up nor stored.
 - `update_state_after_alloc`: records the blocks (one list per KV cache group) and how many
   external tokens vLLM accepted.
 - `build_connector_meta`: per step, a `RequestPlan` for each request that loads (once) or has
@@ -40,7 +43,7 @@ from lmcache.integration.vllm.kv_events import events_enabled, plan_blocks
 from lmcache.integration.vllm.kv_groups import ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
-from lmcache.integration.vllm.utils import extra_key
+from lmcache.integration.vllm.utils import extra_key, tokens_name_kv
 from lmcache.observability import log_once
 from lmcache.pd.params import receiver_of
 
@@ -88,7 +91,8 @@ class LMCacheScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = request.prompt_token_ids
         rid = request.request_id
-        if not self.loads or tokens is None or len(tokens) < 2 or rid in self._failed:
+        if not self.loads or tokens is None or len(tokens) < 2 or rid in self._failed \
+                or not tokens_name_kv(request):
             return 0, False
         known = self._lookups.get(rid)
         cached = known[0] if known is not None else self.client.lookup(rid, tokens, extra_key(request))
@@ -100,9 +104,12 @@ class LMCacheScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Also called again for a request vLLM admits anew (preempted, or its asynchronous load
-        completed): its blocks are replaced, and a load is planned whenever vLLM accepted one."""
+        completed): its blocks are replaced, and a load is planned whenever vLLM accepted one.
+        A prompt of embeddings is not tracked (`tokens_name_kv`)."""
         rid = request.request_id
         cached, local = self._lookups.pop(rid, (0, 0))
+        if not tokens_name_kv(request):
+            return
         tracked = self._reqs.get(rid)
         if tracked is None:
             # cached chunks need no saving; a cached trailing partial chunk only if the prompt ends there

@@ -75,6 +75,19 @@ def engine_metadata(vllm_config: Any, config: LMCacheEngineConfig, kv_dtype: tor
 
 
 def extra_key(request: Any) -> str | None:
-    """What separates caches of the same tokens: vLLM's cache_salt and the LoRA adapter."""
+    """What separates caches of the same tokens: vLLM's cache_salt, the LoRA adapter and the
+    multimodal inputs (an image's placeholder tokens are the same whatever the image: its
+    identifier and position name it)."""
     lora = getattr(request, "lora_request", None)
-    return extra_key_of(getattr(request, "cache_salt", None), lora.lora_int_id if lora is not None else None)
+    key = extra_key_of(getattr(request, "cache_salt", None), lora.lora_int_id if lora is not None else None)
+    parts = [key] if key else []
+    inputs = [f"{f.identifier}@{f.mm_position.offset}" for f in getattr(request, "mm_features", None) or ()]
+    if inputs:
+        parts.append("mm=" + ",".join(inputs))
+    return "|".join(parts) or None
+
+
+def tokens_name_kv(request: Any) -> bool:
+    """False for a prompt given as embeddings: its token ids are placeholders, the same whatever
+    the embeddings (the connector neither loads nor stores such a request's KV)."""
+    return getattr(request, "prompt_embeds", None) is None

@@ -434,6 +434,9 @@ BAD_FRAMES = [
     _frame({"op": "offer", "chunks": [{"key": "a@b@1@0@h@bfloat16", "shape": [-1], "dtype": "bfloat16",
                                        "fmt": "KV_BLOB"}]}),
     _frame({"op": "written", "inline": [7]}),
+    _frame({"op": "written", "inline": [[0]]}),  # not a slot number (nor hashable)
+    _raw_frame(b'{"op": "offer", "chunks": [{"key": "a@b@1@0@h@bfloat16", "shape": [Infinity], '
+               b'"dtype": "bfloat16", "fmt": "KV_BLOB"}]}'),  # Python's json reads it; int() cannot
     _raw_frame(b'{"op": "offer", "chunks": ' + b"1" * 5000 + b"}"),  # more digits than Python's int takes
     _raw_frame(b"[" * 100_000 + b"]" * 100_000),  # nested deeper than json.loads recurses
 ]

@@ -111,8 +111,9 @@ def test_token_frame_is_int64():
         server.close()
 
 
-@pytest.mark.parametrize("reply", [{"error": "engine not ready"}])
-def test_error_replies_count_as_misses(reply):
+@pytest.mark.parametrize("reply", [{"error": "engine not ready"}, {"hit": "many"}, {"hit": None},
+                                   {"hit": [3]}, {"hit": 1.5}])
+def test_error_and_malformed_replies_count_as_misses(reply):
     addr = address()
     server = LookupServer(addr, lambda header, tokens: reply)
     client = LookupClient([addr], timeout=2)
