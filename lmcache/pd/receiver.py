@@ -151,8 +151,8 @@ class ReceiverServer:
         the connection ends and frees them (a sender that stalls without closing would otherwise
         hold them for good); meanwhile the NIXL agent is kept progressing (it has no progress
         thread of its own: the sender's write may be landing)."""
-        if not offer.slots:
-            return recv_message(conn)
+        if not offer.slots:  # idle between frames for as long as it likes, not within one
+            return recv_message(conn, body_timeout=FRAME_TIMEOUT)
         deadline = time.monotonic() + NOTIF_TIMEOUT
         readable = select.poll()  # not select(): a vLLM process may hold more than 1024 files
         readable.register(conn, select.POLLIN)

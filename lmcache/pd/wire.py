@@ -101,15 +101,25 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> dict[str, Any] | None:
-    """The next frame as a dict; None if the peer closed the connection between frames."""
+def recv_message(sock: socket.socket, body_timeout: float | None = None) -> dict[str, Any] | None:
+    """The next frame as a dict; None if the peer closed the connection between frames.
+    `body_timeout`: seconds the rest of a frame may take once its length has arrived (WireError
+    after; a peer that stalls mid-frame would otherwise hold the frame's buffer for good)."""
     head = recv_exact(sock, _LEN.size, eof_ok=True)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
     if n > MAX_MESSAGE_BYTES:
         raise WireError(f"frame of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    body = recv_exact(sock, n)
+    waited = sock.gettimeout()
+    if body_timeout is not None:
+        sock.settimeout(body_timeout)
+    try:
+        body = recv_exact(sock, n)
+    except TimeoutError:
+        raise WireError(f"a frame of {n} bytes did not arrive within {body_timeout:g} s") from None
+    finally:
+        sock.settimeout(waited)
     assert body is not None
     try:
         message = json.loads(body)

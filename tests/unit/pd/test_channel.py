@@ -385,6 +385,26 @@ def test_a_sender_that_stalls_after_its_offer_loses_its_reservations_and_others_
     assert rx.lookup(tokens) == 16
 
 
+def test_a_sender_that_stalls_within_a_frame_is_cut_off_and_an_idle_one_is_not(pair, monkeypatch):
+    """A frame's length announces its buffer (up to 16 MiB); its bytes must follow within
+    FRAME_TIMEOUT. Between frames a connection may idle for as long as it likes."""
+    monkeypatch.setattr(receiver, "FRAME_TIMEOUT", 0.5)
+    tx, sender, rx = pair
+    with raw_sender(rx) as stalled, raw_sender(rx) as idle:
+        stalled.sendall(struct.pack("<I", 8 << 20) + b'{"op": ')  # and nothing more
+        stalled.settimeout(10)
+        answer = recv_message(stalled)
+        assert answer is not None and answer["ok"] is False and "did not arrive" in answer["error"]
+        assert recv_message(stalled) is None  # closed
+        time.sleep(1.0)  # twice the frame timeout, between frames
+        tokens, _ = stored(tx, 16)
+        send_message(idle, {"op": "offer", "chunks": offer_of(tx, tokens)})
+        assert all(isinstance(slot, dict) for slot in recv_message(idle)["slots"])
+    assert nothing_held(rx) == {"chunks": 0, "bytes_used": 0, "reserved": 0}  # freed at the close
+    assert sender.send(address(rx), tokens).sent == 2 * chunk_bytes(tx)
+    assert rx.lookup(tokens) == 16
+
+
 def test_an_offer_of_a_chunk_larger_than_the_buffer_is_refused_and_reserves_nothing(pair):
     tx, sender, rx = pair
     tokens, _ = stored(tx, 16)
