@@ -31,13 +31,17 @@ class ChunkText(NamedTuple):
     token_ids: Sequence[int] | np.ndarray
 
 
-def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None) -> str | None:
-    """The chain's seed for a request: what separates caches of the same tokens."""
+def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None,
+                 media: Sequence[str] = ()) -> str | None:
+    """The chain's seed for a request: what separates caches of the same tokens (`media`: the
+    names of its multimodal inputs, whose placeholder tokens are the same whatever the input)."""
     parts = []
     if cache_salt:
         parts.append(f"salt={cache_salt}")
     if lora_id is not None:
         parts.append(f"lora={lora_id}")
+    if media:
+        parts.append("mm=" + ",".join(media))
     return "|".join(parts) or None
 
 

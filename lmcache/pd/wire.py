@@ -111,15 +111,17 @@ def recv_message(sock: socket.socket, body_timeout: float | None = None) -> dict
     (n,) = _LEN.unpack(head)
     if n > MAX_MESSAGE_BYTES:
         raise WireError(f"frame of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    waited = sock.gettimeout()
-    if body_timeout is not None:
-        sock.settimeout(body_timeout)
-    try:
+    if body_timeout is None:
         body = recv_exact(sock, n)
-    except TimeoutError:
-        raise WireError(f"a frame of {n} bytes did not arrive within {body_timeout:g} s") from None
-    finally:
-        sock.settimeout(waited)
+    else:
+        waited = sock.gettimeout()
+        sock.settimeout(body_timeout)
+        try:
+            body = recv_exact(sock, n)
+        except TimeoutError:
+            raise WireError(f"a frame of {n} bytes did not arrive within {body_timeout:g} s") from None
+        finally:
+            sock.settimeout(waited)
     assert body is not None
     try:
         message = json.loads(body)

@@ -79,12 +79,9 @@ def extra_key(request: Any) -> str | None:
     multimodal inputs (an image's placeholder tokens are the same whatever the image: its
     identifier and position name it)."""
     lora = getattr(request, "lora_request", None)
-    key = extra_key_of(getattr(request, "cache_salt", None), lora.lora_int_id if lora is not None else None)
-    parts = [key] if key else []
-    inputs = [f"{f.identifier}@{f.mm_position.offset}" for f in getattr(request, "mm_features", None) or ()]
-    if inputs:
-        parts.append("mm=" + ",".join(inputs))
-    return "|".join(parts) or None
+    media = [f"{f.identifier}@{f.mm_position.offset}" for f in getattr(request, "mm_features", None) or ()]
+    return extra_key_of(getattr(request, "cache_salt", None), lora.lora_int_id if lora is not None else None,
+                        media)
 
 
 def tokens_name_kv(request: Any) -> bool:
