@@ -4,8 +4,10 @@
 Routes map (method, path) to a function of the JSON body that returns a JSON object, or a
 `RawReply` (e.g. Prometheus text). Bad input — a body that is not a JSON object, or a route's
 `BadRequest` / ValueError, a Content-Length that is not a byte count, JSON nested too deeply to
-parse — gets 400 with {"error": message}; an unknown path 404, a wrong method 405, a body over
-16 MiB 413, a failing route 500 (the service keeps serving).
+parse, a body shorter than its Content-Length — gets 400 with {"error": message}; an unknown path
+404, a wrong method 405, a body over 16 MiB 413, a body that stalls for `timeout` seconds 408
+(its connection closed: an idle client cannot hold a thread), a failing route 500 (the service
+keeps serving).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 16 << 20
+REQUEST_TIMEOUT = 30.0
 
 
 class BadRequest(ValueError):
@@ -35,9 +38,11 @@ Route = Callable[[dict[str, Any]], "dict[str, Any] | RawReply"]
 
 
 class JsonHTTPService:
-    def __init__(self, routes: Mapping[tuple[str, str], Route], host: str, port: int, name: str) -> None:
+    def __init__(self, routes: Mapping[tuple[str, str], Route], host: str, port: int, name: str,
+                 timeout: float = REQUEST_TIMEOUT) -> None:
         self._routes = dict(routes)
         self._name = name
+        self.timeout = timeout
         self._http = ThreadingHTTPServer((host, port), _handler_for(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -105,6 +110,8 @@ def token_ids(body: dict[str, Any]) -> list[int]:
 
 def _handler_for(service: JsonHTTPService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = service.timeout  # of every read and write on the connection
+
         def _serve(self, method: str) -> None:
             declared = self.headers.get("Content-Length") or "0"
             if not (declared.isascii() and declared.isdigit()):
@@ -115,8 +122,19 @@ def _handler_for(service: JsonHTTPService) -> type[BaseHTTPRequestHandler]:
             if length > MAX_BODY:
                 self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"body over {MAX_BODY} bytes"})
                 return
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:
+                self.close_connection = True
+                error = f"the body did not arrive within {service.timeout:g} s"
+                self._reply(HTTPStatus.REQUEST_TIMEOUT, {"error": error})
+                return
+            if len(raw) < length:
+                error = f"the body ended after {len(raw)} of its {length} bytes"
+                self._reply(HTTPStatus.BAD_REQUEST, {"error": error})
+                return
             path = self.path.split("?", 1)[0]
-            status, payload = service.handle(method, path, self.rfile.read(length))
+            status, payload = service.handle(method, path, raw)
             self._reply(status, payload)
 
         def _reply(self, status: int, payload: dict[str, Any] | RawReply) -> None:

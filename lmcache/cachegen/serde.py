@@ -5,7 +5,7 @@ single token block (`encoder`; on the CUDA device with nvCOMP where present, `gp
 coder's arrays (`format.pack_fields`) and wraps the stream in the common blob header
 (`lmcache.storage_backend.serde.blob`). `CacheGenDeserializer.from_bytes(blob)` validates that
 header, parses the stream and decodes it (`decoder.decode_stream`); `from_bytes_to` decodes
-straight into the arena buffer the tier allocates (no extra copy).
+straight into the arena buffer the tier allocates (no extra copy), in the engine's KV dtype.
 
 Errors: anything inconsistent raises `CorruptBlobError` (the tiers count a miss and delete the
 value), also a blob that is not a float chunk of this engine's shape (checked before decoding); a
@@ -179,15 +179,16 @@ class CacheGenDeserializer(Deserializer):
         return self._decode(encoded, header.dtype).cpu()
 
     def from_bytes_to(self, bs: bytes | bytearray | memoryview, allocate: AllocateFn) -> MemoryObj | None:
-        """Decode into a KV_BLOB object from `allocate` (one reference, owned by the caller)."""
+        """Decode into a KV_BLOB object from `allocate` (one reference, owned by the caller), in
+        the deserializer's dtype (the tiers' KV dtype) whatever float dtype the blob was coded from."""
         header, encoded = self._parse(bs)
-        obj = allocate(header.shape, header.dtype, MemoryFormat.KV_BLOB)
+        obj = allocate(header.shape, self.dtype, MemoryFormat.KV_BLOB)
         if obj is None:
             return None
         try:
             target = obj.tensor
             assert target is not None
-            self._decode(encoded, header.dtype, target)
+            self._decode(encoded, self.dtype, target)
         except BaseException:
             obj.ref_count_down()
             raise

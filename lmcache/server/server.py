@@ -36,6 +36,7 @@ from lmcache.server.protocol import Op, ProtocolError, Status
 from lmcache.write_parts import Buffer
 
 logger = logging.getLogger(__name__)
+HANDLER_GRACE = 2.0  # seconds a closing `ServerThread` lets the requests being answered finish
 
 
 class Reply(NamedTuple):
@@ -224,10 +225,22 @@ class ServerThread:
             return
         self._started.set()
         self._loop.run_forever()
-        self._listener.close()
-        self.server.close_connections()
-        self._loop.run_until_complete(self._listener.wait_closed())
+        self._loop.run_until_complete(self._shut_down(self._listener))
         self._loop.close()
+
+    async def _shut_down(self, listener: asyncio.Server) -> None:
+        """Stop listening and close every connection; the requests being answered then finish
+        (within `HANDLER_GRACE` seconds, else they are cancelled), so each releases what its answer
+        holds (a closed loop would drop them midway)."""
+        listener.close()
+        self.server.close_connections()
+        await listener.wait_closed()
+        handlers = asyncio.all_tasks() - {asyncio.current_task()}
+        if handlers:
+            _, late = await asyncio.wait(handlers, timeout=HANDLER_GRACE)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._thread.is_alive():

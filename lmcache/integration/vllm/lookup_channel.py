@@ -119,6 +119,7 @@ class LookupClient:
         self._socks: list[zmq.Socket | None] = [None] * len(addresses)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closed = False
         self._incidents = IncidentLog(logger, "LMCache lookup channel")
 
     def _socket(self, rank: int) -> zmq.Socket:
@@ -139,7 +140,10 @@ class LookupClient:
         self._incidents.fail(why)
 
     def _send(self, rank: int, header: dict[str, Any], tokens: bytes | None) -> zmq.Socket | None:
-        """Send a request to `rank` without waiting (None: it could not be sent)."""
+        """Send a request to `rank` without waiting (None: it could not be sent, or the client is
+        closed)."""
+        if self._closed:
+            return None
         frames = [b"", json.dumps(header).encode()] + ([tokens] if tokens is not None else [])
         sock = self._socket(rank)
         try:
@@ -225,12 +229,16 @@ class LookupClient:
         return [answers[rank] for rank in self._all_ranks()]
 
     def close(self) -> None:
+        """Close the sockets; later requests are answered as misses."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             for sock in self._socks:
                 if sock is not None:
                     sock.close(0)
             self._socks = [None] * len(self.addresses)
-        self._ctx.term()
+            self._ctx.term()
 
 
 def _request(frames: list[bytes]) -> tuple[dict[str, Any], np.ndarray]:

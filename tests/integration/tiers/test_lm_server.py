@@ -213,3 +213,42 @@ def test_a_refusal_claiming_a_huge_message_is_a_protocol_error_not_an_allocation
         c.close()
         server.join(5)
         listener.close()
+
+
+def test_a_server_thread_closed_mid_request_lets_the_request_release_what_it_holds(caplog):
+    """A peer server's answer holds a reference on the memory it sends until it is handed to the
+    transport (`Reply.release`). A `ServerThread` closed while a blocking dispatch ran closed its
+    loop under the pending handler: the release never ran (the chunk stayed referenced) and asyncio
+    logged "Task was destroyed but it is pending!"."""
+    from lmcache.server.server import FrameServer, Reply
+
+    released = threading.Event()
+    dispatching = threading.Event()
+
+    class Slow(FrameServer):
+        blocking_dispatch = True
+
+        def dispatch(self, op, key, value):
+            dispatching.set()
+            time.sleep(0.5)
+            return Reply(protocol.Status.OK, [b"v"], release=released.set)
+
+    srv = ServerThread(Slow(), "127.0.0.1", 0)
+    client = LMCacheClient("127.0.0.1", srv.port, timeout=5)
+    outcome: list[object] = []
+
+    def get() -> None:
+        try:
+            outcome.append(client.get("k"))
+        except ConnectionError as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=get)
+    reader.start()
+    assert dispatching.wait(5)
+    with caplog.at_level("ERROR", logger="asyncio"):
+        srv.close()
+        reader.join(5)
+    client.close()
+    assert released.is_set()
+    assert len(outcome) == 1 and "destroyed but it is pending" not in caplog.text

@@ -248,3 +248,21 @@ def test_a_small_stream_claiming_a_huge_chunk_is_rejected_before_allocating(serd
     with pytest.raises(CorruptBlobError, match="chunk"):
         serde[1].from_bytes_to(data, allocate)
     assert asked == []
+
+
+def test_a_blob_of_another_float_dtype_decodes_into_the_engines_dtype(engine_config, metadata,
+                                                                      make_kv) -> None:
+    """A chunk key names its dtype, so only a foreign or planted blob carries another one; it must
+    still come back in the engine's KV dtype (as every other serde converts), not as a memory object
+    that the copy into the paged cache refuses on every later hit."""
+    from lmcache.cachegen.serde import CacheGenDeserializer
+    from lmcache.memory_management import MixedMemoryAllocator
+
+    kv = make_kv(ntokens=40, dtype=torch.float32)
+    data = CacheGenSerializer(engine_config, metadata).to_bytes(kv)
+    deserializer = CacheGenDeserializer(engine_config, metadata, torch.bfloat16)
+    allocator = MixedMemoryAllocator(1 << 20)
+    obj = deserializer.from_bytes_to(data, allocator.allocate)
+    assert obj is not None and obj.tensor is not None
+    assert obj.tensor.dtype == torch.bfloat16
+    assert torch.equal(obj.tensor, deserializer.from_bytes(data).to(torch.bfloat16))

@@ -242,3 +242,36 @@ def test_an_operators_lookup_and_pin_are_not_counted_as_serving_lookups(served):
     assert after.get("lookup_hit_tokens", 0) == before.get("lookup_hit_tokens", 0)  # was 96 more
     engine.lookup(tokens)  # a serving lookup counts
     assert engine.stats.snapshot()["lookup_requests"] == before.get("lookup_requests", 0) + 1
+
+
+def _post_head(port: int, length: int, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length + body)
+    return sock
+
+
+def _status_line(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    return answer.split(b"\r\n", 1)[0]
+
+
+def test_a_body_shorter_than_its_length_is_refused_and_a_stalled_one_does_not_hold_a_thread():
+    """A client that closes its side before the body's declared length gets 400, not a route called
+    with a truncated body; one that stalls mid-body is answered 408 after the service's timeout
+    and its connection closed (it held a thread for as long as it kept the socket open)."""
+    seen = []
+    service = JsonHTTPService({("POST", "/echo"): lambda body: seen.append(body) or {}}, "127.0.0.1", 0,
+                              "test", timeout=0.5)
+    try:
+        short = _post_head(service.port, 100, b'{"a": 1}')
+        short.shutdown(socket.SHUT_WR)
+        assert _status_line(short) == b"HTTP/1.0 400 Bad Request"
+        stalled = _post_head(service.port, 100, b'{"a": 1')
+        assert _status_line(stalled) == b"HTTP/1.0 408 Request Timeout"
+        assert seen == []
+        assert call(f"http://127.0.0.1:{service.port}", "/echo", {"a": 2}) == (200, {})
+        assert seen == [{"a": 2}]
+    finally:
+        service.close()

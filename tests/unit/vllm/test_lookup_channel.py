@@ -227,3 +227,20 @@ def test_a_rank_timing_out_releases_the_leases_the_other_rank_took_at_once():
             s.close()
         for engine in engines:
             engine.close()
+
+
+def test_a_closed_client_answers_misses_and_closes_again_quietly():
+    """vLLM may still ask the scheduler's connector while it shuts down: a lookup after `close` is
+    a miss (not a ZMQError from the terminated context), and so are `clear` and `stats`."""
+    addr = address()
+    server = LookupServer(addr, lambda header, tokens: {"hit": len(tokens)})
+    client = LookupClient([addr], timeout=2)
+    try:
+        assert client.lookup("r", [1, 2, 3], None) == 3
+        client.close()
+        assert client.lookup("r", [1, 2, 3], None) == 0
+        assert client.clear("all") is False
+        assert client.stats() == [None]
+        client.close()
+    finally:
+        server.close()
