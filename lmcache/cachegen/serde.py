@@ -115,6 +115,8 @@ class CacheGenDeserializer(Deserializer):
     serialized from). `coder`: the CPU kernels (default: native where available, else the numpy
     reference). Raises ValueError for an MLA engine or a non-float `dtype`."""
 
+    lossy = True  # the KV decoded is quantized
+
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  dtype: torch.dtype, coder: Kernels | None = None) -> None:
         _check_kv_pairs(metadata)

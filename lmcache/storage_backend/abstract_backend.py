@@ -96,6 +96,7 @@ class StorageBackendInterface(abc.ABC):
     publishes_local_keys: ClassVar[bool] = False
     promote_hits: bool = True
     takes_texts: bool = False  # whether `batched_put` wants the chunks' texts (computed for it)
+    lossy: bool = False  # whether its chunks only approximate the KV stored (a CacheGen-coded tier)
     events: TierEvents | None = None  # set by a tier that reports what it stores and drops
     # the kind of memory the tier keeps chunks in, as vLLM's KV events name it ("CPU", "STORAGE");
     # None: its events are not published to subscribers (`StorageManager.publish_events`)

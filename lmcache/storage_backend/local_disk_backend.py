@@ -79,6 +79,7 @@ class LocalDiskBackend(LowerTierBackend):
         self.fsync = config.local_disk_fsync
         self.serde_name = config.local_disk_serde
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self.lossy = self.deserializer.lossy
         self.sealer = create_sealer(config.kv_encryption_key)
         self.pins = pins if pins is not None else PinTable()
         self.events: TierEvents = TierEvents(self.name)

@@ -96,6 +96,7 @@ class RemoteBackend(LowerTierBackend):
         super().__init__(allocate, pools)
         self.serde_name = config.remote_serde or "naive"
         self.serializer, self.deserializer = create_serde(self.serde_name, config, metadata)
+        self.lossy = self.deserializer.lossy
         self.events: TierEvents = TierEvents(self.name)
         self.sealer = create_sealer(config.kv_encryption_key)
         self._count_lock = threading.Lock()

@@ -25,6 +25,9 @@ under the same keys.
   mismatch logs one incident (model, group, layer, tier, size of the difference) and removes the
   chunk from that tier; after `verify_max_mismatches` mismatches the worker stops serving hits for
   the model (one message): lookups answer 0, stores go on, audits continue.
+- An engine with a tier that codes KV lossily (CacheGen: quantized by design) is not audited (one
+  message at start): its hits, and those promoted from it into the hot tier, only approximate
+  what vLLM computes, so no comparison could tell a fault from the coding.
 """
 
 from __future__ import annotations
@@ -137,6 +140,11 @@ class Auditor:
                  states: StateCopier | None = None) -> None:
         self.engine = engine
         self.kv = kv
+        lossy = [name for name, tier in engine.storage_manager.backends.items() if tier.lossy]
+        if lossy and rate > 0:
+            logger.info("LMCache self-verification is off: %s code KV lossily (CacheGen), so a hit only "
+                        "approximates what vLLM computes", ", ".join(lossy))
+            rate = 0.0
         self.rate = rate
         self.max_mismatches = max_mismatches
         self.states = states

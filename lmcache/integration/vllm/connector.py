@@ -68,7 +68,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._worker: LMCacheWorker | None = None
         self.kv: ModelKV | None = None
         scheduler_events = role == KVConnectorRole.SCHEDULER and events_enabled(vllm_config)
-        self._events = SchedulerEvents() if scheduler_events else None
+        self._events = SchedulerEvents(vllm_config.parallel_config.world_size) if scheduler_events else None
         try:
             self.kv = model_kv(vllm_config, kv_cache_config, config)
         except UnsupportedModel as e:

@@ -169,11 +169,16 @@ def _blocks_copy(view: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, g
 
 def _tokens_copy(view: torch.Tensor, slots: torch.Tensor, block_size: int, rows: torch.Tensor,
                  gather: bool) -> None:
-    """Per-token copy; on scatter, negative slots are skipped."""
-    if gather:
-        rows.copy_(view[slots // block_size, slots % block_size])
-        return
+    """Per-token copy; negative slots are skipped on a scatter and gather zeros."""
     keep = slots >= 0
+    if gather:
+        if bool(keep.all()):
+            rows.copy_(view[slots // block_size, slots % block_size])
+        else:
+            rows.zero_()
+            s = slots[keep]
+            rows[keep] = view[s // block_size, s % block_size]
+        return
     s = slots[keep]
     view[s // block_size, s % block_size] = rows[keep]
 

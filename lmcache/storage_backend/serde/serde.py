@@ -50,6 +50,7 @@ class Serializer(abc.ABC):
 
 class Deserializer(abc.ABC):
     raw_payload: bool = False
+    lossy: bool = False  # whether what it decodes only approximates what was serialized (CacheGen)
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

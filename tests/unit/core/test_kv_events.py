@@ -89,10 +89,12 @@ def test_a_saved_tail_that_ends_no_block_is_neither_reported_nor_counted_unknown
     assert (out.events, out.unknown) == ([], 0)
 
 
-def test_workers_events_count_once_every_rank_reported_them_in_order():
+def test_stored_events_count_once_every_rank_reported_them_in_order():
     from lmcache.integration.vllm.kv_events import LMCacheKVEvents, SchedulerEvents
 
-    a, b, c = (vllm_events.BlockRemoved(block_hashes=[bytes([i])], medium="CPU") for i in range(3))
+    a, b, c = (vllm_events.BlockStored(block_hashes=[bytes([i])], parent_block_hash=None, token_ids=[i, i],
+                                       block_size=2, lora_id=None, medium="CPU", lora_name=None)
+               for i in range(3))
     step = LMCacheKVEvents([a, b, a])
     step.add_events([a, b])  # vLLM merges the second worker's into the first's
     step.increment_workers(1)
@@ -100,10 +102,29 @@ def test_workers_events_count_once_every_rank_reported_them_in_order():
     assert step.aggregate().get_all_events() == [a, b]  # the second `a` only rank 0 reported
     assert LMCacheKVEvents([a, c, a]).aggregate().get_all_events() == [a, c, a]  # one rank: all, in order
 
-    pending = SchedulerEvents(max_events=2)
+    pending = SchedulerEvents(max_events=2)  # one worker
     pending.add(LMCacheKVEvents([a, b, c]))
     pending.add(None)
     assert pending.take() == [b, c] and pending.num_dropped == 1 and pending.take() == []
+
+
+def test_a_block_is_published_stored_once_every_rank_stored_it_and_removed_once_any_rank_removed_it():
+    """Two ranks: a chunk one rank stored in a step where the other sent no events at all is not
+    held by every rank (not published); a chunk one rank dropped is no longer held by every rank
+    (published, whatever the other reported)."""
+    from lmcache.integration.vllm.kv_events import LMCacheKVEvents, SchedulerEvents
+
+    stored = vllm_events.BlockStored(block_hashes=[b"\1"], parent_block_hash=None, token_ids=[1, 2],
+                                     block_size=2, lora_id=None, medium="CPU", lora_name=None)
+    gone, other = (vllm_events.BlockRemoved(block_hashes=[bytes([i])], medium="CPU") for i in (2, 3))
+    pending = SchedulerEvents(num_workers=2)
+    pending.add(LMCacheKVEvents([stored, gone]))  # rank 1 sent none this step
+    assert pending.take() == [gone]
+    step = LMCacheKVEvents([gone])
+    step.add_events([other, gone])
+    step.increment_workers(1)
+    pending.add(step)
+    assert pending.take() == [gone, other]
 
 
 def test_kv_events_are_off_unless_vllms_are_on():

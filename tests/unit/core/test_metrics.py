@@ -183,3 +183,20 @@ def test_an_older_engine_still_running_beside_a_newer_one_counts_on_unexported()
     labels = {"model_name": "smol", "engine": "0"}
     assert REGISTRY.get_sample_value("lmcache:stored_tokens_total", labels) == 6
     assert REGISTRY.get_sample_value("lmcache:retrieve_seconds_count", labels) == 2
+
+
+def test_a_rank_that_reported_nothing_new_keeps_its_share_of_a_summed_gauge():
+    """A worker whose numbers did not change sends no stats for the step (`stats_interval` is
+    None): its last gauges still count in the sum over ranks."""
+    pytest.importorskip("vllm")
+    from lmcache.integration.vllm.metrics import LMCachePromMetrics
+
+    registry = CollectorRegistry()
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    prom = LMCachePromMetrics(vllm_config, metric_types(registry), ["model_name", "engine"],
+                              {0: ["smol", "0"]})
+    both = {"gauges_by_rank": {"0": {"Hot": {"bytes_used": 100}}, "1": {"Hot": {"bytes_used": 100}}}}
+    prom.observe(both, 0)
+    prom.observe({"gauges_by_rank": {"0": {"Hot": {"bytes_used": 150}}}}, 0)  # rank 1: unchanged
+    labels = {"model_name": "smol", "engine": "0", "tier": "Hot"}
+    assert registry.get_sample_value("lmcache:tier_bytes_used", labels) == 250

@@ -101,6 +101,29 @@ def test_a_chunk_that_differs_is_a_mismatch_logged_once_deleted_and_hits_stop(ca
     engine.close()
 
 
+def test_an_engine_with_a_tier_that_codes_kv_lossily_is_not_audited(tmp_path, caplog):
+    """A CacheGen-coded disk tier holds an approximation of the KV (its quantization), and so does
+    the hot tier once a disk hit is promoted into it: every audit would be a mismatch, delete the
+    chunk and soon stop all hits. Such an engine is not audited (one message); hits are served."""
+    engine = build_engine(8, error_handling=True, local_disk=str(tmp_path), max_local_disk_size=0.01,
+                          local_disk_serde="cachegen")
+    kv = PagedKV()
+    model = ModelKV("llama", (KVGroup(0, GroupKind.FULL, kv.block_size, ("l.0", "l.1")),), kv.heads,
+                    kv.head_size, kv.dtype)
+    with caplog.at_level("INFO", logger="lmcache.integration.vllm.audit"):
+        auditor = Auditor(engine, model, rate=1.0, max_mismatches=1, seed=0)
+    assert "self-verification is off: LocalDiskBackend" in caplog.text
+    tokens = torch.randint(0, 1000, (24,))
+    slots = kv.slots_for(24)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    assert auditor.answer("a", engine.lookup(tokens)) == 24
+    auditor.capture(plan_of(tokens, slots, kv, rid="a"), kv.layers)
+    assert auditor.wait_idle(10)
+    assert auditor.counts() == {} and not auditor.stopped
+    auditor.close()
+    engine.close()
+
+
 def test_chunks_vllms_own_prefix_cache_served_are_not_audited():
     engine, kv, auditor = auditor_over()
     tokens = torch.randint(0, 1000, (24,))

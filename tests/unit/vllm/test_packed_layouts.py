@@ -182,3 +182,38 @@ def test_large_copies_stream_the_same_bytes(path, isa, dtype, h, d, first):
     assert 2 * layers * n * h * d * dtype.itemsize > 8 << 20
     bounds = [(a, min(a + 1024, n)) for a in range(0, n, 1024)]
     assert_all_equal(copies(layout, layers, dtype, caches, slots, slots, bounds, path))
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.bfloat16), ("vec", torch.float32),
+                                       ("amx", torch.bfloat16)])
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_store_of_several_groups_writes_zeros_where_a_group_holds_no_token(isa, dtype, use_native):
+    """Two KV cache groups: a layer of the group whose row is -1 (a sliding-window row outside what
+    the chunk keeps) stores zeros there, not some other block's KV; natively and by torch alike."""
+    h, d, bs, nb = 2, 64, 32, 6
+    layout = closed_form_layout(h, d, bs, isa)
+    conn = VLLMCPUPackedConnector(h * d, 2, layout, use_native=use_native, layer_groups=[0, 1])
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.randn(nb, h, bs, 2 * d, generator=gen).to(dtype) for _ in range(2)]
+    n = 2 * bs
+    full = torch.arange(bs, bs + n)
+    windowed = full.clone()
+    windowed[: bs + 5] = -1  # the group keeps only the last rows (not block-aligned)
+    obj = HostMemoryAllocator(1 << 22).allocate(conn.get_shape(n), dtype, MemoryFormat.KV_BLOB)
+    conn.batched_from_gpu([obj], [0], [n], kvcaches=caches, slot_mapping=torch.stack([full, windowed]))
+    assert obj.tensor is not None
+    assert bool((obj.tensor[:, 1, : bs + 5] == 0).all())
+    assert bool((obj.tensor[:, 1, bs + 5:] != 0).any()) and bool((obj.tensor[:, 0] != 0).any())
+
+
+def test_a_kernel_that_runs_but_does_not_permute_kv_is_refused_not_replaced_by_the_closed_form(monkeypatch):
+    """vLLM's kernel ran and wrote something that is no permutation of K and V (a build that
+    quantizes, say): the connector refuses to serve rather than copy by a guessed layout."""
+    from lmcache.integration.vllm import cpu_layout
+
+    def writes_zeros(kv, key, value, slots, isa):
+        kv[1] = 0
+
+    monkeypatch.setattr(cpu_layout, "_write", writes_zeros)
+    with pytest.raises(cpu_layout.LayoutMismatch, match="permutation"):
+        cpu_layout.packed_layout.__wrapped__(1, 16, 16, torch.float32, "vec")
