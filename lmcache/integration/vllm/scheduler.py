@@ -14,12 +14,14 @@
   partial chunk is saved when the prompt is complete. For a hybrid model with recurrent layers, a
   prefill step that ends at a chunk boundary or a resume point (`ModelKV.resume_points`) also saves
   the layers' state there.
-- Loads. A model with one KV cache group loads synchronously, before the forward of the request's
-  first step, and reports what failed as blocks (vLLM recomputes from there). With several groups
-  vLLM can only recover a failed load reported by request, so the load is asynchronous in vLLM's
-  sense: the request waits (WAITING_FOR_REMOTE_KVS) while its plan is carried out, the worker
-  reports it finished (or failed: vLLM recomputes the request, and LMCache does not offer it a
-  load again).
+- Loads. A model with one full-attention KV cache group loads synchronously, before the forward
+  of the request's first step, and reports what failed as blocks (vLLM recomputes from there).
+  With several groups vLLM can only recover a failed load reported by request, and with one
+  sliding-window group a recompute from a failed block would attend over the null blocks before
+  the window, so there the load is asynchronous in vLLM's sense: the request waits
+  (WAITING_FOR_REMOTE_KVS) while its plan is carried out, the worker reports it finished (or
+  failed: vLLM recomputes the request from its first token, and LMCache does not offer it a load
+  again).
 - `kv_role`: "kv_producer" only stores, "kv_consumer" only loads, "kv_both" does both.
 - Prefill/decode disaggregation (`lmcache.pd`): on a sender (``pd_role: sender``), a request whose
   ``kv_transfer_params`` name a KV receiver gets, in the step that completes its prompt, a plan
@@ -40,7 +42,7 @@ from typing import Any
 
 from lmcache.config import LMCacheEngineConfig
 from lmcache.integration.vllm.kv_events import events_enabled, plan_blocks
-from lmcache.integration.vllm.kv_groups import ModelKV
+from lmcache.integration.vllm.kv_groups import GroupKind, ModelKV
 from lmcache.integration.vllm.lookup_channel import LookupClient, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.utils import extra_key, tokens_name_kv
@@ -77,7 +79,7 @@ class LMCacheScheduler:
         self.saves = role != "kv_consumer"  # a consumer (decode instance) only loads
         self.sends = config.enable_pd and config.pd_role == "sender"
         self.kv = kv
-        self.load_async = len(kv.groups) > 1
+        self.load_async = len(kv.groups) > 1 or kv.groups[0].kind is GroupKind.SLIDING
         self.states = bool(kv.state_groups)
         # the blocks KV events name: those of the one KV cache group (see `kv_events`)
         self.event_block_size = kv.token_groups[0].block_size \

@@ -241,3 +241,13 @@ def test_a_preempted_request_readmitted_with_a_hit_gets_its_load(make_scheduler)
                                                resumed=["p"])).requests
     assert (again.load_from, again.load_to) == (0, 512) and again.block_ids == [[7, 8, 9, 10, 11, 12]]
     assert not again.has_save or again.save_from >= 512  # what was saved before stays saved
+
+
+def test_a_model_of_sliding_windows_only_loads_asynchronously(make_scheduler):
+    """One sliding-window group: a hit's blocks before the window are vLLM's null block. A failed
+    synchronous load makes vLLM recompute from the first failed block, whose window reaches into
+    those null blocks (garbage); a failed asynchronous one is recomputed from the first token."""
+    sliding = ModelKV("mistral", (KVGroup(0, GroupKind.SLIDING, BLOCK, ("l.0",), window=128),), 2, 64,
+                      torch.float32)
+    sched = make_scheduler(hit=700, model=sliding)
+    assert sched.get_num_new_matched_tokens(FakeRequest("w", 700), 0) == (699, True)
