@@ -46,7 +46,7 @@ from lmcache.integration.vllm.engine_setup import (
     vllm_layout,
 )
 from lmcache.integration.vllm.kv_events import LMCacheKVEvents, WorkerEvents, events_enabled
-from lmcache.integration.vllm.kv_groups import NULL_BLOCK, ModelKV, unsupported
+from lmcache.integration.vllm.kv_groups import ModelKV, unsupported
 from lmcache.integration.vllm.lookup_channel import LookupServer, socket_path
 from lmcache.integration.vllm.metadata import LMCacheConnectorMetadata, RequestPlan
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats
@@ -197,8 +197,7 @@ class LMCacheWorker:
             else:
                 bs = self.kv.token_groups[0].block_size
                 first = max(valid, plan.load_from) // bs
-                # (vLLM's null block, shared by every request, held nothing to load)
-                failed = [b for b in plan.block_ids[0][first : -(-plan.load_to // bs)] if b != NULL_BLOCK]
+                failed = plan.block_ids[0][first : -(-plan.load_to // bs)]
                 self._load_errors.update(failed)
                 blocks = len(failed)
             engine.stats.add("load_error_blocks", blocks)

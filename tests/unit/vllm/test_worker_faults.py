@@ -97,22 +97,3 @@ def test_a_bug_in_the_workers_own_code_is_a_miss_counted_by_the_engine(monkeypat
     assert engine.stats.get("errors") == 1
     engine.close()
 
-
-def test_a_failing_load_never_reports_vllms_null_block():
-    """A model of sliding windows only (one KV cache group, synchronous loads): vLLM allocated only
-    the window's blocks of the hit, nulls before. A failed load reports the blocks it left
-    unwritten, never the null block every request's table shares (vLLM would recompute them all)."""
-    engine = build_engine(8, error_handling=True)
-    kv = PagedKV()
-    tokens = torch.randint(0, 1000, (32,))
-    engine.store(tokens, kvcaches=kv.layers, slot_mapping=kv.slots_for(32))
-    engine.gpu_connector = BrokenConnector(8, 2)
-    model = ModelKV("mistral", (KVGroup(0, GroupKind.SLIDING, kv.block_size, ("l.0",), window=8),),
-                    kv.heads, kv.head_size, kv.dtype)
-    worker = LMCacheWorker(SimpleNamespace(), engine.config, rank=0, kv=model)
-    worker.engine, worker.kvcaches = engine, kv.layers
-    table = [0, 0, 0, 0, 0, 21, 22, 23]  # a hit of 31 tokens: the window's blocks only
-    plan = RequestPlan("r", tokens.tolist(), [table], load_from=0, load_to=31, retrieve_to=32)
-    worker.load(plan)
-    assert worker.get_block_ids_with_load_errors() == {21, 22, 23}
-    engine.close()
