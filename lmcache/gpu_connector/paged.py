@@ -146,7 +146,11 @@ class VLLMPagedMemGPUConnector(PagedConnector):
 
     def _token_slots(self, kwargs: dict[str, Any], starts: Sequence[int], ends: Sequence[int],
                      target: KVSources) -> torch.Tensor:
-        return slots_from_mapping(kwargs, starts, ends)
+        slots = slots_from_mapping(kwargs, starts, ends)
+        if slots.dim() != 1:
+            raise ValueError(f"slot_mapping of shape {tuple(slots.shape)}: this connector's layers belong "
+                             "to one KV cache group, one slot row ([T])")
+        return slots
 
 
 class VLLMPagedMemGPUConnectorV2(VLLMPagedMemGPUConnector):

@@ -105,6 +105,10 @@ class MixedMemoryAllocator(MemoryAllocatorInterface):
             return self.buffer_allocator.allocate(shape, dtype, fmt)
         return self.pin_allocator.allocate(shape, dtype, fmt)
 
+    def fits(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype | None,
+             fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> bool:
+        return fmt == MemoryFormat.BINARY_BUFFER or self.pin_allocator.fits(shape, dtype, fmt)
+
     def free(self, memory_obj: MemoryObj) -> None:
         if isinstance(memory_obj, BytesBufferMemoryObj):
             self.buffer_allocator.free(memory_obj)

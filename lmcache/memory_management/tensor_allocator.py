@@ -63,6 +63,12 @@ class MemoryAllocatorInterface(abc.ABC):
     def get_ref_count(self, memory_obj: MemoryObj) -> int:
         return memory_obj.get_ref_count()
 
+    def fits(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype | None,
+             fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> bool:
+        """Whether such an object could be allocated once enough memory is free; False: it is
+        larger than all of the memory (freeing or evicting cannot make it fit)."""
+        return True
+
     @property
     def arena(self) -> torch.Tensor | None:
         """The one buffer every tensor object is carved from (uint8; for registering it with a
@@ -104,6 +110,10 @@ def allocate_leading(allocate: Callable[[torch.Size, torch.dtype | None, MemoryF
         release_all(out)
         raise
     return out
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize  # Python ints: torch's numel() wraps around int64
 
 
 class TensorMemoryAllocator(MemoryAllocatorInterface):
@@ -188,7 +198,7 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
     ) -> TensorMemoryObj | None:
         shape = torch.Size(shape)
         dtype = dtype or torch.uint8
-        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: torch's numel() wraps around int64
+        nbytes = _nbytes(shape, dtype)
         if nbytes <= 0:
             raise ValueError(f"cannot allocate an empty object of shape {tuple(shape)}")
         size = self.aligned_size(nbytes)
@@ -202,6 +212,10 @@ class TensorMemoryAllocator(MemoryAllocatorInterface):
                 return None
         start, raw = taken
         return TensorMemoryObj(raw, MemoryObjMetadata(shape, dtype, start, size, 1, fmt), self)
+
+    def fits(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype | None,
+             fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> bool:
+        return self.aligned_size(_nbytes(torch.Size(shape), dtype or torch.uint8)) <= self.total
 
     def _first_fit(self, size: int) -> tuple[int, torch.Tensor] | None:
         """Take `size` bytes from the lowest free block that has them (their address and view);

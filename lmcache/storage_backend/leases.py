@@ -70,9 +70,9 @@ class LeaseTable:
 
     def acquire(self, lease_id: str, keys: list[CacheEngineKey], ttl: float) -> None:
         with self._lock:
+            self._pins.pin(keys)  # before old pins go: a key pinned before and after is never unpinned
             self._expire_locked()
             self._release_locked(lease_id)
-            self._pins.pin(keys)
             self._leases[lease_id] = (self._clock() + ttl, list(keys))
 
     def release(self, lease_id: str) -> None:

@@ -3,9 +3,10 @@ engine's CPU arena.
 
 It owns eviction for that arena: `allocate` evicts in policy order (LRU by default) until the
 allocation fits, skipping objects somebody else still holds (ref count > 1) or that a lookup
-lease pins (`PinTable`), and returns None when nothing more can be freed. Hot tiers that share an
-arena (the cache server's models) share an `EvictionDomain`: one order and one lock, so a full
-arena evicts whichever tier's chunks come first, not only the asking tier's. Puts are synchronous.
+lease pins (`PinTable`), and returns None when nothing more can be freed (at once, evicting
+nothing, for an object larger than the whole arena). Hot tiers that share an arena (the cache
+server's models) share an `EvictionDomain`: one order and one lock, so a full arena evicts
+whichever tier's chunks come first, not only the asking tier's. Puts are synchronous.
 What it stores, evicts, removes and clears it reports as events (`events`, taken by the storage
 manager after the call); it never calls up.
 """
@@ -111,8 +112,8 @@ class LocalCPUBackend(StorageBackendInterface):
     def allocate(self, shape: torch.Size, dtype: torch.dtype | None,
                  fmt: MemoryFormat = MemoryFormat.KV_BLOB) -> MemoryObj | None:
         obj = self.allocator.allocate(shape, dtype, fmt)
-        if obj is not None:
-            return obj
+        if obj is not None or not self.allocator.fits(shape, dtype, fmt):
+            return obj  # (None: larger than the arena, which no eviction changes)
         evicted: dict[LocalCPUBackend, list[CacheEngineKey]] = {}
         try:
             with self.lock:

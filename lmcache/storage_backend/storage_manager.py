@@ -294,12 +294,12 @@ class StorageManager:
         `keys`."""
         n = len(keys)
         objs: list[MemoryObj | None] = [None] * n
+        joined: dict[int, _Load] = {}
         try:
             if self.hot is not None:
                 for i, key in enumerate(keys):
                     objs[i] = self.hot.get_blocking(key)
                 self._served(self.hot, objs)
-            joined: dict[int, _Load] = {}
             with self._lock:
                 for i, key in enumerate(keys):
                     load = self._loading.get(key) if objs[i] is None else None
@@ -311,11 +311,23 @@ class StorageManager:
                 objs[i] = load.join()
             self._read_lower(keys, objs, [i for i in joined if objs[i] is None])  # a failed load
         except BaseException:
-            release_all(objs)
+            release_all(objs + self._leave([load for i, load in joined.items() if objs[i] is None]))
             raise
         cut = next((i for i, obj in enumerate(objs) if obj is None), n)
         release_all(objs[cut:])
         return [obj for obj in objs[:cut] if obj is not None]
+
+    def _leave(self, loads: list[_Load]) -> list[MemoryObj | None]:
+        """Stop waiting for `loads` (joined, not yet joined): one still in flight takes no
+        reference for this waiter; what one that has finished took is returned, to release."""
+        taken: list[MemoryObj | None] = []
+        with self._lock:
+            for load in loads:
+                if load.done.is_set():
+                    taken.append(load.obj)
+                else:
+                    load.waiters -= 1
+        return taken
 
     def _read_lower(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj | None],
                     todo: list[int]) -> None:

@@ -318,3 +318,25 @@ def test_leases_expire_and_repeated_acquire_replaces():
     assert pins.pinned() == keys[:1] and pins.count(keys[0]) == 1 and len(leases) == 2
     leases.release("s")
     assert len(pins) == 0
+
+
+def test_a_repeated_acquire_keeps_the_leases_keys_pinned_throughout():
+    """vLLM repeats a waiting request's lookup under the same lease id: its chunks must stay pinned
+    while the lease's pins are replaced (an eviction in between would drop them)."""
+    from lmcache.cache_key import CacheEngineKey
+    from lmcache.storage_backend.leases import LeaseTable, PinTable
+
+    pins = PinTable()
+    keys = [CacheEngineKey("kv_blob", "m", 1, 0, str(i), "uint8") for i in range(2)]
+    leases = LeaseTable(pins)
+    leases.acquire("r", keys, ttl=5)
+    seen = []
+    unpin = pins.unpin
+
+    def watched(released):
+        unpin(released)
+        seen.append([pins.is_pinned(k) for k in keys])  # what an eviction at this moment sees
+
+    pins.unpin = watched  # type: ignore[method-assign]
+    leases.acquire("r", keys, ttl=5)
+    assert seen == [[True, True]] and [pins.count(k) for k in keys] == [1, 1]

@@ -206,6 +206,22 @@ def test_paged_rejects_mismatched_shapes_dtypes_and_short_slot_mappings():
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_per_group_slot_mapping_is_refused_by_the_one_group_paged_connector(path):
+    """A [G, T] mapping (one slot row per KV cache group) is for connectors whose layers belong to
+    several groups; the paged connector has one group: every path refuses it, none copies row 0
+    for every layer."""
+    kv = cache("flash_attn")
+    conn = kv.connector(**PATHS[path])
+    slots = kv.slots_for(8)
+    obj = obj_for(conn, 8)
+    for rows in (torch.stack([slots, slots.flip(0)]), slots[None]):
+        with pytest.raises(ValueError, match="one slot row"):
+            conn.from_gpu(obj, 0, 8, kvcaches=kv.kvcaches, slot_mapping=rows)
+        with pytest.raises(ValueError, match="one slot row"):
+            conn.to_gpu(obj, 0, 8, kvcaches=kv.kvcaches, slot_mapping=rows)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_paged_connector_reads_non_contiguous_hnd_caches(path):
     conn = VLLMPagedMemGPUConnector(HIDDEN, L, **PATHS[path])
     base = [torch.randn(NB, H, BS, D).to(torch.bfloat16) for _ in range(2 * L)]

@@ -85,6 +85,17 @@ def test_objects_held_by_someone_else_are_not_evicted():
     other.ref_count_down()
 
 
+def test_an_allocation_larger_than_the_whole_arena_evicts_nothing():
+    b = backend(3)
+    for i in range(3):
+        put(b, i)
+    assert b.allocate(torch.Size([4 * ALIGN]), torch.uint8) is None  # no eviction can make it fit
+    assert len(b) == 3 and b.num_evicted == 0
+    obj = b.allocate(torch.Size([2 * ALIGN]), torch.uint8)  # one that fits still evicts
+    assert obj is not None and len(b) == 1 and b.num_evicted == 2
+    obj.ref_count_down()
+
+
 def test_pinned_objects_are_not_evicted_until_unpinned():
     b = backend(2)
     put(b, 0)

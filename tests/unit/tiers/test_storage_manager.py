@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -112,6 +113,33 @@ def test_prefetch_loads_what_a_lookup_found_and_a_get_joins_it(manager, key, mak
     assert len(objs) == 4 and all(manager.hot.contains(k) for k in keys)
     for obj in objs:
         obj.ref_count_down()
+
+
+def test_a_get_that_fails_after_joining_a_load_leaves_no_reference_behind(disk_config, meta, key, make_obj,
+                                                                         monkeypatch):
+    """A get that joined a prefetch in flight and then failed (a tier that does not guard its calls
+    raised) takes nothing from that load: the chunk it brings stays evictable, the arena empties."""
+    alloc = MixedMemoryAllocator(1 << 20)
+    sm = StorageManager(disk_config(), meta, alloc)
+    store(sm, [key(0), key(1)], make_obj, [0, 1])
+    sm.clear("hot")
+    disk = sm.backends["LocalDiskBackend"]
+    read, gate = disk.batched_get, threading.Event()
+
+    def get(keys):
+        if keys != [key(0)]:
+            raise RuntimeError("a bug in the tier")
+        gate.wait(WRITE_WAIT)  # the prefetch stays in flight until the get has failed
+        return read(keys)
+
+    monkeypatch.setattr(disk, "may_fail", False)
+    monkeypatch.setattr(disk, "batched_get", get)
+    assert sm.prefetch(sm.contains_prefix([key(0)])) == 1
+    with pytest.raises(RuntimeError, match="bug"):
+        sm.get_prefix([key(0), key(1)])
+    gate.set()
+    sm.close()  # waits for the load
+    assert alloc.used_bytes == 0
 
 
 def test_without_a_hot_tier_prefetch_has_nowhere_to_load(disk_config, meta, key, make_obj):
