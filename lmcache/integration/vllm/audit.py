@@ -24,7 +24,7 @@ under the same keys.
   group kind (`counts`; Prometheus ``lmcache:audits_total{tier, group_kind, result}``). A
   mismatch logs one incident (model, group, layer, tier, size of the difference) and removes the
   chunk from that tier; after `verify_max_mismatches` mismatches the worker stops serving hits for
-  the model (one message): lookups answer 0, stores go on, audits continue.
+  the model (one message): lookups answer 0, stores go on, audits continue at `rate`.
 - An engine with a tier that codes KV lossily (CacheGen: quantized by design) is not audited (one
   message at start): its hits, and those promoted from it into the hot tier, only approximate
   what vLLM computes, so no comparison could tell a fault from the coding.
@@ -173,7 +173,10 @@ class Auditor:
             if known is None:
                 audited = selected(self._next, self.rate) and hit > 0
                 self._next += 1
-                known = (0, hit) if audited or self.stopped else (hit, 0)
+                if audited:
+                    known = (0, hit)
+                else:  # once hits stopped, still a miss (but not audited beyond the rate)
+                    known = (0, 0) if self.stopped else (hit, 0)
                 self._answers[lease] = known
                 while len(self._answers) > MAX_REMEMBERED:
                     self._answers.popitem(last=False)

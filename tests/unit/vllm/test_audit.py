@@ -165,3 +165,16 @@ def test_audits_add_up_over_ranks_and_reach_prometheus_by_tier_group_kind_and_re
 
     assert sample("Hot", "full", "exact") == 3 + 3 and sample("Hot", "full", "mismatch") == 1 + 1
     assert sample("RemoteBackend", "sliding", "within_rounding") == 4 + 4
+
+
+def test_once_hits_stopped_lookups_answer_0_and_only_the_rate_of_them_are_audited():
+    """After the mismatch limit every lookup answers 0, but audits go on at `rate`: each audited
+    request copies its fresh KV out on the request path, so auditing all of them (as it did) taxed
+    every request and filled the queue."""
+    engine, _, auditor = auditor_over(rate=0.25)
+    auditor.stopped = True
+    answers = [auditor.answer(f"r{i}", 24) for i in range(8)]
+    assert answers == [0] * 8
+    assert sum(auditor.audited(f"r{i}") > 0 for i in range(8)) == 2
+    auditor.close()
+    engine.close()
