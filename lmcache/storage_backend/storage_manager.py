@@ -55,7 +55,7 @@ from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.failures import FailureDomains
 from lmcache.memory_management import MemoryAllocatorInterface, MemoryFormat, MemoryObj, release_all
 from lmcache.memory_management.tensor_allocator import allocate_leading
-from lmcache.observability import Counters, TierStats, add_counts
+from lmcache.observability import Counters, TierStats, add_counts, log_once
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface, TierContext
 from lmcache.storage_backend.events import MAX_EVENTS, EventBuffer, PublishedEvent
 from lmcache.storage_backend.evictor import EvictionDomain
@@ -337,7 +337,7 @@ class StorageManager:
             if not todo:
                 return
             asked = [keys[i] for i in todo]
-            got = self._guard(tier, tier.batched_get, None, asked) or [None] * len(todo)
+            got = self._batched_get(tier, asked)
             for i, obj in zip(todo, got, strict=True):
                 objs[i] = obj
             self._served(tier, got)
@@ -364,8 +364,8 @@ class StorageManager:
                 batch = batches.setdefault(id(tier), (tier, [], []))
                 batch[1].append(key)
                 batch[2].append(load)
-        for tier, keys, loads in batches.values():
-            self._loads.submit(self._load_batch, tier, keys, loads)
+            for tier, keys, loads in batches.values():  # under the lock: `close` cannot come between
+                self._loads.submit(self._load_batch, tier, keys, loads)
         return sum(len(b[1]) for b in batches.values())
 
     @_then_drain_events
@@ -373,7 +373,7 @@ class StorageManager:
                     loads: list[_Load]) -> None:
         got: list[MemoryObj | None] = [None] * len(keys)
         try:
-            got = self._guard(tier, tier.batched_get, None, keys) or got
+            got = self._batched_get(tier, keys)
             self._served(tier, got)
             self._promote(keys, got)
         finally:
@@ -446,6 +446,18 @@ class StorageManager:
             counts.add("bytes_read", sum(o.get_size() for o in found))
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _batched_get(self, tier: StorageBackendInterface,
+                     keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """`tier`'s objects for `keys`, one per key (a fault is all misses; an answer of another
+        length, a bug in the tier, is all misses too: its objects are released)."""
+        got = self._guard(tier, tier.batched_get, None, keys)
+        if got is None or len(got) == len(keys):
+            return got if got is not None else [None] * len(keys)
+        release_all(got)
+        log_once(logger, ("batched_get", tier.name), "storage tier %s answered %d objects for %d keys: "
+                 "treated as misses (logged once)", tier.name, len(got), len(keys))
+        return [None] * len(keys)
 
     def _guard(self, tier: StorageBackendInterface, fn: Callable[..., T], default: Any, *args: Any) -> T:
         """Call into a tier; for one that `may_fail`, through its failure domain (a fault is

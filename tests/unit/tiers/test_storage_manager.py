@@ -10,7 +10,7 @@ import torch
 
 from lmcache.config import LMCacheEngineConfig
 from lmcache.failures import FailureDomains
-from lmcache.memory_management import MixedMemoryAllocator
+from lmcache.memory_management import MixedMemoryAllocator, release_all
 from lmcache.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.storage_backend.cache_server_backend import CacheServerBackend
 from lmcache.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -237,3 +237,28 @@ def test_a_tiers_failures_add_up_over_the_guards_that_caught_them(disk_config, m
     assert counters["puts_written"] == 0 and counters["bytes_written"] == 0
     monkeypatch.undo()
     sm.close()
+
+
+def test_a_tier_answering_a_prefetch_with_too_few_objects_leaves_no_load_hanging(manager, key, make_obj,
+                                                                                monkeypatch):
+    """A lower tier whose `batched_get` answers fewer objects than keys (a bug in that tier): its
+    answer is all misses, released. The prefetch marked only the first loads done and left the
+    others in flight for good, so a get joining them waited forever."""
+    keys = [key(i) for i in range(3)]
+    store(manager, keys, make_obj, range(3))
+    manager.hot.clear()
+    disk = manager.backends["LocalDiskBackend"]
+    read = disk.batched_get
+
+    def too_few(asked):
+        objs = read(asked)
+        release_all(objs[1:])
+        return objs[:1]
+
+    monkeypatch.setattr(disk, "batched_get", too_few)
+    assert manager.prefetch(manager.contains_prefix(keys)) == 3
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(manager.get_prefix(keys)), daemon=True)
+    reader.start()
+    reader.join(WRITE_WAIT)
+    assert not reader.is_alive() and got == [[]]
