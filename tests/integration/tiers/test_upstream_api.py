@@ -79,10 +79,14 @@ def slow_disk(monkeypatch):
 
 
 def wait_hot(engine, keys, timeout=5.0) -> bool:
-    hot = engine.storage_manager.hot
+    """Whether every key is hot and its load done within `timeout` (a load promotes its chunk
+    before it is marked done: a prefetch in between finds it still loading and skips it)."""
+    manager = engine.storage_manager
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(hot.contains(k) for k in keys):
+        with manager._lock:
+            loading = bool(manager._loading)
+        if not loading and all(manager.hot.contains(k) for k in keys):
             return True
         time.sleep(0.01)
     return False
