@@ -18,7 +18,8 @@ tier's ``failures``, logged once per incident, and the tier is backed off from u
   in which tier each one is (a `PrefixLookup`).
 - `get_prefix(keys)`: the objects of the longest cached prefix: hot hits, then loads already in
   flight are joined, then one batched get per lower tier for the keys still missing; lower-tier
-  hits are promoted to the hot tier (from tiers that `promote_hits`).
+  hits in the prefix are promoted to the hot tier (from tiers that `promote_hits`). Only the
+  prefix counts as served: what a tier had past the first gap is released.
 - `prefetch(lookup)`: start loading the non-hot chunks of a lookup's prefix into the hot tier
   (from tiers that `promote_hits`),
   one batched get per tier from the tier the lookup found each chunk in (no second existence
@@ -291,29 +292,37 @@ class StorageManager:
     @_then_drain_events
     def get_prefix(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
         """Objects (one reference each, owned by the caller) for the longest cached prefix of
-        `keys`."""
+        `keys`. Only that prefix counts as served and is promoted: what a tier had past the
+        first gap is released."""
         n = len(keys)
         objs: list[MemoryObj | None] = [None] * n
+        source: list[StorageBackendInterface | None] = [None] * n  # None: a joined load's
         joined: dict[int, _Load] = {}
         try:
             if self.hot is not None:
                 for i, key in enumerate(keys):
                     objs[i] = self.hot.get_blocking(key)
-                self._served(self.hot, objs)
+                    source[i] = self.hot
             with self._lock:
                 for i, key in enumerate(keys):
                     load = self._loading.get(key) if objs[i] is None else None
                     if load is not None:
                         load.waiters += 1
                         joined[i] = load
-            self._read_lower(keys, objs, [i for i in range(n) if objs[i] is None and i not in joined])
+            self._read_lower(keys, objs, source, [i for i in range(n) if objs[i] is None and i not in joined])
             for i, load in joined.items():
-                objs[i] = load.join()
-            self._read_lower(keys, objs, [i for i in joined if objs[i] is None])  # a failed load
+                objs[i], source[i] = load.join(), None
+            self._read_lower(keys, objs, source, [i for i in joined if objs[i] is None])  # a failed load
         except BaseException:
             release_all(objs + self._leave([load for i, load in joined.items() if objs[i] is None]))
             raise
         cut = next((i for i, obj in enumerate(objs) if obj is None), n)
+        for tier in self.tiers:
+            mine = [i for i in range(cut) if source[i] is tier]
+            if mine:
+                self._served(tier, [objs[i] for i in mine])
+                if tier is not self.hot and tier.promote_hits:
+                    self._promote([keys[i] for i in mine], [objs[i] for i in mine])
         release_all(objs[cut:])
         return [obj for obj in objs[:cut] if obj is not None]
 
@@ -330,19 +339,15 @@ class StorageManager:
         return taken
 
     def _read_lower(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj | None],
-                    todo: list[int]) -> None:
-        """Fill `objs[i]` for `i` in `todo` from the lower tiers, one batched get per tier;
-        hits are promoted to the hot tier."""
+                    source: list[StorageBackendInterface | None], todo: list[int]) -> None:
+        """Fill `objs[i]` for `i` in `todo` from the lower tiers, one batched get per tier, and
+        `source[i]` with the tier that had it."""
         for tier in self.lower:
             if not todo:
                 return
-            asked = [keys[i] for i in todo]
-            got = self._batched_get(tier, asked)
+            got = self._batched_get(tier, [keys[i] for i in todo])
             for i, obj in zip(todo, got, strict=True):
-                objs[i] = obj
-            self._served(tier, got)
-            if tier.promote_hits:
-                self._promote(asked, got)
+                objs[i], source[i] = obj, tier
             todo = [i for i in todo if objs[i] is None]
 
     # ---- prefetch ---------------------------------------------------------------------------------

@@ -98,6 +98,11 @@ def test_get_prefix_mixes_tiers_promotes_and_stops_at_the_first_gap(manager, key
     expected = [make_obj(i) for i in range(3)]
     assert all(torch.equal(o.tensor, e.tensor) for o, e in zip(objs, expected))
     assert manager.hot.contains(keys[1])  # promoted
+    assert not manager.hot.contains(keys[5])  # past the gap: not promoted, evicting nothing
+    stats = manager.stats()
+    assert stats["Hot"].counters.get("hits") == 2  # chunks 0 and 2, served; 4 was not
+    assert stats["LocalDiskBackend"].counters.get("hits") == 1  # chunk 1; 5 was not served
+    assert stats["Hot"].counters.get("bytes_read") == 2 * objs[0].get_size()
     for obj in objs + expected:
         obj.ref_count_down()
 
