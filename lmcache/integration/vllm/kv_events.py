@@ -17,12 +17,13 @@ after a restart, or recorded too long ago) is left out of the events and counted
 (``kv_events_unknown_chunks``): a subscriber learns only about chunks it can name, and is told of
 their removal as long as the index still knows them.
 
-With several ranks (tensor parallelism) a chunk is published as stored when every rank reported
-storing it in the same step, and as removed when any rank reported removing it
-(`LMCacheKVEvents.aggregate`): a prefix one rank does not hold is of no use. A rank with no events
-in a step sends none (vLLM then merges only the others'), so the scheduler side counts the ranks
-itself. Only models with one KV cache group are reported (vLLM's block hashes are those of that
-group).
+With several ranks (tensor parallelism) a chunk is published as stored once every rank has
+reported storing it, in that step or an earlier one (each rank's lower tiers write at their own
+pace), and as removed when any rank reported removing it (`SchedulerEvents`): a prefix one rank
+does not hold is of no use. A rank with no events in a step sends none, and vLLM merges the others'
+into the first that sent any, so each worker's events carry its rank (`RankEvents`) and the
+scheduler side counts the ranks itself. Only models with one KV cache group are reported (vLLM's
+block hashes are those of that group).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.kv_events import BlockRemoved, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent, KVConnectorKVEvents
 
 from lmcache.cache_engine import LMCacheEngine
 from lmcache.cache_key import CacheEngineKey
@@ -112,51 +113,117 @@ class BlockIndex:
                 self._chunks.popitem(last=False)
 
 
-class LMCacheKVEvents(KVConnectorKVEvents):
-    """One step's events of each worker (vLLM merges the workers' into the first one's)."""
+class RankEvents(list[KVCacheEvent]):
+    """A worker's events and its rank: vLLM hands one worker's `get_all_events()` to another's
+    `add_events`, and the rank travels with the list."""
 
-    def __init__(self, events: list[KVCacheEvent] | None = None) -> None:
-        self._by_worker: list[list[KVCacheEvent]] = [list(events or [])]
+    def __init__(self, rank: int, events: Iterable[KVCacheEvent] = ()) -> None:
+        super().__init__(events)
+        self.rank = rank
+
+
+class LMCacheKVEvents(KVConnectorKVEvents):
+    """One step's events of each worker that sent any (vLLM merges them into the first one's)."""
+
+    def __init__(self, events: Iterable[KVCacheEvent] = (), rank: int = 0) -> None:
+        self.by_worker: list[RankEvents] = [RankEvents(rank, events)]
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
-        """Another worker's events (vLLM then calls `increment_workers`, counted here already)."""
-        self._by_worker.append(list(events))
+        """Another worker's events (vLLM then calls `increment_workers`, counted here already); a
+        plain list is taken as the next rank's."""
+        rank = events.rank if isinstance(events, RankEvents) else len(self.by_worker)
+        self.by_worker.append(RankEvents(rank, events))
 
     def increment_workers(self, count: int = 1) -> None:
         return
 
     def get_number_of_workers(self) -> int:
-        return len(self._by_worker)
+        return len(self.by_worker)
 
     def get_all_events(self) -> list[KVCacheEvent]:
-        return [e for events in self._by_worker for e in events]
+        if len(self.by_worker) == 1:
+            return self.by_worker[0]
+        return [e for events in self.by_worker for e in events]
 
     def clear_events(self) -> None:
-        self._by_worker = [[]]
+        self.by_worker = [RankEvents(self.by_worker[0].rank)]
 
-    def aggregate(self, num_workers: int = 1) -> LMCacheKVEvents:
-        """What the step's events mean for the ranks together, in the order reported: a store of
-        the first worker's that every one of `num_workers` workers reported too (one that sent no
-        events reported none), and every removal some worker reported (as often as the worker
-        that reported it most)."""
-        complete = len(self._by_worker) >= num_workers
-        others = [Counter(events) for events in self._by_worker[1:]]
+    def aggregate(self) -> LMCacheKVEvents:
+        """The ranks' events are matched across steps by the scheduler side (`SchedulerEvents`)."""
+        return self
+
+
+class SchedulerEvents:
+    """The scheduler side: the workers' events of each step, until vLLM takes them (bounded: the
+    oldest are dropped and counted when vLLM does not take them). A store is passed on once each
+    of `num_workers` ranks has reported it (as many times as the rank that reported it least); the
+    stores waiting for other ranks are bounded by `max_events` too (the oldest let go). A removal is
+    passed on when any rank reports it (as often, in a step, as the rank that reported it most), and
+    ends the waiting store of that rank's copy."""
+
+    def __init__(self, num_workers: int = 1, max_events: int = MAX_EVENTS) -> None:
+        """`num_workers`: the workers (ranks) whose events vLLM merges each step."""
+        self.num_workers = num_workers
+        self.max_waiting = max_events
+        self._events: EventBuffer[KVCacheEvent] = EventBuffer("connector KV", max_events)
+        # per block (hashes, medium): the store to pass on, and how many each rank reported
+        self._waiting: OrderedDict[tuple[Any, ...], tuple[KVCacheEvent, list[int]]] = OrderedDict()
+
+    @property
+    def num_dropped(self) -> int:
+        return self._events.num_dropped
+
+    def add(self, step: Any) -> None:
+        if not isinstance(step, LMCacheKVEvents):
+            return
         removals = Counter[KVCacheEvent]()
-        for events in self._by_worker:
+        for events in step.by_worker:
             for removal, n in Counter(e for e in events if isinstance(e, BlockRemoved)).items():
                 removals[removal] = max(removals[removal], n)
-        kept: list[KVCacheEvent] = []
-        for worker, events in enumerate(self._by_worker):
+        for events in step.by_worker:
             for event in events:
                 if isinstance(event, BlockRemoved):
+                    self._forget(events.rank, event)
                     if removals[event] > 0:
                         removals[event] -= 1
-                        kept.append(event)
-                elif worker == 0 and complete and all(c[event] > 0 for c in others):
-                    for c in others:
-                        c[event] -= 1
-                    kept.append(event)
-        return LMCacheKVEvents(kept)
+                        self._events.append(event)
+                elif isinstance(event, AllBlocksCleared):
+                    self._waiting.clear()
+                    self._events.append(event)
+                else:
+                    self._stored(events.rank, event)
+
+    def take(self) -> list[KVCacheEvent]:
+        return self._events.take()
+
+    def _stored(self, rank: int, event: KVCacheEvent) -> None:
+        if self.num_workers == 1:
+            self._events.append(event)
+            return
+        key = _block(event)
+        _, counts = self._waiting.setdefault(key, (event, [0] * self.num_workers))
+        if 0 <= rank < self.num_workers:
+            counts[rank] += 1
+        if all(counts):
+            for r in range(self.num_workers):
+                counts[r] -= 1
+            self._events.append(event)
+        if not any(counts):
+            del self._waiting[key]
+        elif len(self._waiting) > self.max_waiting:
+            self._waiting.popitem(last=False)
+
+    def _forget(self, rank: int, removal: BlockRemoved) -> None:
+        waiting = self._waiting.get(_block(removal))
+        if waiting is not None and 0 <= rank < self.num_workers:
+            waiting[1][rank] = 0
+            if not any(waiting[1]):
+                del self._waiting[_block(removal)]
+
+
+def _block(event: Any) -> tuple[Any, ...]:
+    """What a store and the removal of its blocks have in common."""
+    return tuple(event.block_hashes), event.medium
 
 
 class WorkerEvents:
@@ -181,26 +248,6 @@ class WorkerEvents:
         translated = to_kv_events(self.engine.storage_manager.take_published(), self.index.get, self._types)
         if translated.unknown:
             self.engine.stats.add("kv_events_unknown_chunks", translated.unknown)
-        return LMCacheKVEvents(translated.events) if translated.events else None
-
-
-class SchedulerEvents:
-    """The scheduler side: the workers' events of each step, until vLLM takes them (bounded: the
-    oldest are dropped and counted when vLLM does not take them)."""
-
-    def __init__(self, num_workers: int = 1, max_events: int = MAX_EVENTS) -> None:
-        """`num_workers`: the workers (ranks) whose events vLLM merges each step."""
-        self.num_workers = num_workers
-        self._events: EventBuffer[KVCacheEvent] = EventBuffer("connector KV", max_events)
-
-    @property
-    def num_dropped(self) -> int:
-        return self._events.num_dropped
-
-    def add(self, step: Any) -> None:
-        if isinstance(step, LMCacheKVEvents):
-            for event in step.aggregate(self.num_workers).get_all_events():
-                self._events.append(event)
-
-    def take(self) -> list[KVCacheEvent]:
-        return self._events.take()
+        if not translated.events:
+            return None
+        return LMCacheKVEvents(translated.events, self.engine.metadata.worker_id)

@@ -89,42 +89,90 @@ def test_a_saved_tail_that_ends_no_block_is_neither_reported_nor_counted_unknown
     assert (out.events, out.unknown) == ([], 0)
 
 
-def test_stored_events_count_once_every_rank_reported_them_in_order():
-    from lmcache.integration.vllm.kv_events import LMCacheKVEvents, SchedulerEvents
+def _stored(i: int, medium: str = "CPU"):
+    return vllm_events.BlockStored(block_hashes=[bytes([i])], parent_block_hash=None, token_ids=[i, i],
+                                   block_size=2, lora_id=None, medium=medium, lora_name=None)
 
-    a, b, c = (vllm_events.BlockStored(block_hashes=[bytes([i])], parent_block_hash=None, token_ids=[i, i],
-                                       block_size=2, lora_id=None, medium="CPU", lora_name=None)
-               for i in range(3))
-    step = LMCacheKVEvents([a, b, a])
-    step.add_events([a, b])  # vLLM merges the second worker's into the first's
-    step.increment_workers(1)
+
+def _step(*by_rank):
+    """One step's events as vLLM merges them: the first rank that sent any, then the others'
+    `get_all_events()` added (`by_rank`: (rank, events) pairs, a rank that sent none left out)."""
+    from lmcache.integration.vllm.kv_events import LMCacheKVEvents
+
+    (rank, events), *others = by_rank
+    step = LMCacheKVEvents(events, rank=rank)
+    for rank, events in others:
+        step.add_events(LMCacheKVEvents(events, rank=rank).get_all_events())
+        step.increment_workers(1)
+    return step
+
+
+def test_stored_events_count_once_every_rank_reported_them_in_order():
+    from lmcache.integration.vllm.kv_events import SchedulerEvents
+
+    a, b, c = (_stored(i) for i in range(3))
+    step = _step((0, [a, b, a]), (1, [a, b]))
     assert step.get_number_of_workers() == 2
-    assert step.aggregate().get_all_events() == [a, b]  # the second `a` only rank 0 reported
-    assert LMCacheKVEvents([a, c, a]).aggregate().get_all_events() == [a, c, a]  # one rank: all, in order
+    two = SchedulerEvents(num_workers=2)
+    two.add(step)
+    assert two.take() == [a, b]  # the second `a` only rank 0 reported
+    one = SchedulerEvents()
+    one.add(_step((0, [a, c, a])))
+    assert one.take() == [a, c, a]  # one rank: all, in order
 
     pending = SchedulerEvents(max_events=2)  # one worker
-    pending.add(LMCacheKVEvents([a, b, c]))
+    pending.add(_step((0, [a, b, c])))
     pending.add(None)
     assert pending.take() == [b, c] and pending.num_dropped == 1 and pending.take() == []
 
 
 def test_a_block_is_published_stored_once_every_rank_stored_it_and_removed_once_any_rank_removed_it():
-    """Two ranks: a chunk one rank stored in a step where the other sent no events at all is not
-    held by every rank (not published); a chunk one rank dropped is no longer held by every rank
-    (published, whatever the other reported)."""
-    from lmcache.integration.vllm.kv_events import LMCacheKVEvents, SchedulerEvents
+    """Two ranks: a chunk one rank stored is not held by every rank until the other stores it too,
+    in that step or a later one (their lower tiers write at their own pace); a chunk one rank
+    dropped is no longer held by every rank (published, whatever the other reported)."""
+    from lmcache.integration.vllm.kv_events import SchedulerEvents
 
-    stored = vllm_events.BlockStored(block_hashes=[b"\1"], parent_block_hash=None, token_ids=[1, 2],
-                                     block_size=2, lora_id=None, medium="CPU", lora_name=None)
+    stored, late = _stored(1), _stored(4, medium="STORAGE")
     gone, other = (vllm_events.BlockRemoved(block_hashes=[bytes([i])], medium="CPU") for i in (2, 3))
     pending = SchedulerEvents(num_workers=2)
-    pending.add(LMCacheKVEvents([stored, gone]))  # rank 1 sent none this step
+    pending.add(_step((0, [stored, gone, late])))  # rank 1 sent none this step
     assert pending.take() == [gone]
-    step = LMCacheKVEvents([gone])
-    step.add_events([other, gone])
-    step.increment_workers(1)
-    pending.add(step)
+    pending.add(_step((0, [gone]), (1, [other, gone])))
     assert pending.take() == [gone, other]
+    pending.add(_step((1, [late])))  # rank 1's disk write finished a step later
+    assert pending.take() == [late]
+    pending.add(_step((1, [stored])))
+    assert pending.take() == [stored]
+
+
+def test_a_store_is_matched_by_rank_not_by_the_order_vllm_merged_the_ranks_in():
+    """vLLM merges a step's events into the first rank's that sent any: rank 1 storing a chunk
+    twice (stored, stored again) while rank 0 never did is not every rank's; a rank that removed its
+    copy before the other stored must store it again."""
+    from lmcache.integration.vllm.kv_events import SchedulerEvents
+
+    a, b = _stored(1), _stored(2)
+    gone_a = vllm_events.BlockRemoved(block_hashes=a.block_hashes, medium="CPU")
+    pending = SchedulerEvents(num_workers=2)
+    pending.add(_step((1, [a])))
+    pending.add(_step((1, [a, b])))
+    assert pending.take() == []
+    pending.add(_step((0, [b, gone_a])))
+    assert pending.take() == [b, gone_a]
+    pending.add(_step((0, [a])))  # rank 1 dropped nothing, but rank 0's copy came and went
+    assert pending.take() == [a]
+    pending.add(_step((1, [gone_a])))
+    pending.add(_step((0, [a])))
+    assert pending.take() == [gone_a]  # rank 1's copy is gone: rank 0's alone is not published
+
+
+def test_stores_waiting_for_other_ranks_are_bounded():
+    from lmcache.integration.vllm.kv_events import SchedulerEvents
+
+    pending = SchedulerEvents(num_workers=2, max_events=2)
+    pending.add(_step((0, [_stored(i) for i in range(5)])))  # rank 1 never stores them
+    pending.add(_step((1, [_stored(i) for i in (3, 4, 0)])))
+    assert pending.take() == [_stored(3), _stored(4)]  # the oldest waiting ones were let go
 
 
 def test_kv_events_are_off_unless_vllms_are_on():
