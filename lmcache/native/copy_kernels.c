@@ -636,12 +636,13 @@ static void packed_runs(char *const *layers, int64_t L, int64_t H, const int64_t
     int64_t bs = pc->bs, row = pc->row, head = pc->hs * pc->elem, slab_len = 2 * bs * head;
     int64_t n_tokens = chunk_starts[n_chunks];
     int partial_lines = pc->stream && head % 64;  /* streamed, heads not whole lines */
-    int gather_rows = partial_lines && pc->direction == 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+        /* Each buffer only saves time: a thread that cannot allocate one copies without it. */
         char *scratch = pc->direction == 0 ? (char *)malloc(bs * head) : NULL;
-        char *rows = pc->staged || gather_rows ? (char *)malloc(2 * bs * row) : NULL;
+        char *rows = pc->staged || (partial_lines && pc->direction == 0) ? (char *)malloc(2 * bs * row) : NULL;
         char *whole = partial_lines && pc->direction == 1 ? (char *)malloc(slab_len) : NULL;
+        int gather_rows = partial_lines && pc->direction == 0 && rows != NULL;
         packed_copy unstreamed = *pc;  /* writes into a buffer: nothing to stream */
         unstreamed.stream = 0;
         #pragma omp for collapse(2) schedule(dynamic, 1)
