@@ -34,29 +34,40 @@ class ChunkText(NamedTuple):
 def extra_key_of(cache_salt: str | None = None, lora_id: int | None = None,
                  media: Sequence[str] = ()) -> str | None:
     """The chain's seed for a request: what separates caches of the same tokens (`media`: the
-    names of its multimodal inputs, whose placeholder tokens are the same whatever the input)."""
+    names of its multimodal inputs, whose placeholder tokens are the same whatever the input).
+    ``%``, ``|`` and ``,`` inside the salt and the media names are percent-escaped, so no two
+    requests share a seed (salt ``"a|lora=1"`` is not salt ``"a"`` with LoRA 1)."""
     parts = []
     if cache_salt:
-        parts.append(f"salt={cache_salt}")
+        parts.append(f"salt={_escape(cache_salt)}")
     if lora_id is not None:
         parts.append(f"lora={lora_id}")
     if media:
-        parts.append("mm=" + ",".join(media))
+        parts.append("mm=" + ",".join(_escape(m) for m in media))
     return "|".join(parts) or None
+
+
+def _escape(field: str) -> str:
+    return field.replace("%", "%25").replace("|", "%7C").replace(",", "%2C")
 
 
 def chunk_digests(tokens: np.ndarray | Sequence[int], chunk_size: int, extra_key: str | None = None,
                   *, whole_only: bool = False) -> list[bytes]:
     """The 16-byte digest of every chunk of `tokens` (integers), in order; `whole_only`: of the
-    whole chunks only (a trailing partial chunk left out)."""
+    whole chunks only (a trailing partial chunk left out). ValueError for tokens that are not
+    integers (a float or bool token would otherwise be truncated into another prompt's ids)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size}: must be > 0")
-    data = np.ascontiguousarray(np.asarray(tokens, dtype="<i8")).view(np.uint8)
+    ids = np.asarray(tokens)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got {ids.dtype}")
+    data = np.ascontiguousarray(ids, dtype="<i8").view(np.uint8)
     if data.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {np.shape(tokens)}")
     step = chunk_size * 8
     end = len(data) - len(data) % step if whole_only else len(data)
-    prefix = xxhash.xxh3_128_digest(ROOT + (extra_key or "").encode())
+    # surrogatepass: a salt from JSON may hold a lone surrogate; valid text encodes as before
+    prefix = xxhash.xxh3_128_digest(ROOT + (extra_key or "").encode("utf-8", "surrogatepass"))
     out = []
     for off in range(0, end, step):
         h = xxhash.xxh3_128()

@@ -75,7 +75,7 @@ class ChunkedTokenDatabase(TokenDatabase):
         """Hex digests of every chunk of `tokens`, in order."""
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
         data = tokens.detach().to("cpu", torch.int64).numpy()
         return [d.hex() for d in chunk_digests(data, self.chunk_size, extra_key)]

@@ -70,8 +70,13 @@ def concat_max(max1: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def collect_bytes(output_buffer: torch.Tensor, output_lengths: torch.Tensor) -> torch.Tensor:
-    """Rows of a padded byte buffer [n, capacity] with used lengths [n] -> one uint8 tensor."""
-    return torch.cat([output_buffer[i, :int(n)] for i, n in enumerate(output_lengths.tolist())])
+    """Rows of a padded byte buffer [n, capacity] with used lengths [n] -> one uint8 tensor.
+    ValueError unless there is one length per row, each in [0, capacity]."""
+    rows, capacity = output_buffer.shape
+    lengths = [int(n) for n in output_lengths.reshape(-1).tolist()]
+    if len(lengths) != rows or not all(0 <= n <= capacity for n in lengths):
+        raise ValueError(f"output_lengths {lengths} do not fit a buffer of {rows} rows of {capacity} bytes")
+    return torch.cat([output_buffer[i, :n] for i, n in enumerate(lengths)])
 
 
 def encode_function(kv: torch.Tensor, config: CacheGenConfig, key_bins: torch.Tensor,
@@ -101,9 +106,13 @@ def decode_chunk(cdf: StreamTables, data_chunk: CacheGenGPUBytestream,
 def decode_function_gpu(cdf: StreamTables, data_chunks: list[CacheGenGPUBytestream],
                         layers_in_key: int, chunk_size: int, output: torch.Tensor) -> None:
     """Decode every token block into output [2 * layers_in_key, ntokens, nchannels] (block b
-    covers the tokens after blocks 0..b-1; each has at most `chunk_size` tokens)."""
+    covers the tokens after blocks 0..b-1; each has at most `chunk_size` tokens). ValueError, with
+    nothing written, for an output of other pairs or too few tokens."""
     if output.shape[0] != 2 * layers_in_key:
         raise ValueError(f"output has {output.shape[0]} pairs, expected {2 * layers_in_key}")
+    ntokens = sum(chunk.ntokens for chunk in data_chunks)
+    if output.dim() != 3 or output.shape[1] < ntokens:
+        raise ValueError(f"output of shape {tuple(output.shape)} cannot hold the blocks' {ntokens} tokens")
     t0 = 0
     for chunk in data_chunks:
         if chunk.ntokens > chunk_size:

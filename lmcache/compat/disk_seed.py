@@ -3,7 +3,7 @@ batched path does not use.
 
 - `insert_key(key, size)`: record that `key`'s file (of `size` bytes) is on disk.
 - `async_load_bytes_from_disk(key)`: `load_bytes_from_disk(key)` on the tier's load pool: a Future
-  of the object (one reference for the caller; None on a miss).
+  of the object (one reference for the caller; None on a miss, and once the tier is closed).
 - `submit_prefetch_task(key)`: `get_blocking(key)` on the load pool (a key still being written is
   served from memory): a Future of the object (None on a miss); None instead of a Future once the
   tier is closed.
@@ -16,6 +16,7 @@ prefetches through `StorageManager.prefetch`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from lmcache.cache_key import CacheEngineKey
@@ -28,10 +29,19 @@ class LocalDiskBackend(local_disk_backend.LocalDiskBackend):
         self._insert_stem(self._seen(key), size)
 
     def async_load_bytes_from_disk(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
-        return self._loads.submit(self.load_bytes_from_disk, key)
+        future = self._submit_load(self.load_bytes_from_disk, key)
+        if future is None:  # closed: a miss
+            future = Future()
+            future.set_result(None)
+        return future
 
     def submit_prefetch_task(self, key: CacheEngineKey) -> Future[MemoryObj | None] | None:
+        return self._submit_load(self.get_blocking, key)
+
+    def _submit_load(self, load: Callable[[CacheEngineKey], MemoryObj | None],
+                     key: CacheEngineKey) -> Future[MemoryObj | None] | None:
+        """`load(key)` on the load pool; None once the tier is closed (its pool is shut down)."""
         with self._lock:
             if self._closed:
                 return None
-            return self._loads.submit(self.get_blocking, key)
+            return self._loads.submit(load, key)

@@ -87,8 +87,9 @@ def from_legacy(
     With a device, path or URL form, `remote_url` adds a remote tier. Anything else raises
     ValueError listing the valid names (a typo never becomes a directory)."""
     device = local_device if local_device is not None else backend
+    form = device if isinstance(device, str) else ""  # not a string: refused below, by its repr
     kw: dict[str, Any] = {"max_local_disk_size": max_local_disk_size}
-    named = LEGACY_BACKENDS.get(device) if local_device is None else None
+    named = LEGACY_BACKENDS.get(form) if local_device is None else None
     if named is not None:
         kw["local_cpu"] = named.hot
         if max_local_cache_size is not None:
@@ -103,13 +104,13 @@ def from_legacy(
             kw["remote_url"] = remote_url
         elif remote_url is not None:
             logger.warning("backend %r has no remote tier; remote_url=%r is ignored", device, remote_url)
-    elif _is_device(device):
+    elif _is_device(form):
         if max_local_cache_size is not None:
             kw["max_local_cpu_size"] = max_local_cache_size
-    elif "://" in device and not device.startswith("file://"):
-        kw["remote_url"] = device
-    elif device.startswith("file://") or "/" in device:
-        kw["local_disk"] = device
+    elif "://" in form and not form.startswith("file://"):
+        kw["remote_url"] = form
+    elif form.startswith("file://") or "/" in form:
+        kw["local_disk"] = form
         if max_local_cache_size is not None:
             kw["max_local_disk_size"] = max_local_cache_size
         if not kw["max_local_disk_size"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lmcache.cachegen import quant as cgq
@@ -108,6 +109,13 @@ def test_concat_max_and_collect_bytes() -> None:
     assert concat_max({1: torch.ones(3, 1), 0: torch.zeros(3)}).tolist() == [[0, 0, 0], [1, 1, 1]]
     buf = torch.arange(12, dtype=torch.uint8).view(3, 4)
     assert collect_bytes(buf, torch.tensor([1, 0, 3])).tolist() == [0, 8, 9, 10]
+
+
+@pytest.mark.parametrize("lengths", [[1, 5, 0], [1, -1, 0], [1, 2]])
+def test_collect_bytes_refuses_lengths_that_do_not_fit_its_rows(lengths) -> None:
+    buf = torch.arange(12, dtype=torch.uint8).view(3, 4)  # a length past a row was cut silently
+    with pytest.raises(ValueError, match="lengths"):
+        collect_bytes(buf, torch.tensor(lengths))
 
 
 def test_output_classes_roundtrip_through_bytes_field_by_field() -> None:

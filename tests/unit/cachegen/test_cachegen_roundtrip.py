@@ -14,7 +14,7 @@ from lmcache.cachegen.encoder import encode_stream
 from lmcache.cachegen.kernels import kernels
 from lmcache.cachegen.quant import steps
 from lmcache.cachegen.serde import CacheGenDeserializer, CacheGenSerializer
-from lmcache.compat.cachegen_seed import decode_chunk, encode_function
+from lmcache.compat.cachegen_seed import decode_chunk, decode_function_gpu, encode_function
 from lmcache.config import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache.storage_backend.serde import create_serde
 
@@ -122,6 +122,21 @@ def test_token_blocks_decode_independently(make_kv, dims) -> None:
         assert torch.equal(part.view(2, dims["nlayers"], chunk.ntokens, -1), expected)
     again = CacheGenGPUEncoderOutput.from_bytes(blocks.to_bytes())
     assert torch.equal(decode_kv(again, kv.dtype), whole)
+
+
+def test_decode_function_gpu_fills_the_output_or_refuses_one_too_short(make_kv, dims) -> None:
+    nl, hidden = dims["nlayers"], dims["hidden"]
+    kv = make_kv(ntokens=40)
+    cfg = CacheGenConfig.default_for_layers(nl)
+    blocks = encode_function(kv, cfg, torch.tensor(cfg.key_bins()), torch.tensor(cfg.value_bins()), 16)
+    tables = StreamTables.of(blocks)
+    out = torch.zeros(2 * nl, 40, hidden, dtype=kv.dtype)
+    decode_function_gpu(tables, blocks.data_chunks, nl, 16, out)
+    assert torch.equal(out.view(2, nl, 40, hidden), decode_kv(blocks, kv.dtype))
+    short = torch.zeros(2 * nl, 39, hidden, dtype=kv.dtype)
+    with pytest.raises(ValueError, match="40 tokens"):
+        decode_function_gpu(tables, blocks.data_chunks, nl, 16, short)
+    assert not short.any()  # refused before any block is written
 
 
 def test_the_first_token_of_each_block_is_an_anchor_8x_finer(make_kv, dims) -> None:

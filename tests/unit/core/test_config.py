@@ -183,6 +183,12 @@ def test_from_legacy_rejects_unknown_names_and_creates_nothing(typo, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("kw", [{"backend": None}, {"backend": 5}, {"backend": ["cpu"]}, {"local_device": 0}])
+def test_from_legacy_refuses_a_backend_that_is_not_a_string_with_the_valid_names(kw):
+    with pytest.raises(ValueError, match=r"unknown legacy .*a device"):  # was a TypeError from re / dict
+        LMCacheEngineConfig.from_legacy(**kw)
+
+
 def test_from_legacy_remote_names_need_a_remote_url_and_others_ignore_it(caplog):
     with pytest.raises(ValueError, match="remote_url"):
         LMCacheEngineConfig.from_legacy(backend="local_cpu_remote")

@@ -113,3 +113,9 @@ def test_chunking_property(tokens, chunk_size, data):
     assert chunks[0][0] == n_false and chunks[-1][1] == len(tokens)
     assert all(e - s == chunk_size for s, e, _ in chunks[:-1])
     assert len({k for _, _, k in chunks}) == len(chunks)
+
+
+@pytest.mark.parametrize("tokens", [torch.tensor([1 + 5j, 2 + 0j]), torch.tensor([True, False])])
+def test_complex_and_bool_tokens_are_refused_not_cast(tokens):
+    with pytest.raises(ValueError, match="integer"):
+        make_db(2).process_tokens(tokens)

@@ -51,6 +51,12 @@ def test_async_load_reads_the_file_into_a_new_buffer(disk, make_obj, key):
     assert disk.async_load_bytes_from_disk(key(2)).result(5) is None
 
 
+def test_async_load_on_a_closed_tier_is_a_miss_not_an_error(disk, make_obj, key):
+    put(disk, key(1), make_obj(1))
+    disk.close()
+    assert disk.async_load_bytes_from_disk(key(1)).result(5) is None  # raised RuntimeError
+
+
 def test_insert_key_indexes_a_file_and_evicts_to_stay_within_the_limit(disk, make_obj, key):
     put(disk, key(1), make_obj(1))
     disk.insert_key(key(2), disk.max_bytes)  # as large as the whole tier: key 1's file goes
