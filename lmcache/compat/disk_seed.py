@@ -26,6 +26,8 @@ from lmcache.storage_backend import local_disk_backend
 
 class LocalDiskBackend(local_disk_backend.LocalDiskBackend):
     def insert_key(self, key: CacheEngineKey, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"size={size}: a file's size is >= 0")
         self._insert_stem(self._seen(key), size)
 
     def async_load_bytes_from_disk(self, key: CacheEngineKey) -> Future[MemoryObj | None]:

@@ -62,3 +62,6 @@ def test_insert_key_indexes_a_file_and_evicts_to_stay_within_the_limit(disk, mak
     disk.insert_key(key(2), disk.max_bytes)  # as large as the whole tier: key 1's file goes
     assert disk.contains(key(2)) and disk.used_bytes == disk.max_bytes
     assert not disk.contains(key(1)) and not any(n.endswith(SUFFIX) for n in os.listdir(disk.path))
+    with pytest.raises(ValueError, match="size"):
+        disk.insert_key(key(3), -1)
+    assert not disk.contains(key(3)) and disk.used_bytes == disk.max_bytes
