@@ -8,8 +8,9 @@ from the CPU arena (evicting if needed; if nothing can be freed, store fewer chu
 connector copy of all of them -> once the copy has completed, the storage manager keeps them (hot
 tier now, lower tiers asynchronously).
 Retrieve: tokens -> keys -> the storage manager's longest cached prefix (hot hits, loads in
-flight, one batched get per lower tier; promoted to hot) -> one connector copy into the engine ->
-a CPU bool mask of the tokens retrieved.
+flight, one batched get per lower tier; promoted to hot; an object not of the connector's shape and
+the KV dtype ends it, a miss) -> one connector copy into the engine -> a CPU bool mask of the
+tokens retrieved.
 Lookup: how many prefix tokens are cached (one batched existence check per tier); with a lease,
 every counted chunk is pinned in whichever tier holds it and the non-hot ones start loading.
 Recurrent states (hybrid models, `metadata.state_layout`): `store_state` keeps the state after
@@ -51,7 +52,7 @@ from lmcache.memory_management import (
     release_all,
 )
 from lmcache.metrics import MetricsServer
-from lmcache.observability import CapacityLog, EngineStats
+from lmcache.observability import CapacityLog, EngineStats, log_once
 from lmcache.storage_backend.storage_manager import PrefixLookup, StorageManager
 from lmcache.token_database import ChunkedTokenDatabase, ChunkSpan, TokenDatabase
 
@@ -289,6 +290,9 @@ class LMCacheEngine:
         try:
             objs = self.storage_manager.get_prefix([c.key for c in chunks])
             found = [ChunkCopy(c, obj) for c, obj in zip(chunks, objs, strict=False)]
+            fit = next((i for i, c in enumerate(found) if not self._holds_kv(c)), len(found))
+            release_all([c.obj for c in found[fit:]])
+            found = found[:fit]
             if found:
                 done = self._copies.start([], partial(self._finish_retrieve, [c.obj for c in found]))
                 self.gpu_connector.batched_to_gpu(*ChunkCopy.columns(found), on_done=done, **kwargs)
@@ -297,6 +301,18 @@ class LMCacheEngine:
                 release_all([c.obj for c in found])
             raise
         return [c.chunk for c in found]
+
+    def _holds_kv(self, copy: ChunkCopy) -> bool:
+        """Whether `copy.obj` holds its chunk's KV as this engine's connector lays it out; a tier's
+        object that does not (an intact blob of another layout or writer) is a miss, logged once."""
+        shape, dtype = copy.obj.get_shape(), copy.obj.get_dtype()
+        expected = self.gpu_connector.get_shape(copy.chunk.num_tokens)
+        if tuple(shape) == tuple(expected) and dtype == self.metadata.kv_dtype:
+            return True
+        log_once(logger, "misfit chunk", "a tier returned a chunk of %s %s where the engine expects %s "
+                 "%s (another layout or writer?): treated as a miss", dtype, tuple(shape),
+                 self.metadata.kv_dtype, tuple(expected))
+        return False
 
     def _finish_retrieve(self, objs: list[MemoryObj], error: BaseException | None) -> None:
         """The copy into the engine has completed (or failed): the objects may go."""
@@ -372,14 +388,18 @@ class LMCacheEngine:
         objs = sm.get_prefix([c.key for c in chunks])
         held = [(c.key, obj) for c, obj in zip(chunks, objs, strict=False)]
         if self.metadata.state_layout and objs:
-            extra = [self.state_key(c.key) for c in chunks[: len(objs)]]
-            cs, end_of_prefix = self.config.chunk_size, chunks[len(objs) - 1].end
-            for end in sorted(set(state_ends)):
-                if end % cs and 0 < end <= end_of_prefix:
-                    *_, tail = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
-                    extra += [tail.key, self.state_key(tail.key)]
-            for key in extra:
-                held += [(key, obj) for obj in sm.get_prefix([key])]
+            try:
+                extra = [self.state_key(c.key) for c in chunks[: len(objs)]]
+                cs, end_of_prefix = self.config.chunk_size, chunks[len(objs) - 1].end
+                for end in sorted(set(state_ends)):
+                    if end % cs and 0 < end <= end_of_prefix:
+                        *_, tail = self.token_database.process_tokens(tokens[:end], extra_key=extra_key)
+                        extra += [tail.key, self.state_key(tail.key)]
+                for key in extra:
+                    held += [(key, obj) for obj in sm.get_prefix([key])]
+            except BaseException:
+                release_all([obj for _, obj in held])
+                raise
         return held
 
     # ---- recurrent states -----------------------------------------------------------------------
@@ -508,8 +528,13 @@ class LMCacheEngineBuilder:
                     raise ValueError(f"LMCache engine {instance_id!r} already exists with a "
                                      "different configuration")
                 return cls._instances[instance_id]
-            engine = LMCacheEngine(config, metadata, _make_allocator(config, metadata),
-                                   ChunkedTokenDatabase(config, metadata), gpu_connector)
+            allocator = _make_allocator(config, metadata)
+            try:
+                engine = LMCacheEngine(config, metadata, allocator, ChunkedTokenDatabase(config, metadata),
+                                       gpu_connector)
+            except BaseException:
+                allocator.close()  # the engine did not start: nobody else will close it
+                raise
             cls._instances[instance_id] = engine
             cls._specs[instance_id] = (config, metadata)
             return engine

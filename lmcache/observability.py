@@ -2,7 +2,8 @@
 
 - `Counters`: named monotonic counters, safe to bump from any thread.
 - `Histogram`: fixed buckets (cumulative counts and sum, for a scrape) plus the observations made
-  since the last `drain` (for shipping to another process, e.g. vLLM's metrics logger).
+  since the last `drain` (for shipping to another process, e.g. vLLM's metrics logger; at most the
+  last UNDRAINED_MAX, so that one nobody drains stays small).
 - `TierStats`: what one storage tier reports: counters (monotonic) and gauges (current values).
 - `EngineStats`: the one place an engine's numbers are gathered: its own counters, times and
   histograms, and — read when asked — its tiers' `TierStats` and the counters of components
@@ -27,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 THROUGHPUT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 LOG_INTERVAL = 60.0  # seconds: the most often an incident (or a capacity summary) is logged
+UNDRAINED_MAX = 10_000  # observations a histogram keeps for `drain` (nobody drains outside vLLM)
 HISTOGRAMS = {"store_seconds": LATENCY_BUCKETS, "retrieve_seconds": LATENCY_BUCKETS,
               "store_gbps": THROUGHPUT_BUCKETS, "retrieve_gbps": THROUGHPUT_BUCKETS}
 
@@ -63,7 +66,7 @@ class Histogram:
         self._lock = threading.Lock()
         self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self._sum = 0.0
-        self._new: list[float] = []
+        self._new: deque[float] = deque(maxlen=UNDRAINED_MAX)  # the oldest go; the buckets count all
 
     def observe(self, value: float) -> None:
         with self._lock:
@@ -72,9 +75,10 @@ class Histogram:
             self._new.append(value)
 
     def drain(self) -> list[float]:
-        """The observations since the previous drain."""
+        """The observations since the previous drain (the last UNDRAINED_MAX of them)."""
         with self._lock:
-            new, self._new = self._new, []
+            new = list(self._new)
+            self._new.clear()
             return new
 
     def cumulative(self) -> tuple[list[int], float]:

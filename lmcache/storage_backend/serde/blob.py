@@ -89,7 +89,8 @@ def pack_header(serde: str, shape: torch.Size | tuple[int, ...], dtype: torch.dt
     if dtype not in DTYPE_CODES:
         raise ValueError(f"cannot serialize dtype {dtype}")
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
-    size = len(payload) if isinstance(payload, (bytes, memoryview)) else sum(len(p) for p in payload)
+    parts = [payload] if isinstance(payload, (bytes, memoryview)) else payload
+    size = sum(memoryview(p).nbytes for p in parts)  # bytes, also of a typed buffer
     head = _FIXED.pack(MAGIC, VERSION, SERDE_IDS[serde], DTYPE_CODES[dtype], len(shape), *dims, size)
     return head + struct.pack("<Q", _checksum(head, payload))
 

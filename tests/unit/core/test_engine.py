@@ -220,6 +220,34 @@ def test_error_handling_turns_unexpected_errors_into_misses():
         engine.close()
 
 
+def test_a_lower_tier_chunk_of_the_wrong_shape_ends_the_prefix_as_a_miss(tmp_path):
+    """An intact blob that does not hold its chunk's KV (another layout, a stale or foreign
+    writer) is a miss where it starts, not an error from deep inside the connector."""
+    from lmcache.storage_backend.serde import keyed_blob
+    from tests.helpers import WRITE_WAIT
+
+    engine = build_engine(8, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    kv = PagedKV()
+    tokens = torch.randint(0, 1000, (24,))
+    slots = kv.slots_for(24)
+    engine.store(tokens, kvcaches=kv.layers, slot_mapping=slots)
+    disk = engine.storage_manager.backends["LocalDiskBackend"]
+    assert disk.puts.flush(WRITE_WAIT)
+    key = engine.token_database.process_tokens(tokens)[1].key
+    misfit = torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16)  # 4 tokens where the chunk has 8
+    parts = keyed_blob.keyed_parts(key.to_string().encode(), disk.serializer.to_parts(misfit))
+    with open(disk._key_to_path(key), "wb") as f:
+        f.write(b"".join(bytes(p) for p in parts))
+    engine.storage_manager.hot.clear()
+    out = kv.empty_like()
+    ret = engine.retrieve(tokens, kvcaches=out.layers, slot_mapping=slots)
+    assert torch.equal(ret, torch.arange(24) < 8) and engine.stats.get("errors") == 0
+    assert torch.equal(out.tokens_kv(slots[:8]), kv.tokens_kv(slots[:8]))
+    assert torch.equal(out.tokens_kv(slots[8:]), torch.zeros_like(kv.tokens_kv(slots[8:])))
+    engine.check_integrity()
+    engine.close()
+
+
 def test_prefetch_of_hot_chunks_is_harmless(engine):
     kv = PagedKV()
     tokens = torch.randint(0, 1000, (16,))
@@ -268,6 +296,27 @@ def test_engine_start_up_errors_are_clear():
     with pytest.raises(ValueError, match="must be > 0"):
         LMCacheEngineBuilder.get_or_create("z", LMCacheEngineConfig.from_defaults(max_local_cpu_size=0),
                                            metadata(), conn)
+
+
+def test_a_builder_whose_engine_fails_to_start_closes_the_arena_it_made(monkeypatch):
+    """The builder makes the engine's allocator (a CPU arena, or a cache-server client with its
+    heartbeat thread): an engine that fails to start must not leave it behind."""
+    import lmcache.cache_engine as cache_engine
+
+    closed = []
+    make = cache_engine._make_allocator
+
+    def tracked(config, metadata):
+        allocator = make(config, metadata)
+        close = allocator.close
+        allocator.close = lambda: (closed.append(allocator), close())
+        return allocator
+
+    monkeypatch.setattr(cache_engine, "_make_allocator", tracked)
+    small = LMCacheEngineConfig.from_defaults(chunk_size=128, max_local_cpu_size=0.001)
+    with pytest.raises(ValueError, match="chunk size"):
+        LMCacheEngineBuilder.get_or_create("x", small, metadata(), VLLMPagedMemGPUConnectorV2(8, 2))
+    assert len(closed) >= 1 and LMCacheEngineBuilder.get("x") is None
 
 
 def test_seed_module_paths_import():

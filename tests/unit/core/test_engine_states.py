@@ -114,3 +114,24 @@ def test_a_state_survives_the_disk_tier_bit_for_bit(tmp_path):
     assert torch.equal(obj.tensor.view(torch.uint8)[:STATE_BYTES], state_bytes(5))
     obj.ref_count_down()
     engine.close()
+
+
+def test_held_prefix_gives_back_what_it_took_when_it_fails_midway(stateful, monkeypatch):
+    """`held_prefix` takes a reference per object as it goes: an error after the chunks were
+    taken (here: reading a state) must not leave them referenced for ever."""
+    engine, tokens = stateful
+    keep(engine, tokens, 8, 1)
+    get_prefix = engine.storage_manager.get_prefix
+    calls = []
+
+    def failing_on_the_state(keys):
+        calls.append(keys)
+        if len(calls) > 1:
+            raise RuntimeError("injected")
+        return get_prefix(keys)
+
+    monkeypatch.setattr(engine.storage_manager, "get_prefix", failing_on_the_state)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.held_prefix(tokens)
+    monkeypatch.undo()
+    engine.check_integrity()  # every chunk held by the hot tier alone again

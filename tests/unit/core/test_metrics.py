@@ -13,6 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from lmcache import observability
 from lmcache.metrics import merge_intervals, rank_payload
 from lmcache.observability import EngineStats, TierStats
 from tests.helpers import WRITE_WAIT
@@ -40,6 +41,18 @@ def test_interval_reports_increments_once_and_current_gauges():
     second = stats.interval()
     assert second["counters"] == {"stored_tokens": 1} and second["tier_counters"] == {"Hot": {"evicted": 1}}
     assert second["observations"] == {}
+
+
+def test_observations_nobody_drains_are_bounded_and_still_counted():
+    """Outside vLLM nobody drains the histograms (a scrape reads the buckets): the observations
+    kept for `drain` must not grow with every request for the life of the process."""
+    hist = observability.Histogram(observability.LATENCY_BUCKETS)
+    kept = observability.UNDRAINED_MAX
+    for _ in range(kept + 5):
+        hist.observe(0.01)
+    counts, total = hist.cumulative()
+    assert counts[-1] == kept + 5 and total == pytest.approx(0.01 * (kept + 5))
+    assert len(hist.drain()) == kept and hist.drain() == []
 
 
 def test_counters_are_exact_under_concurrent_updates():

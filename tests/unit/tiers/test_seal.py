@@ -227,6 +227,28 @@ def test_key_text_parsing_and_errors_never_echo_key_material(tmp_path):
         LMCacheEngineConfig.from_defaults(kv_encryption_key=str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("value", [
+    f"{K1.hex()}\n{K2.hex()}",  # key text one per line, as a key file holds it
+    K1.hex()[:-1],  # a digit short
+    "0x" + K1.hex(),
+    f"{K1.hex()}  # the new key",
+    f"{K1.hex()};{K2.hex()}",
+], ids=["lines", "short", "0x", "comment", "semicolons"])
+def test_key_material_where_the_key_file_path_goes_is_never_echoed(value):
+    """`kv_encryption_key` names a key file: a value that holds key material in any form (not
+    only the exact comma-separated one) is refused without being repeated in the error."""
+    with pytest.raises(ValueError) as e:
+        LMCacheEngineConfig.from_defaults(kv_encryption_key=value)
+    assert K1.hex()[:32] not in str(e.value) and K1.hex()[:32] not in repr(e.value.__cause__)
+
+
+def test_a_key_file_in_a_directory_named_with_hex_digits_is_a_path(tmp_path):
+    directory = tmp_path / ("ab" * 32)
+    directory.mkdir()
+    path = key_file(directory, "kv.key", K1)
+    assert seal.load_keys(path) == [K1]
+
+
 def test_key_material_is_not_in_config_repr_dict_or_logs(monkeypatch, tmp_path, caplog, meta, allocator):
     monkeypatch.setenv("LMCACHE_KV_KEY", K3.hex())
     caplog.set_level(logging.DEBUG)

@@ -154,3 +154,15 @@ def test_torch_blob_of_a_view_does_not_carry_the_surrounding_buffer(meta):
     ser, deser = serde_pair("torch", meta)
     data = ser.to_bytes(arena[:16])
     assert len(data) < 4096 and torch.equal(deser.from_bytes(data), arena[:16])
+
+
+def test_the_header_of_a_typed_buffer_counts_its_bytes_not_its_items():
+    """`pack_header` takes any buffer: a float32 memoryview's length is in items, its payload in
+    bytes."""
+    import numpy as np
+
+    values = np.arange(4, dtype=np.float32)
+    for payload in (memoryview(values), [memoryview(values[:2]), memoryview(values[2:])]):
+        data = blob.pack_header("naive", (4,), torch.float32, payload) + values.tobytes()
+        b = blob.unpack(data, "naive")
+        assert b.shape == (4,) and bytes(b.payload) == values.tobytes()
