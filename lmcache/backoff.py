@@ -2,8 +2,10 @@
 
 Used by everything that talks to a store that can fail, through `failures.FailureDomains` (the
 PD proxy keeps one per engine it routes to), so that a dead server costs one failed attempt per
-delay, not one per request. `ready()` says whether an attempt may be made now; `failed()` doubles
-the delay (from `initial` up to `maximum`); `succeeded()` resets it. `clock` (seconds, monotonic)
+delay, not one per request. `ready()` says whether an attempt may be made now; `claim_attempt()`
+also takes it: while failing, the one attempt of a delay (others are not ready until its outcome,
+or until another delay passed, if it hangs); `failed()` doubles the delay (from `initial` up to
+`maximum`); `succeeded()` resets it. `clock` (seconds, monotonic)
 is injectable so tests step time instead of sleeping. Thread-safe.
 """
 
@@ -29,6 +31,17 @@ class Backoff:
 
     def ready(self) -> bool:
         return self._clock() >= self._retry_at
+
+    def claim_attempt(self) -> bool:
+        """`ready()`; while failing, the attempt it admits is then the only one until it fails or
+        succeeds or another delay passes (concurrent callers do not all retry a dead store at once)."""
+        with self._lock:
+            now = self._clock()
+            if now < self._retry_at:
+                return False
+            if self._delay > 0:
+                self._retry_at = now + self._delay
+            return True
 
     @property
     def failing(self) -> bool:

@@ -8,11 +8,11 @@ Every fault is one of three kinds, and each kind is caught in exactly one place:
    backoff or answers a miss of its own. The fault is caught, counted and logged once, by
    `FailureDomains.run` / `.call` (here) of the failure domain it happened in: what fails
    together (a tier, a cluster node, a peer, the lookup service). While a domain is failing it is
-   backed off from (`backoff.Backoff`: calls are not made, counted in ``skipped``); each failure
-   is counted (``failures``); the first of an incident is one warning naming the domain, repeats
-   are debug lines, and an incident that flaps (fails, works, fails ...) warns at most once per
-   `observability.LOG_INTERVAL`, saying how many incidents it did not log
-   (`observability.IncidentLog`). `call` answers the miss; `run` raises `DomainFault` (naming the
+   backed off from (`backoff.Backoff`: one call per delay is made, the others are not, counted in
+   ``skipped``); each failure is counted (``failures``); the first of an incident is one warning
+   naming the domain, repeats are debug lines, and an incident that flaps (fails, works, fails
+   ...) warns at most once per `observability.LOG_INTERVAL`, saying how many incidents it did not
+   log (`observability.IncidentLog`). `call` answers the miss; `run` raises `DomainFault` (naming the
    domain) instead, and every guard outside passes a `DomainFault` on without counting or logging
    it again. The guards:
    - the `StorageManager`, around every call into a tier that `may_fail` (one domain per tier);
@@ -139,7 +139,7 @@ class FailureDomains:
         (from a domain inside it), a `NoRoom` (a store that answered it has no room: capacity) and
         the `passthrough` exceptions propagate untouched."""
         domain = self._get(name)
-        if not domain.backoff.ready():
+        if not domain.backoff.claim_attempt():  # while failing, one call per delay is made
             self._counts[name].add("skipped")
             raise DomainFault(domain.label, skipped=True)
         return self._attempt(name, domain, fn, counted=True)

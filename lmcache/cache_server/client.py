@@ -16,12 +16,15 @@ engine. A failed exchange (no answer within `timeout`, the connection dropped, a
 server restarted, forgot this engine or failed on the request) detaches: until the next attach
 every call answers a miss at once (stores are skipped, loads find nothing). A request the server
 refuses as malformed (code "bad") is a miss too, counted in ``refused``, but no outage: the engine
-stays attached. A request that is safe to repeat looks once for a restarted server
-(`RETRY_ATTACH_TIMEOUT`). Closing the client ends an exchange still waiting for
-its answer (`Closing`, not a fault), so an engine shuts down at once even if its server stalled.
-Slots of an old attachment are never committed to a new server (its memory is a different
-segment); an old arena stays mapped until the last object viewing it is gone, and an attachment
-given up on a server that is still there (a timeout) is then retired with a ``bye``.
+stays attached (a refused ``hello`` leaves it detached, asking again every heartbeat). A reply
+naming a slot or chunk that cannot be (outside the arena, malformed) ends at it, counted in
+``bad_replies``: the slots and reads it names from there on are given back. A request that is
+safe to repeat looks once for a restarted server (`RETRY_ATTACH_TIMEOUT`). Closing the client ends
+an exchange still waiting for its answer (`Closing`, not a fault), so an engine shuts down at once
+even if its server stalled. Slots of an old attachment are never committed to a new server (its
+memory is a different segment); an old arena stays mapped until the last object viewing it is
+gone, and an attachment given up on a server that is still there (a timeout) is then retired with
+a ``bye``.
 
 Faults are caught, counted and logged by one `FailureDomains` guard with one domain, the server
 (`lmcache.failures`): a request's exchange goes through `run` (a failed one counted in
@@ -36,12 +39,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -69,7 +73,20 @@ PAGE = 4096
 RETRY_SAFE = frozenset({"contains", "lease", "reserve", "get"})
 RETRY_ATTACH_TIMEOUT = 0.2  # a request's one look for a restarted server (a live one answers in ms)
 CLOSE_CHECK = 0.05  # how often an exchange waiting for its answer looks whether the client closed
+MAX_HEARTBEAT = 86400.0  # the longest heartbeat interval a server may ask for (seconds)
 SERVER = "server"  # the client's one failure domain
+
+
+def _is_id(value: Any) -> bool:
+    """Whether `value` of a reply is an int >= 0, as the server's slot and read ids and offsets are
+    (a bool or a float is not: a release naming one would be refused whole)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _id(value: Any) -> int:
+    if not _is_id(value):
+        raise ValueError(f"{value!r} is not an int >= 0")
+    return value
 
 
 class ServerAway(ConnectionError):
@@ -92,8 +109,8 @@ class ServerSlot(TensorMemoryObj):
 
     def __init__(self, attachment: Attachment, offset: int, shape: torch.Size, dtype: torch.dtype,
                  slot: int | None = None, read: int | None = None) -> None:
-        nbytes = shape.numel() * dtype.itemsize
-        if not 0 <= offset <= attachment.arena.size - nbytes:
+        nbytes = math.prod(shape) * dtype.itemsize  # in Python ints: torch's numel() wraps around int64
+        if min(shape, default=0) < 0 or not 0 <= offset <= attachment.arena.size - nbytes:
             raise ServerAway(f"the server named bytes {offset}..{offset + nbytes} of a "
                              f"{attachment.arena.size}-byte arena")
         raw = attachment.arena.tensor[offset:offset + nbytes]
@@ -287,6 +304,10 @@ class CacheServerClient(MemoryAllocatorInterface):
         wait = timeout if timeout is not None else min(self.timeout, max(self.heartbeat, 0.5))
         try:
             attachment, heartbeat = self.faults.probe(SERVER, partial(self._hello, link, wait))
+        except Refused as e:  # asked again every heartbeat, as an absent server is
+            link.close()
+            self._refused("hello", e)
+            return None
         except (DomainFault, Closing):
             link.close()
             return None
@@ -313,6 +334,8 @@ class CacheServerClient(MemoryAllocatorInterface):
         try:
             reply = link.exchange(hello, next(self._ids), wait)
             heartbeat = float(reply["heartbeat"])
+            if not 0 < heartbeat <= MAX_HEARTBEAT:  # 0 would have the thread hammer it, inf end it
+                raise ValueError(f"the server asks for a heartbeat every {heartbeat} s")
             arena = SharedArena.attach(reply["arena"], int(reply["arena_size"]))
         except (OSError, ValueError, KeyError, TypeError) as e:  # ServerAway is an OSError
             raise ServerAway(f"cannot attach: {e}") from e
@@ -346,7 +369,12 @@ class CacheServerClient(MemoryAllocatorInterface):
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat):
-            attachment = self.attachment or self._try_attach()
+            try:
+                attachment = self.attachment or self._try_attach()
+            except zmq.ZMQError as e:  # no socket now (out of file descriptors?): the next beat looks again
+                log_once(logger, "no socket", "cache server: cannot open a socket to it (%s); looked for "
+                         "again every heartbeat (logged once)", e)
+                continue
             if attachment is None:
                 continue
             with self._io:
@@ -359,6 +387,9 @@ class CacheServerClient(MemoryAllocatorInterface):
                                                               self.timeout))
                 except Closing:
                     return
+                except Refused as e:
+                    self._refused("heartbeat", e)
+                    continue
                 except DomainFault:
                     self._detach()
                     continue
@@ -386,7 +417,8 @@ class CacheServerClient(MemoryAllocatorInterface):
             attachment = self.attachment if attempt == 0 else self._try_attach(RETRY_ATTACH_TIMEOUT)
             with self._io:
                 if attachment is None or attachment is not self.attachment or self._link is None:
-                    self.faults.skip(SERVER)
+                    if attempt == 0:  # (a retry not made is no call of its own: the first was counted)
+                        self.faults.skip(SERVER)
                     return None
                 request = {"op": op, "session": attachment.session, "engine": attachment.engine, **fields}
                 self._tell_given_back(attachment)
@@ -396,8 +428,7 @@ class CacheServerClient(MemoryAllocatorInterface):
                 except Closing:
                     return None
                 except Refused as e:
-                    self.counts.add("refused")
-                    log_once(logger, ("refused", op), "cache server: %s (logged once per request kind)", e)
+                    self._refused(op, e)
                     return None
                 except DomainFault:
                     self._detach()
@@ -407,6 +438,10 @@ class CacheServerClient(MemoryAllocatorInterface):
             if op not in RETRY_SAFE:
                 break
         return None
+
+    def _refused(self, op: str, error: Refused) -> None:
+        self.counts.add("refused")
+        log_once(logger, ("refused", op), "cache server: %s (logged once per request kind)", error)
 
     def notify(self, attachment: Attachment, op: str, **fields: Any) -> None:
         """Tell the server `op` about `attachment`'s objects, without waiting; dropped when that
@@ -448,9 +483,15 @@ class CacheServerClient(MemoryAllocatorInterface):
         if answered is None:
             return []
         reply, attachment = answered
+
+        def slot(i: int, entry: Any) -> ServerSlot:
+            if i >= len(shapes):
+                raise ValueError(f"more slots than the {len(shapes)} shapes asked for")
+            slot_id, offset = entry
+            return ServerSlot(attachment, _id(offset), shapes[i], dtype, slot=_id(slot_id))
+
         try:
-            return [attachment.adopt(ServerSlot(attachment, int(offset), shape, dtype, slot=int(slot)))
-                    for (slot, offset), shape in zip(reply["slots"], shapes, strict=False)]
+            return list(self._adopt(attachment, "reserve", reply.get("slots"), slot, ("abort", "slots")))
         finally:
             attachment.let_go()
 
@@ -495,21 +536,41 @@ class CacheServerClient(MemoryAllocatorInterface):
         if answered is None:
             return []
         reply, attachment = answered
-        out: list[ServerSlot] = []
+
+        def chunk(i: int, entry: Any) -> ServerSlot:
+            read, offset, shape, dtype = entry
+            return ServerSlot(attachment, _id(offset), torch.Size(shape), m.DTYPES[dtype], read=_id(read))
+
         try:
-            for i, (read, offset, shape, dtype) in enumerate(reply["objs"]):
-                try:
-                    out.append(attachment.adopt(ServerSlot(attachment, offset, torch.Size(shape),
-                                                           m.DTYPES[dtype], read=read)))
-                except (ServerAway, KeyError, TypeError, ValueError) as e:  # a bad answer ends the prefix
-                    self.counts.add("bad_replies")
-                    logger.warning("cache server: unusable chunk in a get reply (%s); the prefix ends there",
-                                   e)
-                    self.notify(attachment, "release", reads=[r[0] for r in reply["objs"][i:]])
-                    break
+            return self._adopt(attachment, "get", reply.get("objs"), chunk, ("release", "reads"))
         finally:
             attachment.let_go()
+
+    def _adopt(self, attachment: Attachment, op: str, entries: Any, make: Callable[[int, Any], ServerSlot],
+               give_back: tuple[str, str]) -> list[ServerSlot]:
+        """`make(i, entry)` of each of the `entries` of a reply to `op` (made while `attachment`
+        is held), up to the first unusable one: a bad reply (counted in ``bad_replies``) ends there,
+        and the ids the rest name (an entry's first field) are given back to the server with the
+        notification `give_back` = (op, field), so that it holds nothing for slots never made."""
+        out: list[ServerSlot] = []
+        if not isinstance(entries, list):
+            self._bad_reply(op, f"no list but {str(entries)[:100]}")
+            return out
+        for i, entry in enumerate(entries):
+            try:
+                out.append(attachment.adopt(make(i, entry)))
+            except (ServerAway, LookupError, TypeError, ValueError) as e:
+                self._bad_reply(op, f"{type(e).__name__}: {e}")
+                ids = [rest[0] for rest in entries[i:] if isinstance(rest, list) and rest and _is_id(rest[0])]
+                if ids:
+                    self.notify(attachment, give_back[0], **{give_back[1]: ids})
+                break
         return out
+
+    def _bad_reply(self, op: str, why: str) -> None:
+        self.counts.add("bad_replies")
+        log_once(logger, ("bad reply", op), "cache server: an unusable entry in a %s reply (%s); the reply "
+                 "ends there and the rest is given back (logged once per request kind)", op, why)
 
     # ---- end ------------------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ def decode(frames: list[bytes]) -> dict[str, Any]:
         raise BadMessage(f"not JSON: {str(e)[:200]}") from None
     if not isinstance(message, dict):
         raise BadMessage(f"a request is a JSON object, got {type(message).__name__}")
-    if message.get("op") not in OPS:
+    if not isinstance(message.get("op"), str) or message["op"] not in OPS:  # (a list is unhashable)
         raise BadMessage(f"unknown op {message.get('op')!r}; known: {sorted(OPS)}")
     if "id" in message and not _is_int(message["id"]):
         raise BadMessage(f"'id' must be an int, got {message['id']!r}")
@@ -253,5 +253,5 @@ def metadata_field(message: dict[str, Any]) -> LMCacheEngineMetadata:
     try:
         return LMCacheEngineMetadata(**{**value, "kv_dtype": DTYPES[value["kv_dtype"]],
                                         "kv_shape": tuple(value["kv_shape"])})
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:  # OverflowError: an infinite kv_shape entry
         raise BadMessage(f"hello: bad metadata: {e}") from None

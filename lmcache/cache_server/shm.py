@@ -49,7 +49,11 @@ class SharedArena:
             os.close(fd)
             (SHM_DIR / name).unlink(missing_ok=True)
             raise
-        return cls(name, size, fd, owner=True)
+        try:
+            return cls(name, size, fd, owner=True)  # closes fd, mapped or not
+        except BaseException:  # e.g. more than this process may map (ENOMEM)
+            (SHM_DIR / name).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def attach(cls, name: str, size: int) -> SharedArena:

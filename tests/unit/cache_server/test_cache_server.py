@@ -607,6 +607,19 @@ def test_json_that_python_will_not_parse_is_a_bad_request(served, body):
     assert beat is not None and beat["ok"]
 
 
+@pytest.mark.parametrize("request_", [
+    {"op": ["heartbeat"], "id": 9}, {"op": {"heartbeat": 1}, "id": 9},
+    {"op": "hello", "id": 9, "pid": None, "name": "raw",
+     "metadata": {**METADATA, "kv_shape": [2, 2, float("inf"), 2, 4]}},
+], ids=["op-a-list", "op-an-object", "an-infinite-kv-shape"])
+def test_a_request_with_a_field_python_cannot_take_is_a_bad_request(served, request_):
+    sock, ident = served
+    reply = ask_raw(sock, {**request_, **ident})
+    assert reply is not None and (reply["ok"], reply["code"]) == (False, "bad"), reply
+    beat = ask_raw(sock, {"op": "heartbeat", "id": 10, **ident})
+    assert beat is not None and beat["ok"]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     url = f"ipc://{tmp_path_factory.mktemp('cs')}/cache.sock"

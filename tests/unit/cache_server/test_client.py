@@ -4,7 +4,11 @@ thread's detach while a reply's slots are being made leaves them readable, never
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch
 from lmcache.cache_key import CacheEngineKey
 from lmcache.cache_server.client import CacheServerClient
 from lmcache.config import LMCacheEngineMetadata
-from tests.helpers.servers import CacheServerProcess
+from tests.helpers.servers import REPO, CacheServerProcess
 from tests.unit.cache_server.test_cache_server import RAW_KEY, no_segment_left  # noqa: F401 - autouse
 
 KEY = CacheEngineKey.from_string(RAW_KEY)
@@ -86,3 +90,77 @@ def test_a_reserve_racing_another_threads_detach_gets_writable_slots_that_are_ne
     assert client.commit([KEY], [slot]) == 0  # a slot of an old attachment
     slot.ref_count_down()
     assert attachment.live == 0 and attachment.arena._closed
+
+
+def test_an_engine_whose_hello_the_server_refuses_serves_misses_and_keeps_asking(tmp_path):
+    url = f"ipc://{tmp_path}/cache.sock"
+    late = CacheServerClient(url, METADATA, timeout=5, name="x" * 300)  # before its server starts
+    server = CacheServerProcess(url, heartbeat=30).start()
+    try:
+        early = CacheServerClient(url, METADATA, timeout=5, name="x" * 300)  # refused: no exception
+        assert not early.attached and early.counts.get("refused") == 1
+        early.close()
+        deadline = time.monotonic() + 10
+        while late.counts.get("refused") < 2 and time.monotonic() < deadline:  # once every heartbeat
+            time.sleep(0.05)
+        assert late.counts.get("refused") >= 2 and not late.attached and late._beats.is_alive()
+        assert late.get([KEY]) == [] and late.allocate_many([SHAPE], torch.bfloat16) == []
+    finally:
+        late.close()
+        server.stop()
+
+
+def test_a_request_failing_on_a_server_that_went_away_is_counted_once(tmp_path):
+    server = CacheServerProcess(f"ipc://{tmp_path}/cache.sock", heartbeat=30).start()  # no heartbeat
+    c = CacheServerClient(server.url, METADATA, timeout=5)
+    try:
+        assert c.attached
+        server.stop()
+        assert c.get([KEY]) == []  # failed (or skipped, had the client noticed the drop first)
+        counted = c.faults.counts()
+        assert counted["failures"] + counted["skipped"] == 1, counted
+        assert c.get([KEY]) == [] and not c.attached
+        counted = c.faults.counts()
+        assert counted["failures"] + counted["skipped"] == 2, counted
+    finally:
+        c.close()
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys, threading, time
+from lmcache.cache_server.client import CacheServerClient
+from lmcache.cache_server.server import CacheServer
+from tests.unit.cache_server.test_client import METADATA
+url = sys.argv[1]
+client = CacheServerClient(url, METADATA, timeout=0.2)  # no server yet: it looks every second
+time.sleep(0.3)  # between two looks: no socket of it open
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+lowest = os.open("/dev/null", os.O_RDONLY)
+os.close(lowest)
+resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # no descriptor more, for two looks
+time.sleep(2.5)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+server = CacheServer(url, 1 << 20, heartbeat=30)
+serving = threading.Thread(target=server.serve_forever)
+serving.start()
+try:
+    deadline = time.monotonic() + 10
+    while not client.attached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    attached = client.attached
+    closing = threading.Thread(target=client.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    print(attached, not closing.is_alive(), flush=True)
+finally:
+    server.stop()
+    serving.join()
+    server.close()
+"""
+
+
+def test_an_engine_out_of_file_descriptors_for_a_while_attaches_once_it_has_them_again(tmp_path):
+    out = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, f"ipc://{tmp_path}/cache.sock"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.split() == ["True", "True"], out.stderr  # attached, and closed

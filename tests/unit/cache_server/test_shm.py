@@ -4,6 +4,7 @@ owner died without closing it."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import signal
@@ -109,3 +110,27 @@ def test_a_segment_whose_creator_was_killed_is_removed_and_live_ones_are_kept(ar
 def test_a_size_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="> 0 bytes"):
         SharedArena.create(0)
+
+
+UNMAPPABLE = """
+import os, resource
+from lmcache.cache_server import shm
+from lmcache.cache_server.shm import SharedArena
+status = open("/proc/self/status").read()
+mapped = int(status.split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.RLIM_INFINITY))
+try:
+    SharedArena.create(4 << 30)  # sized, but more than this process may map
+except OSError as e:
+    print(e.errno)
+left = list(shm.SHM_DIR.glob(f"{shm.PREFIX}-{os.getpid()}-*"))
+print(len(left))
+for path in left:  # not to leave it behind however the test ends
+    path.unlink()
+"""
+
+
+def test_a_segment_that_cannot_be_mapped_is_removed():
+    out = subprocess.run([sys.executable, "-c", UNMAPPABLE], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert out.stdout.split() == [str(errno.ENOMEM), "0"], out.stderr
